@@ -1,0 +1,41 @@
+"""One generator: `python -m actors --run-dir DIR --gen-id I [--hub HOST:PORT]`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import torch
+
+from actors.actor import run_actor
+from actors.engine import CpuEngine
+from common.cluster import read_cluster, read_run_config
+from common.data import model_dir
+from common.transport import load_secret
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m actors")
+    ap.add_argument("--run-dir", required=True, help="run directory with config.toml, cluster.json and secret.key")
+    ap.add_argument("--gen-id", type=int, required=True)
+    ap.add_argument("--hub", default=None, help="host:port of the hub (default: from cluster.json)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s gen{args.gen_id} %(levelname)s %(name)s: %(message)s")
+    cfg = read_run_config(args.run_dir)
+    cluster = read_cluster(args.run_dir)
+    torch.set_num_threads(cfg.run.torch_threads)
+    from transformers import AutoTokenizer
+
+    path = model_dir(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.eos_token_id is None:
+        raise SystemExit(f"the tokenizer in {path} has no eos_token: generation could never stop before max_new_tokens")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    engine = CpuEngine(path, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+    return run_actor(cfg, engine=engine, tokenizer=tokenizer, hub_addr=args.hub or cluster.hub_addr,
+                     key=load_secret(args.run_dir), run_id=cluster.run_id, gen_id=args.gen_id, run_dir=args.run_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

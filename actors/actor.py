@@ -1,0 +1,163 @@
+"""The generator process: ask the hub for work, generate groups, score them, send them back.
+
+Three threads, one job each:
+- main: the actor loop below (request -> generate -> score -> send);
+- weights: blocks in the weight channel's broadcast and stages each version;
+  the main thread swaps staged weights in before the next forward, so new
+  weights take effect mid-generation and every token records its version;
+- heartbeat: its own socket, so the hub knows this process is alive even
+  while a long batch is generating.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+
+import torch
+
+from common import messages as M
+from common import weights as W
+from common.config import Config
+from common.rewards import RewardPool
+from common.transport import GeneratorSocket
+
+log = logging.getLogger("covrl.actor")
+
+
+class WeightReceiver(threading.Thread):
+    """Receives every published version; hands the newest to the main thread."""
+
+    def __init__(self, welcome: M.Welcome, lay: W.Layout, timeout_s: float, log_path: str | None):
+        super().__init__(name="weights", daemon=True)
+        self.welcome, self.lay, self.timeout_s, self.log_path = welcome, lay, timeout_s, log_path
+        self.cv = threading.Condition()
+        self.staged: tuple[int, torch.Tensor] | None = None
+        self.latest = welcome.weight_version
+        self.finished = False
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            host, port = self.welcome.weight_addr.rsplit(":", 1)
+            ch = W.WeightChannel(host, int(port), self.welcome.weight_rank, self.welcome.weight_world, self.timeout_s)
+            while (got := ch.receive(self.lay)) is not None:
+                version, flat = got
+                if self.log_path:
+                    with open(self.log_path, "a") as f:
+                        f.write(json.dumps({"version": version, "checksum": W.checksum(flat), "t": time.time()}) + "\n")
+                with self.cv:
+                    self.staged, self.latest = (version, flat), version
+                    self.cv.notify_all()
+        except BaseException as e:
+            log.exception("weight receiver failed")
+            self.error = e
+        finally:
+            with self.cv:
+                self.finished = True
+                self.cv.notify_all()
+
+    def apply(self, engine) -> None:
+        """Swap in the newest staged weights, if any (called between forwards)."""
+        with self.cv:
+            staged, self.staged = self.staged, None
+        if staged is not None:
+            engine.load_flat(staged[1], staged[0])
+
+    def wait_for(self, version: int, engine, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self.cv:
+            while self.latest < version and not self.finished:
+                if not self.cv.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() >= deadline:
+                    raise TimeoutError(f"weights of version {version} did not arrive within {timeout_s:.0f}s")
+        if self.error is not None:
+            raise RuntimeError("weight receiver failed") from self.error
+        self.apply(engine)
+
+
+class Heartbeat(threading.Thread):
+    def __init__(self, address: str, key: bytes, gen_id: int, incarnation: str, period_s: float, receiver):
+        super().__init__(name="heartbeat", daemon=True)
+        self.args = (address, key)
+        self.gen_id, self.incarnation, self.period_s, self.receiver = gen_id, incarnation, period_s, receiver
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        sock = GeneratorSocket(*self.args)
+        try:
+            while not self.stop.wait(self.period_s):
+                sock.send(M.Heartbeat(gen_id=self.gen_id, incarnation=self.incarnation, weight_version=self.receiver.latest))
+        finally:
+            sock.close()
+
+
+def handshake(sock: GeneratorSocket, run_id: str, gen_id: int, incarnation: str, timeout_s: float) -> M.Welcome:
+    sock.send(M.Hello(protocol_version=M.PROTOCOL_VERSION, run_id=run_id, gen_id=gen_id, incarnation=incarnation, pid=os.getpid()))
+    reply = sock.recv(timeout_s)
+    if isinstance(reply, M.Refused):
+        raise SystemExit(f"generator {gen_id}: the hub refused us: {reply.reason}")
+    if not isinstance(reply, M.Welcome):
+        raise SystemExit(f"generator {gen_id}: no welcome from the hub within {timeout_s:.0f}s (got {type(reply).__name__}); is the learner running?")
+    return reply
+
+
+def run_actor(cfg: Config, *, engine, tokenizer, hub_addr: str, key: bytes, run_id: str, gen_id: int, run_dir: str | None) -> int:
+    incarnation = uuid.uuid4().hex
+    sock = GeneratorSocket(hub_addr, key)
+    welcome = handshake(sock, run_id, gen_id, incarnation, cfg.transport.recv_timeout_s * 4)
+    log_path = os.path.join(run_dir, "generators", f"gen{gen_id}.jsonl") if run_dir else None
+    if log_path:
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    receiver = WeightReceiver(welcome, W.layout(engine.model), cfg.transport.weight_sync_timeout_s, log_path)
+    receiver.start()
+    beat = Heartbeat(hub_addr, key, gen_id, incarnation, cfg.transport.heartbeat_s, receiver)
+    beat.start()
+    with RewardPool(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s) as pool:
+        try:
+            while True:
+                sock.send(M.WorkRequest(gen_id=gen_id, incarnation=incarnation, max_groups=cfg.rollout.groups_per_request))
+                msg = sock.recv(cfg.transport.recv_timeout_s)
+                if msg is None:
+                    continue  # no work yet (admission control holds it back): ask again
+                if isinstance(msg, M.Stop):
+                    log.info("generator %d: stop (%s)", gen_id, msg.reason)
+                    return 0
+                if isinstance(msg, M.Work):
+                    for group in rollout(msg, engine=engine, tokenizer=tokenizer, pool=pool, receiver=receiver,
+                                         gen_id=gen_id, incarnation=incarnation,
+                                         wait_s=cfg.transport.weight_sync_timeout_s):
+                        sock.send(group)
+        finally:
+            beat.stop.set()
+            sock.close()
+
+
+def rollout(work: M.Work, *, engine, tokenizer, pool, receiver, gen_id: int, incarnation: str, wait_s: float) -> list[M.RolloutGroup]:
+    """Generate and score one Work message: the named steps of the actor loop."""
+    if receiver is not None:
+        receiver.wait_for(work.policy_version, engine, wait_s)
+    t0 = time.perf_counter()
+    prompts = [M.as_array(it.prompt_ids, M.TOKEN_DTYPE).tolist() for it in work.items]
+    hook = (lambda: receiver.apply(engine)) if receiver is not None else None
+    groups = engine.generate(prompts, work.group_size, work.sampling, [it.seed for it in work.items], before_forward=hook)
+    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+    answers = [it.answer for it in work.items for _ in range(work.group_size)]
+    scores = pool.score_batch(list(zip(texts, answers)))
+    gen_time = (time.perf_counter() - t0) / max(len(work.items), 1)
+    out = []
+    for i, (it, comps) in enumerate(zip(work.items, groups)):
+        samples = []
+        for j, c in enumerate(comps):
+            s = scores[i * work.group_size + j]
+            samples.append(M.Sample(
+                token_ids=M.to_bytes(c.token_ids, M.TOKEN_DTYPE), logprobs=M.to_bytes(c.logprobs, M.LOGPROB_DTYPE),
+                versions=M.to_bytes(c.versions, M.VERSION_DTYPE), reward=float(s.reward),
+                finish_reason=c.finish_reason, score_status=s.status,
+            ))
+        out.append(M.RolloutGroup(gen_id=gen_id, incarnation=incarnation, ticket=it.ticket, prompt_id=it.prompt_id,
+                                  epoch=it.epoch, prompt_ids=it.prompt_ids, samples=samples, gen_time_s=gen_time))
+    return out

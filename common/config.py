@@ -1,0 +1,183 @@
+"""The one typed configuration tree of a covrl run.
+
+Every default lives here and only here. A run's config is built from these
+defaults, then a TOML file (`--config`), then `--set a.b=c` overrides, and is
+validated in one place: unknown keys and out-of-range values are rejected with
+the dotted path of the offending field, before any process starts.
+
+Names carry their units (`timeout_s`, `max_staleness_steps`, `kl_fraction` is a
+fraction, never a percent).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+PosInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosFloat = Annotated[float, Meta(gt=0)]
+Fraction01 = Annotated[float, Meta(ge=0, le=1)]
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class RunConfig(_Section):
+    seed: NonNegInt = 0
+    steps: PosInt = 60
+    torch_threads: PosInt = 1  # per process; the CPU path runs one role per core
+    checkpoint_every_steps: NonNegInt = 0  # 0: only the final checkpoint
+
+
+class ModelConfig(_Section):
+    # Empty path: the built-in warm-started `arith` base model in assets/.
+    path: str = ""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class DataConfig(_Section):
+    task: Literal["arith"] = "arith"
+    train_size: PosInt = 4096
+    eval_size: PosInt = 128
+    max_prompt_tokens: PosInt = 128
+
+
+class RolloutConfig(_Section):
+    group_size: Annotated[int, Meta(ge=2)] = 8  # responses per prompt (GRPO needs >= 2)
+    groups_per_step: PosInt = 16  # prompts per learner step
+    max_new_tokens: PosInt = 48
+    temperature: PosFloat = 1.0
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    max_staleness_steps: NonNegInt = 1
+    # Work items a generator asks for at once; it generates them as one batch.
+    groups_per_request: PosInt = 4
+
+
+class RewardConfig(_Section):
+    workers: PosInt = 1
+    timeout_s: PosFloat = 5.0
+
+
+class ImportanceConfig(_Section):
+    """w = f(pi_prox / pi_behav), detached (DESIGN.md section 4)."""
+
+    type: Literal["none", "tis"] = "tis"
+    cap: PosFloat = 2.0  # C of truncated IS
+
+
+class LossConfig(_Section):
+    type: Literal["ppo"] = "ppo"
+    clip_low: Annotated[float, Meta(ge=0, le=1)] = 0.2
+    clip_high: Annotated[float, Meta(ge=0)] = 0.28
+    dual_clip_c: Annotated[float, Meta(ge=0)] = 3.0  # dual-clip bound for A < 0; 0 turns it off
+    agg: Literal["token-mean"] = "token-mean"
+
+
+class LearnerConfig(_Section):
+    lr: PosFloat = 5e-5
+    weight_decay: Annotated[float, Meta(ge=0)] = 0.0
+    grad_clip: PosFloat = 1.0
+    zero_stage: Annotated[int, Meta(ge=0, le=3)] = 1
+    advantage: Literal["grpo"] = "grpo"
+    # Optimizer steps per rollout batch; >1 recomputes pi_prox first.
+    mini_batches: PosInt = 1
+    micro_batch_tokens: PosInt = 4096
+    loss: LossConfig = msgspec.field(default_factory=LossConfig)
+    importance: ImportanceConfig = msgspec.field(default_factory=ImportanceConfig)
+
+
+class TransportConfig(_Section):
+    host: str = "127.0.0.1"  # single-node runs stay on loopback
+    hub_port: NonNegInt = 0  # 0: pick a free port
+    recv_timeout_s: PosFloat = 30.0
+    # A generator silent for this long is presumed dead: its work is re-issued.
+    generator_timeout_s: PosFloat = 120.0
+    heartbeat_s: PosFloat = 2.0
+    weight_sync_timeout_s: PosFloat = 1800.0
+
+
+class Config(_Section):
+    run: RunConfig = msgspec.field(default_factory=RunConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
+    learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run, with the field path and the fix."""
+
+
+def _parse_value(text: str):
+    """`--set` values are TOML literals; a bare word is a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _apply_override(tree: dict, dotted: str, value) -> None:
+    node = tree
+    keys = dotted.split(".")
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: '{key}' is a value, not a section")
+    node[keys[-1]] = value
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- TOML file <- `key.path=value` overrides, validated once."""
+    tree: dict = {}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                tree = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path!r} does not exist; pass an existing TOML file to --config") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key.path=value, e.g. --set rollout.group_size=8")
+        key, text = item.split("=", 1)
+        _apply_override(tree, key.strip(), _parse_value(text.strip()))
+    return from_dict(tree)
+
+
+def from_dict(tree: dict) -> Config:
+    try:
+        cfg = msgspec.convert(tree, Config)
+    except msgspec.ValidationError as e:
+        # msgspec names the path as `$.rollout.group_size`; say it as users write it.
+        raise ConfigError(f"invalid config: {str(e).replace('$.', '')}") from None
+    check(cfg)
+    return cfg
+
+
+def check(cfg: Config) -> None:
+    """Cross-field rules that a single field's bounds cannot express."""
+    if 0 < cfg.learner.loss.dual_clip_c <= 1:
+        raise ConfigError(
+            f"learner.loss.dual_clip_c={cfg.learner.loss.dual_clip_c} must be > 1 (published 3) or 0 to turn dual-clip off"
+        )
+    if cfg.rollout.groups_per_step % cfg.learner.mini_batches:
+        raise ConfigError(
+            f"learner.mini_batches={cfg.learner.mini_batches} must divide rollout.groups_per_step="
+            f"{cfg.rollout.groups_per_step} so every optimizer step sees whole groups; change one of them"
+        )
+
+
+def to_toml(cfg: Config) -> str:
+    return msgspec.toml.encode(cfg).decode()
+
+
+def to_dict(cfg: Config) -> dict:
+    return msgspec.to_builtins(cfg)

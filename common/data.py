@@ -1,0 +1,60 @@
+"""Prompt sources and model locations shared by the hub, generators and tools.
+
+A `PromptSource` is an indexable list of prompts with a seeded order per
+epoch; the hub walks that order and owns which prompt goes where. Prompts are
+rendered with the `\\boxed{}` template and tokenised once, on the hub, so every
+generator sees identical token ids.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+from common.config import Config
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILTIN_MODEL = os.path.join(REPO_ROOT, "assets", "arith-base")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str  # rendered prompt, ready to tokenise
+    answer: str  # ground truth for the verifier
+    data_source: str
+
+
+def model_dir(cfg: Config) -> str:
+    path = cfg.model.path or BUILTIN_MODEL
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        hint = (
+            "build the built-in base model with `python launch/warmstart.py`"
+            if not cfg.model.path
+            else "point model.path at a local Hugging Face model directory (config.json, *.safetensors, tokenizer)"
+        )
+        raise FileNotFoundError(f"model directory {path!r} has no config.json; {hint}")
+    return path
+
+
+class PromptSource:
+    """The training prompts of the configured task, in a seeded order per epoch."""
+
+    def __init__(self, cfg: Config):
+        from common.arith import ArithTask
+        from common.templates import render_prompt
+
+        task = ArithTask(seed=cfg.run.seed, train_size=cfg.data.train_size, eval_size=cfg.data.eval_size)
+        self.prompts = [Prompt(render_prompt(p.question), p.answer, p.data_source) for p in task.train()]
+        self.seed = cfg.run.seed
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, i: int) -> Prompt:
+        return self.prompts[i]
+
+    def order(self, epoch: int) -> list[int]:
+        idx = list(range(len(self.prompts)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(idx)
+        return idx

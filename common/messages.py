@@ -1,0 +1,157 @@
+"""Every message that crosses a process boundary, and nothing else.
+
+Each message is a tagged msgspec Struct (`array_like=True`: positional, compact;
+`gc=False`: no cyclic refs). Each socket has one typed decoder over the union of
+what it may receive (`HUB_INBOUND`, `GENERATOR_INBOUND`), so a peer can never
+make us build an object of a type we did not expect.
+
+Token ids, logprobs and versions travel as raw little-endian arrays in `bytes`
+fields (int32 / float32 / int32), never as Python lists: a 2048-token response
+is 3 x 8 KiB of memcpy instead of 6000 boxed numbers. `as_array`/`to_bytes`
+convert at the edges. `check_rollout` validates what a struct type cannot
+(lengths that agree, versions that exist) so the hub can reject a malformed
+group with a reason instead of failing deep inside the batcher.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+TOKEN_DTYPE = np.dtype("<i4")
+LOGPROB_DTYPE = np.dtype("<f4")
+VERSION_DTYPE = np.dtype("<i4")
+
+
+class _Msg(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
+    pass
+
+
+class SamplingParams(_Msg):
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+
+
+# ---- generator -> hub --------------------------------------------------------
+
+
+class Hello(_Msg, tag="hello"):
+    protocol_version: int
+    run_id: str
+    gen_id: int
+    incarnation: str  # unique per process start; tells a restart from a delayed message
+    pid: int
+
+
+class WorkRequest(_Msg, tag="want"):
+    gen_id: int
+    incarnation: str
+    max_groups: int
+
+
+class Heartbeat(_Msg, tag="beat"):
+    gen_id: int
+    incarnation: str
+    weight_version: int
+
+
+class Sample(_Msg):
+    token_ids: bytes  # int32 LE [T] response tokens (EOS included when finish_reason == "stop")
+    logprobs: bytes  # float32 LE [T] log pi_behav of each token, of the distribution sampled from
+    versions: bytes  # int32 LE [T] policy version that produced each token
+    reward: float
+    finish_reason: str  # "stop" | "length"
+    score_status: str  # "ok" | "timeout" | "error"
+
+
+class RolloutGroup(_Msg, tag="group"):
+    gen_id: int
+    incarnation: str
+    ticket: int  # the hub's id of this issue of the prompt
+    prompt_id: int
+    epoch: int
+    prompt_ids: bytes  # int32 LE [P]
+    samples: list[Sample]
+    gen_time_s: float
+
+
+# ---- hub -> generator --------------------------------------------------------
+
+
+class Welcome(_Msg, tag="welcome"):
+    protocol_version: int
+    run_id: str
+    weight_version: int
+    weight_addr: str  # host:port of the weight channel's TCPStore
+    weight_rank: int  # this generator's rank in the weight group (learner is 0)
+    weight_world: int
+
+
+class Refused(_Msg, tag="refused"):
+    reason: str
+
+
+class WorkItem(_Msg):
+    ticket: int
+    prompt_id: int
+    epoch: int
+    prompt_ids: bytes  # int32 LE [P]
+    answer: str
+    data_source: str
+    seed: int  # sampling seed of this prompt; re-issues reuse it
+
+
+class Work(_Msg, tag="work"):
+    items: list[WorkItem]
+    group_size: int
+    sampling: SamplingParams
+    policy_version: int  # generate with weights of at least this version
+
+
+class Stop(_Msg, tag="stop"):
+    reason: str
+
+
+HUB_INBOUND = Union[Hello, WorkRequest, Heartbeat, RolloutGroup]
+GENERATOR_INBOUND = Union[Welcome, Refused, Work, Stop]
+
+
+def to_bytes(values, dtype: np.dtype) -> bytes:
+    return np.ascontiguousarray(values, dtype=dtype).tobytes()
+
+
+def as_array(buf: bytes, dtype: np.dtype) -> np.ndarray:
+    """Zero-copy read-only view of a raw array field."""
+    return np.frombuffer(buf, dtype=dtype)
+
+
+def check_rollout(group: RolloutGroup, *, group_size: int, max_version: int, max_tokens: int) -> str | None:
+    """Why this group cannot be trained on, or None if it can.
+
+    Decoding already guaranteed the types; this checks the shapes and values a
+    type cannot express. Every reason is a short stable string: it is a metric key.
+    """
+    if len(group.samples) != group_size:
+        return "group_size"
+    if len(group.prompt_ids) % TOKEN_DTYPE.itemsize or not group.prompt_ids:
+        return "prompt_ids"
+    for s in group.samples:
+        n, rem = divmod(len(s.token_ids), TOKEN_DTYPE.itemsize)
+        if rem or n == 0 or n > max_tokens:
+            return "token_ids"
+        if len(s.logprobs) != n * LOGPROB_DTYPE.itemsize or len(s.versions) != n * VERSION_DTYPE.itemsize:
+            return "length_mismatch"
+        versions = as_array(s.versions, VERSION_DTYPE)
+        if versions.min() < 0 or versions.max() > max_version:
+            return "version"
+        logprobs = as_array(s.logprobs, LOGPROB_DTYPE)
+        if not np.isfinite(logprobs).all() or (logprobs > 1e-4).any():
+            return "logprobs"
+        if not (s.reward == s.reward) or s.finish_reason not in ("stop", "length"):
+            return "sample_fields"
+    return None

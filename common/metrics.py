@@ -1,0 +1,46 @@
+"""Per-step metrics: one JSON object per learner step in metrics.jsonl, same tags in TensorBoard.
+
+The names are the contract of DESIGN.md section 6. The file is appended and
+flushed each step so a watcher (the launcher's progress line, a user's `tail
+-f`) never sees half a line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str, tensorboard: bool = True):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.f = open(self.path, "a", buffering=1)
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: float(v) for k, v in sorted(metrics.items())}}
+        # JSON has no NaN: write null so every reader can parse the line.
+        self.f.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step" and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        self.f.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]

@@ -1,0 +1,263 @@
+"""The one entry point: `python launch/cluster.py --gens G --learners L [...]`.
+
+Resolves the config, prepares the run directory (config.toml, secret.key,
+cluster.json), starts L learner ranks and G generators from one list of
+`RoleSpec`s, shows a live progress line, and supervises:
+- a generator that exits with an error is restarted (bounded retries, backoff);
+- a learner rank that fails stops the run; the last checkpoint stays intact;
+- Ctrl-C / SIGTERM stops every process group this launcher started, and only those.
+Every role runs in its own session (process group), so stopping a role also
+stops whatever it spawned (reward workers), and nothing else on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common.cluster import ClusterInfo, write_cluster  # noqa: E402
+from common.config import ConfigError, load_config, to_toml  # noqa: E402
+from common.data import REPO_ROOT, model_dir  # noqa: E402
+from common.metrics import read_metrics  # noqa: E402
+from common.transport import create_secret, free_port  # noqa: E402
+
+GRACE_S = 10.0
+
+
+@dataclass
+class RoleSpec:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    restartable: bool
+    max_restarts: int = 3
+    restarts: int = 0
+    proc: subprocess.Popen | None = None
+    log: object = None
+    next_start: float = 0.0
+    done: bool = False
+    history: list[int] = field(default_factory=list)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python launch/cluster.py", description="Run covrl: generators + learner ranks.")
+    ap.add_argument("--gens", type=int, default=1, help="generator processes (default 1)")
+    ap.add_argument("--learners", type=int, default=1, help="learner ranks in one DeepSpeed world (default 1)")
+    ap.add_argument("--config", help="TOML config file (default: the built-in arith task)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. rollout.group_size=8")
+    ap.add_argument("--steps", type=int, help="learner steps (same as --set run.steps=N)")
+    ap.add_argument("--run-dir", help="output directory (default runs/<timestamp>)")
+    ap.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run (not implemented yet)")
+    ap.add_argument("--tensorboard", action="store_true", help="also serve TensorBoard for this run on 127.0.0.1")
+    ap.add_argument("--quiet", action="store_true", help="no live progress line")
+    return ap.parse_args(argv)
+
+
+def prepare(args) -> tuple[str, object, ClusterInfo]:
+    if args.resume:
+        raise ConfigError("--resume is not implemented yet; start a new run with --run-dir")
+    if args.gens < 1 or args.learners < 1:
+        raise ConfigError(f"--gens {args.gens} --learners {args.learners}: need at least one of each")
+    overrides = list(args.set) + ([f"run.steps={args.steps}"] if args.steps is not None else [])
+    cfg = load_config(args.config, overrides)
+    model_dir(cfg)  # fail now, not in every child, if the model is missing
+    run_dir = os.path.abspath(args.run_dir or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S")))
+    try:
+        os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+        probe = os.path.join(run_dir, ".write-test")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"run directory {run_dir!r} is not writable ({e.strerror}); pass a writable --run-dir") from None
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        raise ConfigError(f"{run_dir} already holds a run (metrics.jsonl); pick a new --run-dir")
+    with open(os.path.join(run_dir, "config.toml"), "w") as f:
+        f.write(to_toml(cfg))
+    create_secret(run_dir)
+    host = cfg.transport.host
+    info = ClusterInfo(
+        run_id=uuid.uuid4().hex[:12],
+        hub_addr=f"{host}:{cfg.transport.hub_port or free_port(host)}",
+        weight_addr=f"{host}:{free_port(host)}",
+        generators=args.gens,
+        learners=args.learners,
+    )
+    write_cluster(run_dir, info)
+    return run_dir, cfg, info
+
+
+def role_specs(run_dir: str, info: ClusterInfo, cfg) -> list[RoleSpec]:
+    base = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "OMP_NUM_THREADS": str(cfg.run.torch_threads), "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    master_port = str(free_port())
+    specs = [
+        RoleSpec(f"learner{r}", [sys.executable, "-m", "learner", "--run-dir", run_dir],
+                 {**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(info.learners),
+                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port}, restartable=False)
+        for r in range(info.learners)
+    ]
+    specs += [
+        RoleSpec(f"gen{i}", [sys.executable, "-m", "actors", "--run-dir", run_dir, "--gen-id", str(i)], base, restartable=True)
+        for i in range(info.generators)
+    ]
+    return specs
+
+
+def spawn(spec: RoleSpec, run_dir: str) -> None:
+    spec.log = open(os.path.join(run_dir, "logs", f"{spec.name}.log"), "ab")
+    spec.proc = subprocess.Popen(spec.argv, env=spec.env, cwd=REPO_ROOT, stdout=spec.log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop_all(specs: list[RoleSpec], extra: list[subprocess.Popen]) -> None:
+    """SIGTERM each process group we started, then SIGKILL what is left after a grace period."""
+    procs = [s.proc for s in specs if s.proc is not None] + extra
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        _signal_group(p, signal.SIGKILL)  # also reaps children left in the group
+        if p.poll() is None:
+            p.wait()
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)  # the group id is the pid: start_new_session=True
+    except ProcessLookupError:
+        pass
+
+
+def log_tail(run_dir: str, name: str, lines: int = 25) -> str:
+    path = os.path.join(run_dir, "logs", f"{name}.log")
+    with open(path, "rb") as f:
+        return b"".join(f.readlines()[-lines:]).decode(errors="replace")
+
+
+def progress_line(row: dict, steps: int, k: int) -> str:
+    return (f"step {row['step']}/{steps} | reward {row.get('critic/score/mean', 0):.3f} | "
+            f"entropy {row.get('actor/entropy', 0):.3f} | gen {row.get('perf/gen_tokens_per_s', 0):.0f} tok/s | "
+            f"staleness {row.get('staleness/mean', 0):.2f} (max {row.get('staleness/max', 0):.0f}, bound {k}) | "
+            f"{row.get('timing_s/step', 0):.2f} s/step")
+
+
+def summary(run_dir: str, cfg, elapsed: float) -> str:
+    rows = read_metrics(run_dir)
+    if not rows:
+        return f"no steps recorded in {run_dir}/metrics.jsonl"
+    q = max(1, len(rows) // 4)
+    avg = lambda rs, k: sum(r.get(k) or 0.0 for r in rs) / len(rs)  # noqa: E731
+    ckpts = os.path.join(run_dir, "checkpoints")
+    last = sorted(os.listdir(ckpts), key=lambda d: int(d.split("_")[1])) if os.path.isdir(ckpts) else []
+    return "\n".join([
+        f"covrl: {len(rows)} steps in {elapsed:.0f}s -> {run_dir}",
+        f"  reward (critic/score/mean): first quarter {avg(rows[:q], 'critic/score/mean'):.3f} -> last quarter {avg(rows[-q:], 'critic/score/mean'):.3f}",
+        f"  entropy (actor/entropy):    first quarter {avg(rows[:q], 'actor/entropy'):.3f} -> last quarter {avg(rows[-q:], 'actor/entropy'):.3f}",
+        f"  staleness max {max(r.get('staleness/max') or 0 for r in rows):.0f} (bound {cfg.rollout.max_staleness_steps})",
+        f"  metrics: {run_dir}/metrics.jsonl  tensorboard: {run_dir}/tb",
+        f"  checkpoint: {os.path.join(ckpts, last[-1]) if last else 'none'}",
+    ])
+
+
+def supervise(specs: list[RoleSpec], run_dir: str, cfg, quiet: bool) -> int:
+    shown = 0
+    while True:
+        time.sleep(0.5)
+        for s in specs:
+            if s.done:
+                continue
+            if s.proc is None:
+                if time.monotonic() >= s.next_start:
+                    spawn(s, run_dir)
+                continue
+            code = s.proc.poll()
+            if code is None:
+                continue
+            s.history.append(code)
+            if s.name.startswith("learner"):
+                if code != 0:
+                    print(f"\n{s.name} exited with code {code}; stopping the run. Last lines of its log:\n{log_tail(run_dir, s.name)}",
+                          file=sys.stderr)
+                    return 1
+                s.done = True
+            elif code == 0:
+                s.done = True
+            elif s.restarts < s.max_restarts:
+                s.restarts += 1
+                delay = 2.0 ** s.restarts
+                print(f"\n{s.name} exited with code {code}; restart {s.restarts}/{s.max_restarts} in {delay:.0f}s", file=sys.stderr)
+                s.proc, s.next_start = None, time.monotonic() + delay
+            else:
+                print(f"\n{s.name} failed {s.restarts + 1} times; stopping the run. Last lines of its log:\n{log_tail(run_dir, s.name)}",
+                      file=sys.stderr)
+                return 1
+        rows = read_metrics(run_dir)
+        if rows and len(rows) != shown and not quiet:
+            shown = len(rows)
+            end = "\n" if not sys.stdout.isatty() else ""
+            print("\r" + progress_line(rows[-1], cfg.run.steps, cfg.rollout.max_staleness_steps), end=end, flush=True)
+        if all(s.done for s in specs if s.name.startswith("learner")):
+            # Learners finished: generators got Stop from the hub; give them a moment to exit.
+            deadline = time.monotonic() + GRACE_S
+            while time.monotonic() < deadline and any(s.proc.poll() is None for s in specs if s.proc and not s.done):
+                time.sleep(0.2)
+            return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        run_dir, cfg, info = prepare(args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    specs = role_specs(run_dir, info, cfg)
+    extra: list[subprocess.Popen] = []
+    if args.tensorboard:
+        port = free_port()
+        extra.append(subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", os.path.join(run_dir, "tb"),
+                                       "--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, start_new_session=True))
+        print(f"TensorBoard: http://127.0.0.1:{port}/")
+    print(f"covrl run {info.run_id}: {args.learners} learner rank(s), {args.gens} generator(s), {cfg.run.steps} steps -> {run_dir}")
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    t0 = time.monotonic()
+    for s in specs:
+        spawn(s, run_dir)
+    try:
+        code = supervise(specs, run_dir, cfg, args.quiet)
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping every process this run started", file=sys.stderr)
+        code = 130
+    finally:
+        stop_all(specs, extra)
+        for s in specs:
+            if s.log:
+                s.log.close()
+    print()
+    print(summary(run_dir, cfg, time.monotonic() - t0))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""One learner rank: `python -m learner --run-dir DIR` (rank and world from the torch env).
+
+Rank 0 also runs the hub (a thread) and owns the weight channel. The loop is
+the whole learner: take a batch, share it, train, publish, log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import msgspec
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from common import messages as M
+from common import weights as W
+from common.cluster import read_cluster, read_run_config
+from common.data import PromptSource, model_dir
+from common.metrics import MetricsWriter
+from common.transport import load_secret
+from learner import batch as B
+from learner.checkpoint import save_checkpoint
+from learner.hub import Hub
+from learner.trainer import Trainer, init_distributed, step_metrics, thread_setup
+
+log = logging.getLogger("covrl.learner")
+
+
+def share_batch(batch: B.StepBatch | None, rank: int) -> B.StepBatch:
+    """Rank 0's batch to every rank: msgpack bytes in a broadcast (no pickles of our structs)."""
+    box = [B.encode(batch) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return B.decode(box[0])
+
+
+def host_metrics(groups: list, version: int) -> dict[str, float]:
+    """What rank 0 can read off the rollouts themselves."""
+    rewards = [s.reward for r in groups for s in r.group.samples]
+    lengths = [len(s.token_ids) // 4 for r in groups for s in r.group.samples]
+    stale = np.concatenate([version - M.as_array(s.versions, M.VERSION_DTYPE) for r in groups for s in r.group.samples])
+    return {
+        "critic/score/mean": float(np.mean(rewards)),
+        "response_length/mean": float(np.mean(lengths)),
+        "staleness/mean": float(stale.mean()),
+        "staleness/max": float(stale.max()),
+        "reward/timeouts": float(sum(s.score_status == "timeout" for r in groups for s in r.group.samples)),
+        "reward/errors": float(sum(s.score_status == "error" for r in groups for s in r.group.samples)),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m learner")
+    ap.add_argument("--run-dir", required=True)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s learner %(levelname)s %(name)s: %(message)s")
+    cfg = read_run_config(args.run_dir)
+    cluster = read_cluster(args.run_dir)
+    thread_setup(cfg)
+    torch.manual_seed(cfg.run.seed)
+    rank, world = init_distributed()
+    path = model_dir(cfg)
+    trainer = Trainer(cfg, path)
+    hub = channel = writer = tokenizer = None
+    lay = W.layout(trainer.module)
+    if rank == 0:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        host, port = cluster.hub_addr.rsplit(":", 1)
+        hub = Hub(cfg, run_id=cluster.run_id, key=load_secret(args.run_dir), port=int(port), source=PromptSource(cfg),
+                  tokenizer=tokenizer, weight_addr=cluster.weight_addr, n_generators=cluster.generators)
+        hub.start()
+        whost, wport = cluster.weight_addr.rsplit(":", 1)
+        channel = W.WeightChannel(whost, int(wport), 0, cluster.generators + 1, cfg.transport.weight_sync_timeout_s)
+        writer = MetricsWriter(args.run_dir)
+        log.info("hub on %s, weight channel with %d generators ready", cluster.hub_addr, cluster.generators)
+    last_tokens, last_t = 0, time.perf_counter()
+    for step in range(1, cfg.run.steps + 1):
+        t0 = time.perf_counter()
+        version = step - 1
+        groups = extra = batch = None
+        if rank == 0:
+            groups = hub.take_batch(version, timeout_s=cfg.transport.generator_timeout_s * 5)
+            extra = host_metrics(groups, version)
+            batch = B.build_step_batch([r.group for r in groups], version=version, ranks=world,
+                                       mini_batches=cfg.learner.mini_batches,
+                                       micro_batch_tokens=cfg.learner.micro_batch_tokens)
+        batch = share_batch(batch, rank)
+        stats = trainer.train_step(batch)
+        metrics = step_metrics(stats)
+        if rank == 0:
+            flat = W.flatten(trainer.module)
+            sync_s, nbytes = channel.publish(step, flat, lay)
+            hub.set_version(step)
+            now = time.perf_counter()
+            gen_tokens = hub.stats.gen_tokens
+            adv = np.array([s.advantage for s in batch.samples])
+            metrics.update(extra)
+            metrics.update(hub.counters())
+            metrics.update({
+                "critic/advantages/mean": float(adv.mean()),
+                "perf/gen_tokens_per_s": (gen_tokens - last_tokens) / max(now - last_t, 1e-9),
+                "timing_s/step": now - t0,
+                "timing_s/train": stats.train_s,
+                "timing_s/weight_sync": sync_s,
+                "weights/bytes": float(nbytes),
+                "weights/checksum": W.checksum(flat),
+                "weights/version": float(step),
+            })
+            last_tokens, last_t = gen_tokens, now
+            writer.write(step, metrics)
+        every = cfg.run.checkpoint_every_steps
+        if rank == 0 and (step == cfg.run.steps or (every and step % every == 0)):
+            save_checkpoint(args.run_dir, step, trainer.module, tokenizer,
+                            {"version": step, "hub_slots": hub.slots, "epoch": hub.epoch, "pos": hub.pos})
+    if rank == 0:
+        channel.stop()
+        hub.stop()
+        writer.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""From scored groups to per-rank, token-balanced, packed micro-batches.
+
+Rank 0 builds one `StepBatch` per learner step and broadcasts it; every rank
+reads its own part of the plan. The plan is
+`plan[mini_batch][rank] = [micro_batch, ...]`, each micro-batch a list of
+sample indices packed into one padding-free row. Every rank gets the same
+number of micro-batches per mini-batch (short ranks get empty ones) because
+ZeRO's gradient reduction is a collective: a rank that skipped a backward
+would hang the others.
+
+Advantages are computed here, per group, before any sharding, so they never
+depend on how the batch is split.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import msgspec
+import numpy as np
+import torch
+
+from common import messages as M
+
+
+class TrainSample(msgspec.Struct, array_like=True, gc=False):
+    input_ids: bytes  # int32 LE [P + R]: prompt then response
+    prompt_len: int
+    behav_logprobs: bytes  # float32 LE [R]
+    versions: bytes  # int32 LE [R]
+    advantage: float
+
+
+class StepBatch(msgspec.Struct, array_like=True, gc=False):
+    version: int  # learner version the step starts from
+    samples: list[TrainSample]
+    plan: list[list[list[list[int]]]]  # [mini][rank][micro] -> sample indices
+    mini_tokens: list[int]  # response tokens of each mini-batch, over all ranks
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(StepBatch)
+
+
+def encode(batch: StepBatch) -> bytes:
+    return _ENCODER.encode(batch)
+
+
+def decode(buf: bytes) -> StepBatch:
+    return _DECODER.decode(buf)
+
+
+def grpo_advantages(rewards: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """[G, n] -> [G, n]: (r - mean_g) / (std_g + eps), unbiased std (GRPO)."""
+    mean = rewards.mean(axis=1, keepdims=True)
+    std = rewards.std(axis=1, ddof=1, keepdims=True)
+    return (rewards - mean) / (std + eps)
+
+
+def _balance(lengths: list[int], idx: list[int], ranks: int) -> list[list[int]]:
+    """Longest-processing-time greedy: each sample to the rank with fewest tokens."""
+    heap = [(0, r) for r in range(ranks)]
+    out: list[list[int]] = [[] for _ in range(ranks)]
+    for i in sorted(idx, key=lambda i: (-lengths[i], i)):
+        load, r = heapq.heappop(heap)
+        out[r].append(i)
+        heapq.heappush(heap, (load + lengths[i], r))
+    return out
+
+
+def _micro_batches(lengths: list[int], idx: list[int], budget: int) -> list[list[int]]:
+    """First-fit packing into rows of at most `budget` tokens (a longer sample rides alone)."""
+    rows: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(idx, key=lambda i: (-lengths[i], i)):
+        for r, load in enumerate(loads):
+            if load + lengths[i] <= budget:
+                rows[r].append(i)
+                loads[r] += lengths[i]
+                break
+        else:
+            rows.append([i])
+            loads.append(lengths[i])
+    return [sorted(r) for r in rows]
+
+
+def build_step_batch(
+    groups: list[M.RolloutGroup], *, version: int, ranks: int, mini_batches: int, micro_batch_tokens: int
+) -> StepBatch:
+    rewards = np.array([[s.reward for s in g.samples] for g in groups], dtype=np.float64)
+    adv = grpo_advantages(rewards)
+    samples: list[TrainSample] = []
+    group_of: list[int] = []
+    for gi, g in enumerate(groups):
+        prompt = M.as_array(g.prompt_ids, M.TOKEN_DTYPE)
+        for si, s in enumerate(g.samples):
+            resp = M.as_array(s.token_ids, M.TOKEN_DTYPE)
+            samples.append(
+                TrainSample(
+                    input_ids=M.to_bytes(np.concatenate([prompt, resp]), M.TOKEN_DTYPE),
+                    prompt_len=len(prompt),
+                    behav_logprobs=s.logprobs,
+                    versions=s.versions,
+                    advantage=float(adv[gi, si]),
+                )
+            )
+            group_of.append(gi)
+    lengths = [len(s.input_ids) // 4 for s in samples]
+    resp_len = [len(s.versions) // 4 for s in samples]
+    per_mini = len(groups) // mini_batches
+    plan, mini_tokens = [], []
+    for m in range(mini_batches):
+        idx = [i for i, gi in enumerate(group_of) if m * per_mini <= gi < (m + 1) * per_mini]
+        per_rank = [_micro_batches(lengths, part, micro_batch_tokens) for part in _balance(lengths, idx, ranks)]
+        depth = max(1, max(len(p) for p in per_rank))
+        plan.append([p + [[] for _ in range(depth - len(p))] for p in per_rank])
+        mini_tokens.append(sum(resp_len[i] for i in idx))
+    return StepBatch(version=version, samples=samples, plan=plan, mini_tokens=mini_tokens)
+
+
+def pack(samples: list[TrainSample], idx: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+    """One padding-free row: restarting position ids tell attention where sequences end.
+
+    Returns [1, N] tensors aligned to *targets*: entry t holds what is needed to
+    score token t+1 of the row from the logits at position t.
+    """
+    if not idx:  # an empty micro-batch: one pad token, zero mask (keeps collectives aligned)
+        one = torch.tensor([[pad_id]])
+        zero = torch.zeros((1, 0))
+        return {"input_ids": one, "position_ids": torch.zeros_like(one), "targets": one[:, :0], "mask": zero,
+                "behav": zero, "versions": zero.long(), "adv": zero}
+    ids, pos, mask, behav, vers, adv = [], [], [], [], [], []
+    for i in idx:
+        s = samples[i]
+        seq = M.as_array(s.input_ids, M.TOKEN_DTYPE).astype(np.int64)
+        P, R = s.prompt_len, len(seq) - s.prompt_len
+        ids.append(seq)
+        pos.append(np.arange(len(seq)))
+        # Target t+1 is a response token iff t+1 >= P; position t = P-1 predicts the first one.
+        m = np.zeros(len(seq), dtype=np.float32)
+        m[P - 1 : P - 1 + R] = 1.0
+        mask.append(m)
+        b = np.zeros(len(seq), dtype=np.float32)
+        b[P - 1 : P - 1 + R] = M.as_array(s.behav_logprobs, M.LOGPROB_DTYPE)
+        behav.append(b)
+        v = np.zeros(len(seq), dtype=np.int64)
+        v[P - 1 : P - 1 + R] = M.as_array(s.versions, M.VERSION_DTYPE)
+        vers.append(v)
+        adv.append(np.full(len(seq), s.advantage, dtype=np.float32))
+    row = torch.from_numpy(np.concatenate(ids))[None]
+    cat = lambda parts: torch.from_numpy(np.concatenate(parts))[None]  # noqa: E731
+    # The last position of the row predicts nothing: drop it from the target-aligned tensors.
+    return {
+        "input_ids": row,
+        "position_ids": cat(pos),
+        "targets": row[:, 1:],
+        "mask": cat(mask)[:, :-1],
+        "behav": cat(behav)[:, :-1],
+        "versions": cat(vers)[:, :-1],
+        "adv": cat(adv)[:, :-1],
+    }

@@ -1,0 +1,331 @@
+"""The hub: owns the prompt stream, issues work, collects rollouts (thread of learner rank 0).
+
+Invariants
+- Every prompt issue gets a *slot*: its position in the training stream. A
+  re-issue (dead generator, group too stale) keeps the slot, so the stream's
+  order, and with it the batch composition, does not depend on timing.
+- Admission control bounds staleness: a new slot is issued only while
+  `slots < (v + 1 + max_staleness_steps) * groups_per_step`, v = learner version.
+- The batch for step v+1 is the groups_per_step lowest ready slots, taken only
+  once no group issued before version v - k is still in flight; a group whose
+  oldest token is nonetheless more than k versions old is dropped and its prompt
+  re-issued. So no trained token is more than k versions old, and k = 0 is
+  synchronous on-policy training.
+- A rollout is accepted only for a ticket that is in flight for that generator
+  incarnation; anything else is dropped with a counted reason. Malformed or
+  unauthenticated frames never raise out of the loop.
+
+The trainer thread talks to the hub only through `take_batch`, `set_version`
+and `stop`; the ZeroMQ socket belongs to the hub thread alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common import messages as M
+from common.config import Config
+from common.data import PromptSource
+from common.transport import HubSocket
+
+log = logging.getLogger("covrl.hub")
+
+
+@dataclass
+class Ticket:
+    ticket: int
+    slot: int
+    prompt_id: int
+    epoch: int
+    gen_id: int
+    incarnation: str
+    issue_version: int
+
+
+@dataclass
+class Ready:
+    slot: int
+    issue_version: int
+    group: M.RolloutGroup
+
+
+@dataclass
+class GenState:
+    identity: bytes
+    incarnation: str
+    last_seen: float
+    weight_version: int = 0
+    wanted: int = 0  # groups asked for and not yet given
+
+
+@dataclass
+class HubStats:
+    counters: collections.Counter = field(default_factory=collections.Counter)
+    gen_tokens: int = 0
+    gen_time_s: float = 0.0
+
+
+def prompt_seed(run_seed: int, epoch: int, prompt_id: int) -> int:
+    return zlib.crc32(f"{run_seed}:{epoch}:{prompt_id}".encode()) & 0x7FFFFFFF
+
+
+class Hub:
+    def __init__(self, cfg: Config, *, run_id: str, key: bytes, port: int, source: PromptSource, tokenizer, weight_addr: str, n_generators: int):
+        self.cfg = cfg
+        self.run_id = run_id
+        self.sock = HubSocket(cfg.transport.host, port, key)
+        self.source = source
+        self.tokenizer = tokenizer
+        self.weight_addr = weight_addr
+        self.n_generators = n_generators
+        self.gps = cfg.rollout.groups_per_step
+        self.k = cfg.rollout.max_staleness_steps
+        self.sampling = M.SamplingParams(
+            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens
+        )
+        self.cv = threading.Condition()
+        self.version = 0
+        self.slots = 0  # slots ever issued (admitted groups)
+        self.next_ticket = 0
+        self.epoch, self.pos = 0, 0
+        self.order = source.order(0)
+        self.in_flight: dict[int, Ticket] = {}
+        self.ready: dict[int, Ready] = {}
+        self.reissue: collections.deque[Ticket] = collections.deque()
+        self.gens: dict[int, GenState] = {}
+        self.stats = HubStats()
+        self._prompt_ids: dict[int, bytes] = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hub", daemon=True)
+        self.error: BaseException | None = None
+
+    # ---- trainer-thread API ---------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def set_version(self, version: int) -> None:
+        with self.cv:
+            self.version = version
+            self.cv.notify_all()
+
+    def take_batch(self, version: int, timeout_s: float) -> list[Ready]:
+        """Block until the batch for the step that starts at `version` is ready."""
+        deadline = time.monotonic() + timeout_s
+        with self.cv:
+            while True:
+                if self.error is not None:
+                    raise RuntimeError("hub thread failed") from self.error
+                batch = self._try_batch(version)
+                if batch is not None:
+                    return batch
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"no batch for step {version + 1} after {timeout_s:.0f}s: {len(self.ready)} groups ready, "
+                        f"{len(self.in_flight)} in flight, {len(self.gens)} generators connected; are generators running "
+                        f"and reaching the hub at {self.sock.address}?"
+                    )
+                self.cv.wait(min(left, 1.0))
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=10)
+
+    # ---- batch selection (called with self.cv held) ---------------------------
+
+    def _try_batch(self, version: int) -> list[Ready] | None:
+        floor = version - self.k  # oldest version a trained token may have
+        if any(t.issue_version < floor for t in self.in_flight.values()):
+            return None  # a straggler could still land inside the bound: wait for it
+        for slot in sorted(self.ready):
+            r = self.ready[slot]
+            oldest = min(int(M.as_array(s.versions, M.VERSION_DTYPE).min()) for s in r.group.samples)
+            if oldest < floor:
+                del self.ready[slot]
+                self.stats.counters["hub/stale_dropped_groups"] += 1
+                self.reissue.append(Ticket(-1, slot, r.group.prompt_id, r.group.epoch, -1, "", -1))
+        if len(self.ready) < self.gps:
+            return None
+        slots = sorted(self.ready)[: self.gps]
+        return [self.ready.pop(s) for s in slots]
+
+    # ---- hub thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                got = self.sock.recv(0.05)
+                now = time.monotonic()
+                if got is not None:
+                    identity, msg = got
+                    with self.cv:
+                        self._handle(identity, msg, now)
+                with self.cv:
+                    self._expire(now)
+                    self._serve_wanted()
+            self._broadcast_stop("training finished")
+        except BaseException as e:  # surfaced to the trainer thread by take_batch
+            log.exception("hub thread crashed")
+            with self.cv:
+                self.error = e
+                self.cv.notify_all()
+        finally:
+            self.sock.close()
+
+    def _handle(self, identity: bytes, msg, now: float) -> None:
+        if isinstance(msg, M.Hello):
+            self._hello(identity, msg, now)
+            return
+        gen = self.gens.get(msg.gen_id)
+        if gen is None or gen.incarnation != msg.incarnation:
+            self.stats.counters["hub/rejected/unknown_generator"] += 1
+            return
+        gen.last_seen = now
+        if isinstance(msg, M.WorkRequest):
+            # Work goes back on the socket that asked: heartbeats come from another one.
+            gen.identity = identity
+            gen.wanted = max(0, min(msg.max_groups, 1024))
+        elif isinstance(msg, M.Heartbeat):
+            gen.weight_version = msg.weight_version
+        elif isinstance(msg, M.RolloutGroup):
+            self._rollout(msg)
+
+    def _hello(self, identity: bytes, msg: M.Hello, now: float) -> None:
+        if msg.protocol_version != M.PROTOCOL_VERSION or msg.run_id != self.run_id:
+            reason = (
+                f"protocol version {msg.protocol_version} != hub's {M.PROTOCOL_VERSION}; run the same covrl version on both sides"
+                if msg.protocol_version != M.PROTOCOL_VERSION
+                else f"run id {msg.run_id!r} is not this hub's run {self.run_id!r}; point the generator at its own run directory"
+            )
+            self.stats.counters["hub/rejected/handshake"] += 1
+            log.warning("refused generator %s (pid %s): %s", msg.gen_id, msg.pid, reason)
+            self.sock.send(identity, M.Refused(reason=reason))
+            return
+        if not 0 <= msg.gen_id < self.n_generators:
+            self.stats.counters["hub/rejected/handshake"] += 1
+            self.sock.send(identity, M.Refused(reason=f"gen_id {msg.gen_id} outside 0..{self.n_generators - 1}"))
+            return
+        old = self.gens.get(msg.gen_id)
+        if old is not None and old.incarnation != msg.incarnation:
+            self._requeue_generator(msg.gen_id, "restarted")
+        self.gens[msg.gen_id] = GenState(identity, msg.incarnation, now)
+        self.sock.send(
+            identity,
+            M.Welcome(
+                protocol_version=M.PROTOCOL_VERSION,
+                run_id=self.run_id,
+                weight_version=self.version,
+                weight_addr=self.weight_addr,
+                weight_rank=msg.gen_id + 1,
+                weight_world=self.n_generators + 1,
+            ),
+        )
+        log.info("generator %d joined (pid %d)", msg.gen_id, msg.pid)
+
+    def _rollout(self, g: M.RolloutGroup) -> None:
+        t = self.in_flight.get(g.ticket)
+        if t is None or t.gen_id != g.gen_id or t.incarnation != g.incarnation:
+            self.stats.counters["hub/rejected/unknown_ticket"] += 1
+            return
+        reason = M.check_rollout(
+            g, group_size=self.cfg.rollout.group_size, max_version=self.version, max_tokens=self.sampling.max_new_tokens
+        )
+        if reason is None and (g.prompt_id != t.prompt_id or g.epoch != t.epoch):
+            reason = "prompt_mismatch"
+        if reason is not None:
+            self.stats.counters[f"hub/rejected/{reason}"] += 1
+            log.warning("rejected group for ticket %d from generator %d: %s", g.ticket, g.gen_id, reason)
+            del self.in_flight[g.ticket]
+            self.reissue.append(t)
+            return
+        del self.in_flight[g.ticket]
+        self.ready[t.slot] = Ready(t.slot, t.issue_version, g)
+        self.stats.gen_tokens += sum(len(s.token_ids) // 4 for s in g.samples)
+        self.cv.notify_all()
+
+    def _expire(self, now: float) -> None:
+        limit = self.cfg.transport.generator_timeout_s
+        for gen_id, gen in list(self.gens.items()):
+            if now - gen.last_seen > limit:
+                log.warning("generator %d silent for %.0fs: presumed dead, re-issuing its work", gen_id, limit)
+                self._requeue_generator(gen_id, "timeout")
+                del self.gens[gen_id]
+
+    def _requeue_generator(self, gen_id: int, why: str) -> None:
+        for tid, t in list(self.in_flight.items()):
+            if t.gen_id == gen_id:
+                del self.in_flight[tid]
+                self.reissue.append(t)
+                self.stats.counters["hub/reissued_prompts"] += 1
+        self.stats.counters[f"hub/generator_lost/{why}"] += 1
+
+    def _serve_wanted(self) -> None:
+        for gen_id, gen in self.gens.items():
+            if gen.wanted <= 0:
+                continue
+            items = []
+            while len(items) < gen.wanted:
+                t = self._next_ticket(gen_id, gen.incarnation)
+                if t is None:
+                    break
+                items.append(self._work_item(t))
+            if items:
+                gen.wanted = 0  # one reply per request; the generator asks again when done
+                self.sock.send(
+                    gen.identity,
+                    M.Work(items=items, group_size=self.cfg.rollout.group_size, sampling=self.sampling, policy_version=self.version),
+                )
+
+    def _next_ticket(self, gen_id: int, incarnation: str) -> Ticket | None:
+        if self.reissue:
+            old = self.reissue.popleft()
+            slot, prompt_id, epoch = old.slot, old.prompt_id, old.epoch
+        elif self.slots < (self.version + 1 + self.k) * self.gps:
+            if self.pos == len(self.order):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self.order = self.source.order(self.epoch)
+            slot, prompt_id, epoch = self.slots, self.order[self.pos], self.epoch
+            self.slots += 1
+            self.pos += 1
+        else:
+            return None  # admission control: the learner must catch up first
+        t = Ticket(self.next_ticket, slot, prompt_id, epoch, gen_id, incarnation, self.version)
+        self.next_ticket += 1
+        self.in_flight[t.ticket] = t
+        return t
+
+    def _work_item(self, t: Ticket) -> M.WorkItem:
+        ids = self._prompt_ids.get(t.prompt_id)
+        if ids is None:
+            tok = self.tokenizer(self.source[t.prompt_id].text, add_special_tokens=False).input_ids
+            tok = tok[-self.cfg.data.max_prompt_tokens :]  # keep the question's end, where the instruction is
+            ids = self._prompt_ids[t.prompt_id] = M.to_bytes(np.asarray(tok), M.TOKEN_DTYPE)
+        p = self.source[t.prompt_id]
+        return M.WorkItem(
+            ticket=t.ticket,
+            prompt_id=t.prompt_id,
+            epoch=t.epoch,
+            prompt_ids=ids,
+            answer=p.answer,
+            data_source=p.data_source,
+            seed=prompt_seed(self.cfg.run.seed, t.epoch, t.prompt_id),
+        )
+
+    def _broadcast_stop(self, reason: str) -> None:
+        for gen in self.gens.values():
+            self.sock.send(gen.identity, M.Stop(reason=reason))
+
+    def counters(self) -> dict[str, float]:
+        with self.cv:
+            out = dict(self.stats.counters)
+            for reason, n in self.sock.rejected.items():
+                out[f"hub/rejected/{reason}"] = out.get(f"hub/rejected/{reason}", 0) + n
+            return out
