@@ -25,6 +25,11 @@ class Prompt:
     data_source: str
 
 
+def encode_prompt(tokenizer, text: str, max_tokens: int) -> list[int]:
+    """Token ids of a rendered prompt; over-long prompts keep their end, where the instruction is."""
+    return tokenizer(text, add_special_tokens=False).input_ids[-max_tokens:]
+
+
 def model_dir(cfg: Config) -> str:
     path = cfg.model.path or BUILTIN_MODEL
     if not os.path.isfile(os.path.join(path, "config.json")):

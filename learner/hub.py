@@ -32,7 +32,7 @@ import numpy as np
 
 from common import messages as M
 from common.config import Config
-from common.data import PromptSource
+from common.data import PromptSource, encode_prompt
 from common.transport import HubSocket
 
 log = logging.getLogger("covrl.hub")
@@ -305,8 +305,7 @@ class Hub:
     def _work_item(self, t: Ticket) -> M.WorkItem:
         ids = self._prompt_ids.get(t.prompt_id)
         if ids is None:
-            tok = self.tokenizer(self.source[t.prompt_id].text, add_special_tokens=False).input_ids
-            tok = tok[-self.cfg.data.max_prompt_tokens :]  # keep the question's end, where the instruction is
+            tok = encode_prompt(self.tokenizer, self.source[t.prompt_id].text, self.cfg.data.max_prompt_tokens)
             ids = self._prompt_ids[t.prompt_id] = M.to_bytes(np.asarray(tok), M.TOKEN_DTYPE)
         p = self.source[t.prompt_id]
         return M.WorkItem(

@@ -58,38 +58,304 @@ def ppo_loss(
     return loss * mask, metrics
 
 
+def seq_ids_for(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Sequence index of every element of a [B, T] tensor: each row is one sequence."""
+    B = x.shape[0] if x.dim() > 1 else 1
+    return torch.arange(B, device=x.device).view(-1, *([1] * (x.dim() - 1))).expand_as(x), B
+
+
+def segment_sum(x: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """[...] values, [...] sequence ids -> [num_seqs] per-sequence sums."""
+    return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add_(0, seq_ids.reshape(-1), x.reshape(-1))
+
+
 def importance_weights(
     prox_logprobs: torch.Tensor,  # [...] log pi_prox
     behav_logprobs: torch.Tensor,  # [...] log pi_behav
     mask: torch.Tensor,
     *,
     kind: str,
-    cap: float,
+    cap: float = 2.0,
+    lo: float = 0.5,
+    hi: float = 2.0,
+    seq_ids: torch.Tensor | None = None,
+    num_seqs: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """w = f(pi_prox / pi_behav), detached. `none`: 1; `tis`: min(rho, C) per token."""
-    log_rho = (prox_logprobs - behav_logprobs).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    """w = f(pi_prox / pi_behav), detached; log ratios clamped to +-20.
+
+    none:     1
+    tis:      min(rho_t, C) per token (truncated IS)
+    seq_tis:  min(prod_t rho_t, C) per sequence, on every token of it
+    mis:      rho_t inside [lo, hi], 0 outside (masked IS)
+    geo_mask: 1 if the sequence's geometric-mean ratio exp(mean_t log rho) is inside [lo, hi], else 0
+    Sequences are rows of a [B, T] tensor, or given by `seq_ids` for packed rows.
+    """
+    log_rho = ((prox_logprobs - behav_logprobs) * mask).detach()
+    if seq_ids is None:
+        seq_ids, num_seqs = seq_ids_for(log_rho)
     if kind == "none":
-        w = torch.ones_like(log_rho)
-        clipped = torch.zeros_like(log_rho, dtype=torch.bool)
+        w, dropped = torch.ones_like(log_rho), torch.zeros_like(log_rho)
     elif kind == "tis":
-        rho = log_rho.exp()
-        w = rho.clamp(max=cap)
-        clipped = rho > cap
+        rho = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+        w, dropped = rho.clamp(max=cap), (rho > cap).float()
+    elif kind == "seq_tis":
+        seq_log = segment_sum(log_rho, seq_ids, num_seqs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        rho = seq_log.exp()[seq_ids]
+        w, dropped = rho.clamp(max=cap), (rho > cap).float()
+    elif kind == "mis":
+        rho = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+        inside = (rho >= lo) & (rho <= hi)
+        w, dropped = rho * inside, (~inside).float()
+    elif kind == "geo_mask":
+        n = segment_sum(mask.float(), seq_ids, num_seqs).clamp(min=1.0)
+        geo = (segment_sum(log_rho, seq_ids, num_seqs) / n).exp()[seq_ids]
+        inside = (geo >= lo) & (geo <= hi)
+        w, dropped = inside.float(), (~inside).float()
     else:
-        raise ValueError(f"unknown importance weight {kind!r}; use one of none, tis")
-    return w * mask, {"is_weight": w * mask, "is_weight_clipfrac": clipped.float() * mask}
+        raise ValueError(f"unknown importance weight {kind!r}; use one of none, tis, seq_tis, mis, geo_mask")
+    return w * mask, {"is_weight": w * mask, "is_weight_clipfrac": dropped * mask}
+
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def aggregate(
+    loss_per_token: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    global_tokens: torch.Tensor | float,
+    global_seqs: torch.Tensor | float = 1.0,
+    seq_ids: torch.Tensor | None = None,
+    num_seqs: int | None = None,
+    norm_tokens: float = 1.0,
+) -> torch.Tensor:
+    """This shard's share of the step's loss; summing the shares over shards gives the step's loss.
+
+    token-mean:              sum(m l) / global_tokens        (DAPO; every token counts the same)
+    seq-mean-token-mean:     sum_i mean_t(l_i) / global_seqs  (original GRPO; length-biased)
+    seq-mean-token-sum:      sum_i sum_t(l_i) / global_seqs
+    seq-mean-token-sum-norm: sum(m l) / (norm_tokens * global_seqs)  (Dr. GRPO: a fixed horizon, not |o_i|)
+    `global_*` are counts over the whole step (all micro-batches and ranks), never this shard's,
+    so the result does not depend on how the batch was split. Zeroed tokens stay in every count.
+    """
+    ml = loss_per_token * mask
+    if mode == "token-mean":
+        return ml.sum() / global_tokens
+    if mode == "seq-mean-token-sum-norm":
+        return ml.sum() / (norm_tokens * global_seqs)
+    if seq_ids is None:
+        seq_ids, num_seqs = seq_ids_for(ml)
+    per_seq = segment_sum(ml, seq_ids, num_seqs)
+    if mode == "seq-mean-token-sum":
+        return per_seq.sum() / global_seqs
+    if mode == "seq-mean-token-mean":
+        n = segment_sum(mask.to(ml.dtype), seq_ids, num_seqs)
+        return (per_seq / n.clamp(min=1.0)).sum() / global_seqs
+    raise ValueError(f"unknown aggregation {mode!r}; use one of {', '.join(AGG_MODES)}")
 
 
 def token_mean(loss_per_token: torch.Tensor, mask: torch.Tensor, global_tokens: torch.Tensor | float) -> torch.Tensor:
-    """Sum of masked token losses over the token count of the *whole step*.
-
-    Dividing by the global count (not this micro-batch's) makes the gradient the
-    same however the batch is split over ranks and micro-batches.
-    """
-    return (loss_per_token * mask).sum() / global_tokens
+    """Sum of masked token losses over the token count of the *whole step*."""
+    return aggregate(loss_per_token, mask, "token-mean", global_tokens=global_tokens)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """[..., V] -> [...] full-vocabulary entropy."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+# ---- covariance-based entropy control (Cui et al. 2025) ------------------------
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def covariance_score(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Cov_t = (logp_t - mean logp)(A_t - mean A), means over the valid tokens passed in (Eq. 10).
+
+    logp is detached: the score selects tokens, it is not optimised.
+    """
+    lp = logprobs.detach()
+    return (lp - _masked_mean(lp, mask)) * (advantages - _masked_mean(advantages, mask)) * mask
+
+
+def _count(fraction: float, mask: torch.Tensor) -> torch.Tensor:
+    """max(1, int(fraction * valid tokens)) as a tensor: no host sync."""
+    return torch.floor(mask.sum() * fraction).clamp(min=1.0)
+
+
+def _rank_desc(scores: torch.Tensor) -> torch.Tensor:
+    """Rank of every element under a descending sort (0 = largest), same shape as scores."""
+    flat = scores.reshape(-1)
+    order = flat.argsort(descending=True, stable=True)
+    ranks = torch.empty_like(order)
+    ranks[order] = torch.arange(flat.numel(), device=flat.device)
+    return ranks.view_as(scores)
+
+
+def clip_cov_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    cov_fraction: float,
+    cov_lb: float,
+    cov_ub: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clip-Cov: zero the gradient of a random few high-covariance tokens.
+
+    Candidates are valid tokens not already clipped by PPO whose covariance
+    score lies strictly inside (cov_lb, cov_ub); max(1, int(cov_fraction * n_valid))
+    of them, drawn uniformly with `generator`, get their loss multiplied by 0.
+    They stay in the token-mean denominator. Paper: cov_fraction 2e-4, bounds
+    (1, 5), clip ratios 1 (so the covariance selection is the trust region).
+    """
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = log_ratio.exp()
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    ppo_clipped = pg2 > pg1
+    cov = covariance_score(logprobs, advantages, mask)
+    candidate = (mask > 0) & (cov > cov_lb) & (cov < cov_ub) & ~ppo_clipped
+    if generator is None:
+        raise ValueError("clip_cov_loss needs a seeded torch.Generator: the token choice must be reproducible")
+    # Uniform choice without host sync: random keys, candidates first, take the k largest.
+    keys = torch.rand(cov.shape, generator=generator, device=cov.device)
+    keys = torch.where(candidate, keys, torch.full_like(keys, -1.0))
+    selected = candidate & (_rank_desc(keys) < _count(cov_fraction, mask))
+    loss = torch.maximum(pg1, pg2) * (~selected).float()
+    metrics = {
+        "pg_clipfrac": selected.float() * mask,  # the paper logs the share of tokens zeroed
+        "cov_selected": selected.float() * mask,
+        "ppo_kl": -log_ratio.detach() * mask,
+        "cov": cov,
+    }
+    return loss * mask, metrics
+
+
+def kl_cov_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kl_fraction: float,
+    kl_coef: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL-Cov: unclipped -A r everywhere, plus kl_coef |logp - old| on the top-k covariance tokens.
+
+    k = max(1, int(kl_fraction * n_valid)). The penalty is the absolute log
+    ratio, as in the paper's code (not a true KL). Paper: kl_fraction 2e-3 (7B),
+    2e-4 (32B), kl_coef 1. With kl_coef = 0 this is the plain importance-weighted
+    policy gradient.
+
+    Departure: only tokens with Cov > 0 can be selected. In the paper's regime
+    the top 0.2 % always have positive covariance, so nothing changes there; but
+    with all advantages equal (Cov = 0 everywhere) no token is "high covariance",
+    and penalising an arbitrary k of them would move the policy for no reason.
+    """
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = log_ratio.exp()
+    pg = -advantages * ratio
+    cov = covariance_score(logprobs, advantages, mask)
+    eligible = (mask > 0) & (cov > 0)
+    scores = torch.where(eligible, cov, torch.full_like(cov, float("-inf")))
+    selected = eligible & (_rank_desc(scores) < _count(kl_fraction, mask))
+    loss = pg + selected.float() * kl_coef * log_ratio.abs()
+    metrics = {
+        "pg_clipfrac": torch.zeros_like(pg),
+        "cov_selected": selected.float() * mask,
+        "ppo_kl": -log_ratio.detach() * mask,
+        "cov": cov,
+    }
+    return loss * mask, metrics
+
+
+# ---- sequence-level and clipped-weight losses ----------------------------------
+
+
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    seq_ids: torch.Tensor | None = None,
+    num_seqs: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025): the PPO clip on a sequence-level ratio.
+
+    s_i = exp(mean_t (logp - old)) over sequence i; token ratio sg(s_i) * pi / sg(pi),
+    whose value is s_i and whose gradient is s_i * grad log pi. Published eps about
+    3e-4 / 4e-4; aggregate with seq-mean-token-mean as in the paper.
+    """
+    if seq_ids is None:
+        seq_ids, num_seqs = seq_ids_for(logprobs)
+    log_ratio = (logprobs - old_logprobs) * mask
+    n = segment_sum(mask.to(logprobs.dtype), seq_ids, num_seqs).clamp(min=1.0)
+    seq_log = (segment_sum(log_ratio, seq_ids, num_seqs) / n).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    s_tok = seq_log.detach().exp()[seq_ids]
+    ratio = s_tok * (logprobs - logprobs.detach()).exp()
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(pg1, pg2)
+    metrics = {"pg_clipfrac": (pg2 > pg1).float() * mask, "ppo_kl": -log_ratio.detach() * mask}
+    return loss * mask, metrics
+
+
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1): -sg(clip(r, 1-eps_low, 1+eps_high)) * A * logp.
+
+    The IS weight is clipped and detached, so every token keeps a gradient
+    (PPO drops the gradient of clipped tokens entirely).
+    """
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = log_ratio.exp().detach()
+    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = -clipped_ratio * advantages * logprobs
+    metrics = {"pg_clipfrac": (clipped_ratio != ratio).float() * mask, "ppo_kl": -log_ratio.detach() * mask}
+    return loss * mask, metrics
+
+
+# ---- modifiers -------------------------------------------------------------------
+
+
+def par_weights(advantages: torch.Tensor, lam: float | torch.Tensor) -> torch.Tensor:
+    """Positive-advantage reweighting (Jin et al. 2025): lambda on tokens with A > 0, 1 elsewhere."""
+    return torch.where(advantages > 0, torch.as_tensor(lam, dtype=advantages.dtype), torch.ones_like(advantages))
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL(pi_theta || pi_ref) estimators: k1 = logp - ref, k2 = k1^2 / 2, k3 = exp(-k1) + k1 - 1."""
+    k1 = (logprobs - ref_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if kind == "k1":
+        return k1
+    if kind == "k2":
+        return 0.5 * k1.square()
+    if kind == "k3":
+        return (-k1).exp() + k1 - 1.0
+    raise ValueError(f"unknown KL estimator {kind!r}; use k1, k2 or k3")
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_fraction: float) -> torch.Tensor:
+    """Keep only the valid tokens whose entropy is in the top `top_fraction` (Wang et al. 2025: 0.2)."""
+    scores = torch.where(mask > 0, entropy.detach(), torch.full_like(entropy, float("-inf")))
+    k = torch.ceil(mask.sum() * top_fraction).clamp(min=1.0)
+    return ((_rank_desc(scores) < k) & (mask > 0)).to(mask.dtype)

@@ -1,0 +1,37 @@
+import tomllib
+
+import pytest
+
+from common.config import Config, ConfigError, from_dict, load_config, to_toml
+
+
+def test_defaults_roundtrip_through_toml(tmp_path):
+    cfg = load_config(None, ["rollout.group_size=4", "learner.lr=1e-4", "learner.loss.dual_clip_c=0"])
+    assert cfg.rollout.group_size == 4 and cfg.learner.lr == 1e-4 and cfg.learner.loss.dual_clip_c == 0
+    path = tmp_path / "c.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(str(path)) == cfg
+    assert from_dict(tomllib.loads(to_toml(Config()))) == Config()
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("rollout.group_sizee=4", "unknown field `group_sizee` - at `rollout`"),
+    ("rollout.group_size=1", "at `rollout.group_size`"),
+    ("rollout.top_p=1.5", "at `rollout.top_p`"),
+    ("learner.loss.dual_clip_c=0.5", "dual_clip_c"),
+    ("learner.mini_batches=3", "must divide rollout.groups_per_step"),
+    ("rollout", "expected key.path=value"),
+])
+def test_bad_values_name_the_field(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert needle in str(e.value)
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "nope.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[rollout\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(str(bad))

@@ -1,0 +1,32 @@
+"""DESIGN.md section 1: actors/ and learner/ never import each other; common/ imports neither;
+launch/ imports only common/ (it starts the roles as processes)."""
+
+import ast
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FORBIDDEN = {"actors": {"learner", "launch"}, "learner": {"actors", "launch"},
+             "common": {"actors", "learner", "launch"}, "launch": {"actors", "learner"}}
+
+
+def _imports(path):
+    tree = ast.parse(open(path).read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module.split(".")[0]
+
+
+def test_import_rule():
+    bad = []
+    checked = 0
+    for pkg, forbidden in FORBIDDEN.items():
+        for root, _, files in os.walk(os.path.join(REPO, pkg)):
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(root, f)
+                    checked += 1
+                    bad += [f"{os.path.relpath(path, REPO)} imports {m}" for m in _imports(path) if m in forbidden]
+    assert checked > 10, "the walk found no sources: the rule would pass vacuously"
+    assert not bad, "import rule broken:\n" + "\n".join(bad)

@@ -1,0 +1,78 @@
+import threading
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from common import weights as W
+from common.transport import free_port
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+
+
+def test_flatten_roundtrip_and_checksum_sensitivity():
+    a, b = _model(0), _model(1)
+    flat = W.flatten(a)
+    W.load_flat(b, flat)
+    assert_close(W.flatten(b), flat)
+    swapped = flat.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert W.checksum(swapped) != W.checksum(flat)  # order-sensitive
+
+
+def test_broadcast_to_two_receivers_then_stop(monkeypatch):
+    monkeypatch.setattr(W, "BUCKET_NUMEL", 16)  # force several buckets
+    port = free_port()
+    src = _model(0)
+    lay = W.layout(src)
+    got = {1: [], 2: []}
+
+    def receiver(rank):
+        ch = W.WeightChannel("127.0.0.1", port, rank, 3, 30)
+        while (r := ch.receive(lay)) is not None:
+            got[rank].append(r)
+
+    threads = [threading.Thread(target=receiver, args=(r,)) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    root = W.WeightChannel("127.0.0.1", port, 0, 3, 30)
+    sent = []
+    for v in (1, 2):
+        with torch.no_grad():
+            for p in src.parameters():
+                p.add_(0.5)
+        flat = W.flatten(src)
+        sent.append(flat.clone())
+        seconds, nbytes = root.publish(v, flat, lay)
+        assert nbytes == lay.numel * 4 and seconds >= 0
+    root.stop()
+    for t in threads:
+        t.join(10)
+    for rank in (1, 2):
+        assert [v for v, _ in got[rank]] == [1, 2]
+        for (_, flat), ref in zip(got[rank], sent):
+            assert W.checksum(flat) == W.checksum(ref)
+
+
+def test_layout_mismatch_is_a_clear_error():
+    port = free_port()
+    errors = []
+
+    def receiver():
+        ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30)
+        try:
+            ch.receive(W.layout(torch.nn.Linear(4, 4)))
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=receiver)
+    t.start()
+    root = W.WeightChannel("127.0.0.1", port, 0, 2, 30)
+    lay = W.layout(_model(0))  # 4*8+8 + 8*3+3 = 67 parameters; the receiver holds 20
+    root._bcast(torch.tensor([1, lay.numel, lay.digest, 0]))  # the header alone: the receiver must refuse it
+    t.join(10)
+    assert errors and "sends a model of 67 parameters" in errors[0]
+    assert "start generators from the learner's model" in errors[0]
