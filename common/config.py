@@ -66,16 +66,74 @@ class RewardConfig(_Section):
 class ImportanceConfig(_Section):
     """w = f(pi_prox / pi_behav), detached (DESIGN.md section 4)."""
 
-    type: Literal["none", "tis"] = "tis"
-    cap: PosFloat = 2.0  # C of truncated IS
+    type: Literal["none", "tis", "seq_tis", "mis", "geo_mask"] = "tis"
+    cap: PosFloat = 2.0  # C of (sequence-)truncated IS
+    lo: Annotated[float, Meta(ge=0)] = 0.5  # mis / geo_mask keep band [lo, hi]
+    hi: PosFloat = 2.0
+    # pi_prox: recompute (a no-grad pass at the step start, free when mini_batches == 1),
+    # behaviour (use the generator's logprobs; w = 1), or loglinear (AReaL's
+    # interpolation between pi_behav and pi_theta by version: no extra pass).
+    prox: Literal["recompute", "behaviour", "loglinear"] = "recompute"
 
 
-class LossConfig(_Section):
-    type: Literal["ppo"] = "ppo"
+class _Loss(_Section, tag_field="type"):
+    pass
+
+
+class PPOLoss(_Loss, tag="ppo"):
     clip_low: Annotated[float, Meta(ge=0, le=1)] = 0.2
     clip_high: Annotated[float, Meta(ge=0)] = 0.28
     dual_clip_c: Annotated[float, Meta(ge=0)] = 3.0  # dual-clip bound for A < 0; 0 turns it off
-    agg: Literal["token-mean"] = "token-mean"
+
+
+class ClipCovLoss(_Loss, tag="clip_cov"):
+    # Cui et al. 2025 Clip-Cov recipe: clip ratios 1 (the covariance selection is the trust region).
+    clip_low: Annotated[float, Meta(ge=0, le=1)] = 1.0
+    clip_high: Annotated[float, Meta(ge=0)] = 1.0
+    cov_fraction: Fraction01 = 2e-4
+    cov_lb: float = 1.0
+    cov_ub: float = 5.0
+
+
+class KLCovLoss(_Loss, tag="kl_cov"):
+    kl_fraction: Fraction01 = 2e-3  # 7B recipe; 2e-4 for 32B
+    kl_coef: Annotated[float, Meta(ge=0)] = 1.0
+
+
+class GSPOLoss(_Loss, tag="gspo"):
+    clip_low: Annotated[float, Meta(ge=0, le=1)] = 3e-4
+    clip_high: Annotated[float, Meta(ge=0)] = 4e-4
+
+
+class CISPOLoss(_Loss, tag="cispo"):
+    clip_low: Annotated[float, Meta(ge=0, le=1)] = 1.0  # no lower bound on the IS weight
+    clip_high: Annotated[float, Meta(ge=0)] = 0.28
+
+
+LossConfig = PPOLoss | ClipCovLoss | KLCovLoss | GSPOLoss | CISPOLoss
+
+
+class ParConfig(_Section):
+    """Positive-advantage reweighting (Jin et al. 2025): A > 0 tokens weighted by lambda."""
+
+    schedule: Literal["off", "constant", "linear", "entropy_guided"] = "off"
+    lam: Fraction01 = 0.0  # constant lambda; lambda_0 of entropy_guided
+    delta: Fraction01 = 0.05  # entropy_guided step
+    target_entropy: Annotated[float, Meta(ge=0)] = 0.2  # entropy_guided threshold (delta in the paper)
+
+
+class KLRefConfig(_Section):
+    coef: Annotated[float, Meta(ge=0)] = 0.0  # 0: no reference model is loaded
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+
+
+class FilterConfig(_Section):
+    dynamic_sampling: bool = True  # drop groups whose rewards all agree (DAPO)
+    # Stop dropping after this many step-batches' worth of groups were filtered for one step
+    # (DAPO: up to 10 generation batches), so a task the model always or never solves still trains.
+    max_filtered_batches: PosInt = 10
+    overlong_buffer_tokens: NonNegInt = 0  # DAPO soft overlong penalty window (0: off)
+    overlong_penalty: Annotated[float, Meta(ge=0)] = 1.0
 
 
 class LearnerConfig(_Section):
@@ -83,12 +141,25 @@ class LearnerConfig(_Section):
     weight_decay: Annotated[float, Meta(ge=0)] = 0.0
     grad_clip: PosFloat = 1.0
     zero_stage: Annotated[int, Meta(ge=0, le=3)] = 1
-    advantage: Literal["grpo"] = "grpo"
+    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp_baseline"] = "grpo"
     # Optimizer steps per rollout batch; >1 recomputes pi_prox first.
     mini_batches: PosInt = 1
     micro_batch_tokens: PosInt = 4096
-    loss: LossConfig = msgspec.field(default_factory=LossConfig)
+    loss: LossConfig = msgspec.field(default_factory=PPOLoss)
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    norm_tokens: NonNegInt = 0  # seq-mean-token-sum-norm horizon; 0: rollout.max_new_tokens
+    # Covariance statistics (Clip-Cov / KL-Cov selection, actor/cov_mean) over the whole step's batch
+    # ("step", exact: one no-grad pass first) or per micro-batch ("micro_batch", as verl does).
+    cov_scope: Literal["step", "micro_batch"] = "step"
+    entropy_coef: Annotated[float, Meta(ge=0)] = 0.0
+    high_entropy_fraction: Fraction01 = 0.0  # train only the top-rho entropy tokens (0: off; paper 0.2)
+    logprob_chunk_tokens: PosInt = 1024  # tokens per lm-head chunk when computing logprobs and entropy
+    # Entropy of the same batch after the update (actor/entropy_delta): one more no-grad pass.
+    log_entropy_delta: bool = True
     importance: ImportanceConfig = msgspec.field(default_factory=ImportanceConfig)
+    par: ParConfig = msgspec.field(default_factory=ParConfig)
+    kl: KLRefConfig = msgspec.field(default_factory=KLRefConfig)
+    filter: FilterConfig = msgspec.field(default_factory=FilterConfig)
 
 
 class TransportConfig(_Section):
@@ -153,6 +224,9 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
 
 
 def from_dict(tree: dict) -> Config:
+    loss = tree.get("learner", {}).get("loss")
+    if isinstance(loss, dict) and "type" not in loss:
+        loss["type"] = "ppo"  # the union's default member, so `[learner.loss] clip_low = 0.1` just works
     try:
         cfg = msgspec.convert(tree, Config)
     except msgspec.ValidationError as e:
@@ -164,10 +238,14 @@ def from_dict(tree: dict) -> Config:
 
 def check(cfg: Config) -> None:
     """Cross-field rules that a single field's bounds cannot express."""
-    if 0 < cfg.learner.loss.dual_clip_c <= 1:
-        raise ConfigError(
-            f"learner.loss.dual_clip_c={cfg.learner.loss.dual_clip_c} must be > 1 (published 3) or 0 to turn dual-clip off"
-        )
+    loss = cfg.learner.loss
+    if isinstance(loss, PPOLoss) and 0 < loss.dual_clip_c <= 1:
+        raise ConfigError(f"learner.loss.dual_clip_c={loss.dual_clip_c} must be > 1 (published 3) or 0 to turn dual-clip off")
+    if isinstance(loss, ClipCovLoss) and loss.cov_lb >= loss.cov_ub:
+        raise ConfigError(f"learner.loss.cov_lb={loss.cov_lb} must be below cov_ub={loss.cov_ub} (paper: 1 and 5)")
+    imp = cfg.learner.importance
+    if imp.lo >= imp.hi:
+        raise ConfigError(f"learner.importance.lo={imp.lo} must be below hi={imp.hi}")
     if cfg.rollout.groups_per_step % cfg.learner.mini_batches:
         raise ConfigError(
             f"learner.mini_batches={cfg.learner.mini_batches} must divide rollout.groups_per_step="

@@ -26,6 +26,7 @@ from common.transport import load_secret
 from learner import batch as B
 from learner.checkpoint import save_checkpoint
 from learner.hub import Hub
+from learner.par import ParSchedule
 from learner.trainer import Trainer, init_distributed, step_metrics, thread_setup
 
 log = logging.getLogger("covrl.learner")
@@ -79,7 +80,9 @@ def main() -> int:
         channel = W.WeightChannel(whost, int(wport), 0, cluster.generators + 1, cfg.transport.weight_sync_timeout_s)
         writer = MetricsWriter(args.run_dir)
         log.info("hub on %s, weight channel with %d generators ready", cluster.hub_addr, cluster.generators)
-    last_tokens, last_t = 0, time.perf_counter()
+    last_tokens, last_t, last_filtered = 0, time.perf_counter(), 0
+    par = ParSchedule(cfg.learner.par, cfg.run.steps)
+    filt = cfg.learner.filter
     for step in range(1, cfg.run.steps + 1):
         t0 = time.perf_counter()
         version = step - 1
@@ -87,9 +90,11 @@ def main() -> int:
         if rank == 0:
             groups = hub.take_batch(version, timeout_s=cfg.transport.generator_timeout_s * 5)
             extra = host_metrics(groups, version)
-            batch = B.build_step_batch([r.group for r in groups], version=version, ranks=world,
-                                       mini_batches=cfg.learner.mini_batches,
-                                       micro_batch_tokens=cfg.learner.micro_batch_tokens)
+            batch = B.build_step_batch(
+                [r.group for r in groups], version=version, ranks=world, mini_batches=cfg.learner.mini_batches,
+                micro_batch_tokens=cfg.learner.micro_batch_tokens, estimator=cfg.learner.advantage,
+                overlong=(cfg.rollout.max_new_tokens, filt.overlong_buffer_tokens, filt.overlong_penalty),
+                par_lambda=par.value(step), seed=cfg.run.seed * 100_003 + step)
         batch = share_batch(batch, rank)
         stats = trainer.train_step(batch)
         metrics = step_metrics(stats)
@@ -102,7 +107,10 @@ def main() -> int:
             adv = np.array([s.advantage for s in batch.samples])
             metrics.update(extra)
             metrics.update(hub.counters())
+            par.observe(metrics["actor/entropy"])
             metrics.update({
+                "actor/par_lambda": batch.par_lambda,
+                "filter/dropped_groups": float(hub.filtered - last_filtered),
                 "critic/advantages/mean": float(adv.mean()),
                 "perf/gen_tokens_per_s": (gen_tokens - last_tokens) / max(now - last_t, 1e-9),
                 "timing_s/step": now - t0,
@@ -112,12 +120,13 @@ def main() -> int:
                 "weights/checksum": W.checksum(flat),
                 "weights/version": float(step),
             })
-            last_tokens, last_t = gen_tokens, now
+            last_tokens, last_t, last_filtered = gen_tokens, now, hub.filtered
             writer.write(step, metrics)
         every = cfg.run.checkpoint_every_steps
         if rank == 0 and (step == cfg.run.steps or (every and step % every == 0)):
             save_checkpoint(args.run_dir, step, trainer.module, tokenizer,
-                            {"version": step, "hub_slots": hub.slots, "epoch": hub.epoch, "pos": hub.pos})
+                            {"version": step, "hub_slots": hub.slots, "epoch": hub.epoch, "pos": hub.pos,
+                             "par": par.state()})
     if rank == 0:
         channel.stop()
         hub.stop()

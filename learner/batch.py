@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from common import messages as M
+from learner import advantages as A
 
 
 class TrainSample(msgspec.Struct, array_like=True, gc=False):
@@ -36,6 +37,9 @@ class StepBatch(msgspec.Struct, array_like=True, gc=False):
     samples: list[TrainSample]
     plan: list[list[list[list[int]]]]  # [mini][rank][micro] -> sample indices
     mini_tokens: list[int]  # response tokens of each mini-batch, over all ranks
+    mini_seqs: list[int]  # responses in each mini-batch, over all ranks
+    par_lambda: float = 1.0  # positive-advantage weight for this step (1: off)
+    seed: int = 0  # seeds this step's random token choices (Clip-Cov)
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -48,13 +52,6 @@ def encode(batch: StepBatch) -> bytes:
 
 def decode(buf: bytes) -> StepBatch:
     return _DECODER.decode(buf)
-
-
-def grpo_advantages(rewards: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """[G, n] -> [G, n]: (r - mean_g) / (std_g + eps), unbiased std (GRPO)."""
-    mean = rewards.mean(axis=1, keepdims=True)
-    std = rewards.std(axis=1, ddof=1, keepdims=True)
-    return (rewards - mean) / (std + eps)
 
 
 def _balance(lengths: list[int], idx: list[int], ranks: int) -> list[list[int]]:
@@ -85,10 +82,21 @@ def _micro_batches(lengths: list[int], idx: list[int], budget: int) -> list[list
 
 
 def build_step_batch(
-    groups: list[M.RolloutGroup], *, version: int, ranks: int, mini_batches: int, micro_batch_tokens: int
+    groups: list[M.RolloutGroup],
+    *,
+    version: int,
+    ranks: int,
+    mini_batches: int,
+    micro_batch_tokens: int,
+    estimator: str = "grpo",
+    overlong: tuple[int, int, float] = (0, 0, 0.0),  # (max_new_tokens, buffer_tokens, penalty)
+    par_lambda: float = 1.0,
+    seed: int = 0,
 ) -> StepBatch:
     rewards = np.array([[s.reward for s in g.samples] for g in groups], dtype=np.float64)
-    adv = grpo_advantages(rewards)
+    resp_lengths = np.array([[len(s.token_ids) // 4 for s in g.samples] for g in groups])
+    rewards = rewards + A.overlong_penalty(resp_lengths, *overlong)
+    adv = A.ESTIMATORS[estimator](rewards, resp_lengths)
     samples: list[TrainSample] = []
     group_of: list[int] = []
     for gi, g in enumerate(groups):
@@ -108,14 +116,16 @@ def build_step_batch(
     lengths = [len(s.input_ids) // 4 for s in samples]
     resp_len = [len(s.versions) // 4 for s in samples]
     per_mini = len(groups) // mini_batches
-    plan, mini_tokens = [], []
+    plan, mini_tokens, mini_seqs = [], [], []
     for m in range(mini_batches):
         idx = [i for i, gi in enumerate(group_of) if m * per_mini <= gi < (m + 1) * per_mini]
         per_rank = [_micro_batches(lengths, part, micro_batch_tokens) for part in _balance(lengths, idx, ranks)]
         depth = max(1, max(len(p) for p in per_rank))
         plan.append([p + [[] for _ in range(depth - len(p))] for p in per_rank])
         mini_tokens.append(sum(resp_len[i] for i in idx))
-    return StepBatch(version=version, samples=samples, plan=plan, mini_tokens=mini_tokens)
+        mini_seqs.append(len(idx))
+    return StepBatch(version=version, samples=samples, plan=plan, mini_tokens=mini_tokens, mini_seqs=mini_seqs,
+                     par_lambda=par_lambda, seed=seed)
 
 
 def pack(samples: list[TrainSample], idx: list[int], pad_id: int) -> dict[str, torch.Tensor]:
@@ -128,9 +138,9 @@ def pack(samples: list[TrainSample], idx: list[int], pad_id: int) -> dict[str, t
         one = torch.tensor([[pad_id]])
         zero = torch.zeros((1, 0))
         return {"input_ids": one, "position_ids": torch.zeros_like(one), "targets": one[:, :0], "mask": zero,
-                "behav": zero, "versions": zero.long(), "adv": zero}
-    ids, pos, mask, behav, vers, adv = [], [], [], [], [], []
-    for i in idx:
+                "behav": zero, "versions": zero.long(), "adv": zero, "seq_ids": zero.long()}
+    ids, pos, mask, behav, vers, adv, sid = [], [], [], [], [], [], []
+    for k, i in enumerate(idx):
         s = samples[i]
         seq = M.as_array(s.input_ids, M.TOKEN_DTYPE).astype(np.int64)
         P, R = s.prompt_len, len(seq) - s.prompt_len
@@ -147,6 +157,7 @@ def pack(samples: list[TrainSample], idx: list[int], pad_id: int) -> dict[str, t
         v[P - 1 : P - 1 + R] = M.as_array(s.versions, M.VERSION_DTYPE)
         vers.append(v)
         adv.append(np.full(len(seq), s.advantage, dtype=np.float32))
+        sid.append(np.full(len(seq), k, dtype=np.int64))
     row = torch.from_numpy(np.concatenate(ids))[None]
     cat = lambda parts: torch.from_numpy(np.concatenate(parts))[None]  # noqa: E731
     # The last position of the row predicts nothing: drop it from the target-aligned tensors.
@@ -158,4 +169,5 @@ def pack(samples: list[TrainSample], idx: list[int], pad_id: int) -> dict[str, t
         "behav": cat(behav)[:, :-1],
         "versions": cat(vers)[:, :-1],
         "adv": cat(adv)[:, :-1],
+        "seq_ids": cat(sid)[:, :-1],  # which of the len(idx) sequences each target belongs to
     }

@@ -5,7 +5,8 @@ Invariants
   re-issue (dead generator, group too stale) keeps the slot, so the stream's
   order, and with it the batch composition, does not depend on timing.
 - Admission control bounds staleness: a new slot is issued only while
-  `slots < (v + 1 + max_staleness_steps) * groups_per_step`, v = learner version.
+  `slots - filtered < (v + 1 + max_staleness_steps) * groups_per_step`, v = learner
+  version; groups dropped by dynamic sampling (no reward spread) free their place.
 - The batch for step v+1 is the groups_per_step lowest ready slots, taken only
   once no group issued before version v - k is still in flight; a group whose
   oldest token is nonetheless more than k versions old is dropped and its prompt
@@ -34,6 +35,7 @@ from common import messages as M
 from common.config import Config
 from common.data import PromptSource, encode_prompt
 from common.transport import HubSocket
+from learner.advantages import zero_spread
 
 log = logging.getLogger("covrl.hub")
 
@@ -92,7 +94,9 @@ class Hub:
         )
         self.cv = threading.Condition()
         self.version = 0
-        self.slots = 0  # slots ever issued (admitted groups)
+        self.slots = 0  # slots ever issued
+        self.filtered = 0  # groups dropped by dynamic sampling (their slots do not count as admitted)
+        self.filtered_this_step = 0
         self.next_ticket = 0
         self.epoch, self.pos = 0, 0
         self.order = source.order(0)
@@ -155,6 +159,7 @@ class Hub:
         if len(self.ready) < self.gps:
             return None
         slots = sorted(self.ready)[: self.gps]
+        self.filtered_this_step = 0
         return [self.ready.pop(s) for s in slots]
 
     # ---- hub thread ---------------------------------------------------------------
@@ -247,8 +252,16 @@ class Hub:
             self.reissue.append(t)
             return
         del self.in_flight[g.ticket]
-        self.ready[t.slot] = Ready(t.slot, t.issue_version, g)
         self.stats.gen_tokens += sum(len(s.token_ids) // 4 for s in g.samples)
+        filt = self.cfg.learner.filter
+        if (filt.dynamic_sampling and zero_spread([s.reward for s in g.samples])
+                and self.filtered_this_step < filt.max_filtered_batches * self.gps):
+            # No reward spread, no advantage: drop it and let admission issue a replacement.
+            self.filtered += 1
+            self.filtered_this_step += 1
+            self.stats.counters["hub/filtered_groups"] += 1
+            return
+        self.ready[t.slot] = Ready(t.slot, t.issue_version, g)
         self.cv.notify_all()
 
     def _expire(self, now: float) -> None:
@@ -288,7 +301,7 @@ class Hub:
         if self.reissue:
             old = self.reissue.popleft()
             slot, prompt_id, epoch = old.slot, old.prompt_id, old.epoch
-        elif self.slots < (self.version + 1 + self.k) * self.gps:
+        elif self.slots - self.filtered < (self.version + 1 + self.k) * self.gps:
             if self.pos == len(self.order):
                 self.epoch, self.pos = self.epoch + 1, 0
                 self.order = self.source.order(self.epoch)

@@ -187,13 +187,34 @@ def _count(fraction: float, mask: torch.Tensor) -> torch.Tensor:
     return torch.floor(mask.sum() * fraction).clamp(min=1.0)
 
 
-def _rank_desc(scores: torch.Tensor) -> torch.Tensor:
-    """Rank of every element under a descending sort (0 = largest), same shape as scores."""
+def _top_k_mask(scores: torch.Tensor, k: torch.Tensor, fraction: float) -> torch.Tensor:
+    """True on the k largest scores, k a 0-d tensor (no host sync).
+
+    k = max(1, floor(fraction * n_valid)) never exceeds k_max = max(1, floor(fraction * numel)),
+    which the shape alone fixes; so a partial top-k_max (O(N log k_max), not a full sort) is
+    enough, and the tensor k then cuts it without reading k on the host.
+    """
     flat = scores.reshape(-1)
-    order = flat.argsort(descending=True, stable=True)
-    ranks = torch.empty_like(order)
-    ranks[order] = torch.arange(flat.numel(), device=flat.device)
-    return ranks.view_as(scores)
+    k_max = max(1, min(flat.numel(), int(fraction * flat.numel())))
+    top = flat.topk(k_max, sorted=True).indices
+    take = torch.arange(k_max, device=flat.device) < k
+    return torch.zeros_like(flat, dtype=torch.bool).scatter_(0, top, take).view_as(scores)
+
+
+def clip_cov_candidates(cov: torch.Tensor, mask: torch.Tensor, cov_lb: float, cov_ub: float) -> torch.Tensor:
+    return (mask > 0) & (cov > cov_lb) & (cov < cov_ub)
+
+
+def clip_cov_keys(candidate: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Uniform random keys for candidates, -1 elsewhere: the k largest are a uniform k-subset."""
+    if generator is None:
+        raise ValueError("Clip-Cov needs a seeded torch.Generator: the token choice must be reproducible")
+    keys = torch.rand(candidate.shape, generator=generator, device=candidate.device)
+    return torch.where(candidate, keys, torch.full_like(keys, -1.0))
+
+
+def kl_cov_eligible(cov: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (mask > 0) & (cov > 0)
 
 
 def clip_cov_loss(
@@ -208,6 +229,7 @@ def clip_cov_loss(
     cov_lb: float,
     cov_ub: float,
     generator: torch.Generator | None,
+    selected: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clip-Cov: zero the gradient of a random few high-covariance tokens.
 
@@ -216,6 +238,8 @@ def clip_cov_loss(
     of them, drawn uniformly with `generator`, get their loss multiplied by 0.
     They stay in the token-mean denominator. Paper: cov_fraction 2e-4, bounds
     (1, 5), clip ratios 1 (so the covariance selection is the trust region).
+    `selected`, if given, is a choice already made over a larger batch (the
+    trainer's step-wide selection); it still never touches a PPO-clipped token.
     """
     log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = log_ratio.exp()
@@ -223,13 +247,12 @@ def clip_cov_loss(
     pg2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     ppo_clipped = pg2 > pg1
     cov = covariance_score(logprobs, advantages, mask)
-    candidate = (mask > 0) & (cov > cov_lb) & (cov < cov_ub) & ~ppo_clipped
-    if generator is None:
-        raise ValueError("clip_cov_loss needs a seeded torch.Generator: the token choice must be reproducible")
-    # Uniform choice without host sync: random keys, candidates first, take the k largest.
-    keys = torch.rand(cov.shape, generator=generator, device=cov.device)
-    keys = torch.where(candidate, keys, torch.full_like(keys, -1.0))
-    selected = candidate & (_rank_desc(keys) < _count(cov_fraction, mask))
+    candidate = clip_cov_candidates(cov, mask, cov_lb, cov_ub) & ~ppo_clipped
+    if selected is not None:
+        selected = selected.bool() & ~ppo_clipped & (mask > 0)
+    else:
+        keys = clip_cov_keys(candidate, generator)
+        selected = candidate & _top_k_mask(keys, _count(cov_fraction, mask), cov_fraction)
     loss = torch.maximum(pg1, pg2) * (~selected).float()
     metrics = {
         "pg_clipfrac": selected.float() * mask,  # the paper logs the share of tokens zeroed
@@ -248,6 +271,7 @@ def kl_cov_loss(
     *,
     kl_fraction: float,
     kl_coef: float,
+    selected: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL-Cov: unclipped -A r everywhere, plus kl_coef |logp - old| on the top-k covariance tokens.
 
@@ -265,9 +289,12 @@ def kl_cov_loss(
     ratio = log_ratio.exp()
     pg = -advantages * ratio
     cov = covariance_score(logprobs, advantages, mask)
-    eligible = (mask > 0) & (cov > 0)
-    scores = torch.where(eligible, cov, torch.full_like(cov, float("-inf")))
-    selected = eligible & (_rank_desc(scores) < _count(kl_fraction, mask))
+    if selected is not None:  # chosen over the whole step by the trainer
+        selected = selected.bool() & (mask > 0)
+    else:
+        eligible = kl_cov_eligible(cov, mask)
+        scores = torch.where(eligible, cov, torch.full_like(cov, float("-inf")))
+        selected = eligible & _top_k_mask(scores, _count(kl_fraction, mask), kl_fraction)
     loss = pg + selected.float() * kl_coef * log_ratio.abs()
     metrics = {
         "pg_clipfrac": torch.zeros_like(pg),
@@ -358,4 +385,6 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_fraction: f
     """Keep only the valid tokens whose entropy is in the top `top_fraction` (Wang et al. 2025: 0.2)."""
     scores = torch.where(mask > 0, entropy.detach(), torch.full_like(entropy, float("-inf")))
     k = torch.ceil(mask.sum() * top_fraction).clamp(min=1.0)
-    return ((_rank_desc(scores) < k) & (mask > 0)).to(mask.dtype)
+    # ceil(f * n_valid) <= ceil(f * numel): pass a fraction whose floor covers the ceil.
+    fraction = min(1.0, top_fraction + 1.0 / max(scores.numel(), 1))
+    return (_top_k_mask(scores, k, fraction) & (mask > 0)).to(mask.dtype)

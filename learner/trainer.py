@@ -1,14 +1,19 @@
-"""The train step of one learner rank: DeepSpeed engine, packed micro-batches, the policy loss.
+"""The train step of one learner rank: DeepSpeed engine, packed micro-batches, the objective.
 
-One `train_step` = for each mini-batch: forward/backward every micro-batch of
-this rank, then one optimizer step. The loss of a micro-batch is its share of
-the token-mean over the *whole mini-batch on all ranks* (`mini_tokens`), times
-the data-parallel world size because DeepSpeed averages gradients over ranks;
-so the update is the same however the batch is split.
+One `train_step`:
+1. `_survey` (no grad, only when something needs it): log pi_prox, the entropy
+   before the update, and the step-wide choices that must see the *whole* batch
+   on all ranks - Clip-Cov / KL-Cov token selection (covariance means and top-k
+   over the global batch, as DESIGN.md requires), the high-entropy mask, pi_ref.
+2. for each mini-batch: forward/backward every micro-batch of this rank, then
+   one optimizer step. A micro-batch's loss is its share of the aggregate over
+   the *whole mini-batch on all ranks*, times the data-parallel world size
+   because DeepSpeed averages gradients over ranks; so the update does not
+   depend on how the batch was split.
+3. optionally the entropy of the same batch after the update (`entropy_delta`).
 
-pi_prox: with one mini-batch, the policy at the start of the step is the
-current one, so log pi_prox = logp.detach() and no extra forward is needed.
-With several, a no-grad pass before the first update records it.
+pi_prox: with one mini-batch and no survey, the policy at the start of the step
+is the current one, so log pi_prox = logp.detach() and no extra pass is needed.
 
 DeepSpeed on CPU: two JIT-compiled ops would cost every run about a minute
 (the shared-memory comm op, built for inference all-reduce that training never
@@ -25,9 +30,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from common.config import Config
-from learner import losses
+from common.config import ClipCovLoss, Config, KLCovLoss
+from learner import losses as L
 from learner.batch import StepBatch, pack
+from learner.logprobs import logprobs_and_entropy
+from learner.objective import Objective, Tokens
 
 
 def _quiet_deepspeed():
@@ -46,17 +53,29 @@ def init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+SUM_KEYS = (
+    "tokens", "entropy", "pg_loss", "pg_clipfrac", "ppo_kl", "is_weight", "is_weight_clipfrac",
+    "logp", "adv", "logp_adv", "seq_tokens", "ranks", "cov_selected", "entropy_after", "kl_ref",
+)
+
+
 @dataclass
 class StepStats:
     sums: torch.Tensor  # float64 [len(SUM_KEYS)], reduced over ranks
     grad_norm: float
     train_s: float
+    entropy_delta_logged: bool
 
 
-SUM_KEYS = (
-    "tokens", "entropy", "pg_loss", "pg_clipfrac", "ppo_kl", "is_weight", "is_weight_clipfrac",
-    "logp", "adv", "logp_adv", "seq_tokens", "ranks",
-)
+def _global_kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th largest of the union of every rank's `values` (1-D); -inf if fewer than k exist,
+    so `>= kth` then keeps them all."""
+    local = values.topk(min(k, values.numel())).values if values.numel() else values
+    buf = torch.full((k,), float("-inf"), dtype=torch.float64)
+    buf[: local.numel()] = local.double()
+    gathered = [torch.empty_like(buf) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, buf)
+    return torch.cat(gathered).topk(k).values[-1]
 
 
 class Trainer:
@@ -69,6 +88,10 @@ class Trainer:
         model.config.use_cache = False
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         lc = cfg.learner
+        self.ref = None
+        if lc.kl.coef:
+            self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+            self.ref.eval().requires_grad_(False)
         opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.999), eps=1e-8)
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,
@@ -82,94 +105,184 @@ class Trainer:
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
+        self.objective = Objective(lc, cfg.rollout.max_new_tokens)
+        self.step_wide_cov = lc.cov_scope == "step" and isinstance(lc.loss, (ClipCovLoss, KLCovLoss))
+        self.needs_survey = (lc.mini_batches > 1 or self.step_wide_cov or lc.high_entropy_fraction > 0
+                             or self.ref is not None or lc.log_entropy_delta)
 
     @property
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
-    def _forward(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """log pi_theta of each target and the full-vocabulary entropy, both [1, N-1]."""
-        out = self.engine(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False)
-        logits = out.logits[:, :-1].float() / self.cfg.rollout.temperature
-        logp_all = torch.log_softmax(logits, dim=-1)
-        logp = logp_all.gather(-1, mb["targets"][..., None])[..., 0]
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-        return logp, entropy
+    def _logp_entropy(self, model, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[1, N-1] log pi(target) and full-vocabulary entropy, the lm head run in chunks."""
+        hidden = model.model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).last_hidden_state
+        logp, ent = logprobs_and_entropy(model.lm_head, hidden[0, :-1], mb["targets"][0],
+                                         temperature=self.cfg.rollout.temperature,
+                                         chunk=self.cfg.learner.logprob_chunk_tokens)
+        return logp[None], ent[None]
 
-    @torch.no_grad()
-    def _prox_logprobs(self, batch: StepBatch) -> dict[tuple[int, int], torch.Tensor]:
-        self.engine.eval()
-        out = {}
+    def _micro(self, batch: StepBatch):
+        """(mini index, micro index, packed tensors) for this rank, in training order."""
         for m, per_rank in enumerate(batch.plan):
             for k, idx in enumerate(per_rank[self.rank]):
-                out[(m, k)] = self._forward(pack(batch.samples, idx, self.pad_id))[0]
+                yield m, k, idx, pack(batch.samples, idx, self.pad_id)
+
+    @torch.no_grad()
+    def _survey(self, batch: StepBatch) -> dict:
+        """Everything that must be known about the whole step before the first update."""
+        lc = self.cfg.learner
+        self.engine.eval()
+        per = {}
+        for m, k, idx, mb in self._micro(batch):
+            logp, ent = self._logp_entropy(self.module, mb)
+            ref = self._logp_entropy(self.ref, mb)[0] if self.ref is not None else None
+            per[(m, k)] = {"old": logp, "entropy": ent, "ref": ref, "mb": mb}
         self.engine.train()
-        return out
+        if self.step_wide_cov:
+            self._select_cov(per, batch)
+        if lc.high_entropy_fraction > 0:
+            self._select_high_entropy(per)
+        return per
+
+    def _select_cov(self, per: dict, batch: StepBatch) -> None:
+        """Clip-Cov / KL-Cov choice over the global batch: global means, global top-k."""
+        loss = self.cfg.learner.loss
+        sums = torch.zeros(3, dtype=torch.float64)
+        for e in per.values():
+            m = e["mb"]["mask"]
+            sums += torch.stack([(e["old"] * m).sum(), (e["mb"]["adv"] * m).sum(), m.sum()]).double()
+        dist.all_reduce(sums)
+        n = sums[2].clamp(min=1.0)
+        mean_lp, mean_a = sums[0] / n, sums[1] / n
+        fraction = loss.cov_fraction if isinstance(loss, ClipCovLoss) else loss.kl_fraction
+        k = max(1, int(fraction * float(sums[2])))
+        gen = torch.Generator().manual_seed(batch.seed * 1009 + self.rank)
+        floor = -1.0 if isinstance(loss, ClipCovLoss) else float("-inf")  # the score of a non-candidate
+        scores = []
+        for e in per.values():
+            m = e["mb"]["mask"]
+            cov = (e["old"].double() - mean_lp) * (e["mb"]["adv"].double() - mean_a) * m
+            if isinstance(loss, ClipCovLoss):
+                e["score"] = L.clip_cov_keys(L.clip_cov_candidates(cov, m, loss.cov_lb, loss.cov_ub), gen).double()
+            else:
+                eligible = L.kl_cov_eligible(cov, m)
+                e["score"] = torch.where(eligible, cov, torch.full_like(cov, float("-inf")))
+            scores.append(e["score"][e["score"] > floor])
+        kth = _global_kth_largest(torch.cat(scores) if scores else torch.zeros(0, dtype=torch.float64), k)
+        for e in per.values():
+            e["selected"] = (e["score"] >= kth) & (e["score"] > floor)
+
+    def _select_high_entropy(self, per: dict) -> None:
+        """Keep the top-rho entropy tokens of the global batch (Wang et al. 2025)."""
+        vals = [e["entropy"][e["mb"]["mask"] > 0] for e in per.values()]
+        local = torch.cat(vals) if vals else torch.zeros(0)
+        count = torch.tensor([float(local.numel())], dtype=torch.float64)
+        dist.all_reduce(count)
+        k = max(1, int(float(count) * self.cfg.learner.high_entropy_fraction + 0.999999))
+        kth = _global_kth_largest(local, k)
+        for e in per.values():
+            e["keep"] = ((e["entropy"].double() >= kth) & (e["mb"]["mask"] > 0)).float()
+
+    def _prox(self, survey, m: int, k: int, logp: torch.Tensor, mb: dict, batch: StepBatch) -> torch.Tensor:
+        imp = self.cfg.learner.importance
+        if imp.prox == "behaviour":
+            return mb["behav"]
+        if imp.prox == "loglinear" and m > 0:
+            # AReaL's approximation, no extra pass: interpolate in log space between pi_behav and the
+            # current policy by version, treating mini-batch m of M as version v + m / M.
+            v = float(batch.version)
+            ver = mb["versions"].double()
+            alpha = ((v - ver) / (v + m / len(batch.plan) - ver)).clamp(0.0, 1.0).float()
+            return mb["behav"] + alpha * (logp.detach() - mb["behav"])
+        if survey is not None:
+            return survey[(m, k)]["old"]
+        return logp.detach()
 
     def train_step(self, batch: StepBatch) -> StepStats:
         t0 = time.perf_counter()
-        lc = self.cfg.learner
-        loss_cfg = lc.loss
-        dual = loss_cfg.dual_clip_c or None
-        prox = self._prox_logprobs(batch) if len(batch.plan) > 1 else None
+        self._last_batch = batch
+        survey = self._survey(batch) if self.needs_survey else None
         sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
         grad_norms = []
+        gen = torch.Generator().manual_seed(batch.seed * 1009 + self.rank)
         self.engine.train()
-        for m, per_rank in enumerate(batch.plan):
-            micro = per_rank[self.rank]
-            for k, idx in enumerate(micro):
-                self.engine.set_gradient_accumulation_boundary(k == len(micro) - 1)
-                mb = pack(batch.samples, idx, self.pad_id)
-                logp, entropy = self._forward(mb)
-                mask = mb["mask"]
-                old = logp.detach() if prox is None else prox[(m, k)]
-                w, w_metrics = losses.importance_weights(old, mb["behav"], mask, kind=lc.importance.type, cap=lc.importance.cap)
-                tok_loss, pg_metrics = losses.ppo_loss(
-                    logp, old, mb["adv"], mask, clip_low=loss_cfg.clip_low, clip_high=loss_cfg.clip_high, dual_clip_c=dual
-                )
-                tok_loss = tok_loss * w
-                loss = losses.token_mean(tok_loss, mask, float(batch.mini_tokens[m])) * self.world
-                if not idx:
-                    # Empty micro-batch: touch every parameter with a zero gradient so
-                    # ZeRO's reduction hooks fire on this rank like on the others.
-                    loss = loss + 0.0 * sum(p.sum() for p in self.engine.module.parameters())
-                self.engine.backward(loss, scale_wrt_gas=False)
-                with torch.no_grad():
-                    lp = old * mask
-                    a = mb["adv"] * mask
-                    sums += torch.stack([
-                        mask.sum(), (entropy * mask).sum(), tok_loss.detach().sum(), pg_metrics["pg_clipfrac"].sum(),
-                        pg_metrics["ppo_kl"].sum(), w_metrics["is_weight"].sum(), w_metrics["is_weight_clipfrac"].sum(),
-                        lp.sum(), a.sum(), (lp * a).sum(), torch.tensor(float(mb["input_ids"].numel() if idx else 0)),
-                        torch.tensor(0.0),
-                    ]).double()
-            self.engine.step()
-            gn = self.engine.get_global_grad_norm()
-            if gn is not None:
-                grad_norms.append(float(gn))
+        n_micro = [len(per_rank[self.rank]) for per_rank in batch.plan]
+        for m, k, idx, mb in self._micro(batch):
+            self.engine.set_gradient_accumulation_boundary(k == n_micro[m] - 1)
+            logp, entropy = self._logp_entropy(self.module, mb)
+            e = survey[(m, k)] if survey is not None else {}
+            t = Tokens(logp=logp, entropy=entropy, old=self._prox(survey, m, k, logp, mb, batch), behav=mb["behav"],
+                       adv=mb["adv"], mask=mb["mask"], seq_ids=mb["seq_ids"], num_seqs=max(len(idx), 1),
+                       ref=e.get("ref"), selected=e.get("selected"), keep=e.get("keep"))
+            loss, met = self.objective(t, global_tokens=float(batch.mini_tokens[m]), global_seqs=float(batch.mini_seqs[m]),
+                                       par_lambda=batch.par_lambda, generator=gen)
+            loss = loss * self.world
+            if not idx:
+                # Empty micro-batch: touch every parameter with a zero gradient so
+                # ZeRO's reduction hooks fire on this rank like on the others.
+                loss = loss + 0.0 * sum(p.sum() for p in self.module.parameters())
+            self.engine.backward(loss, scale_wrt_gas=False)
+            with torch.no_grad():
+                mask = t.mask
+                ent0 = e["entropy"] if e else entropy  # entropy of the policy *before* this step's updates
+                lp, a = t.old * mask, t.adv * mask
+                sums += torch.stack([
+                    mask.sum(), (ent0 * mask).sum(), met["pg_loss"].sum(), met["pg_clipfrac"].sum(),
+                    met["ppo_kl"].sum(), met["is_weight"].sum(), met["is_weight_clipfrac"].sum(),
+                    lp.sum(), a.sum(), (lp * a).sum(), torch.tensor(float(mb["input_ids"].numel() if idx else 0)),
+                    torch.tensor(0.0), met.get("cov_selected", torch.zeros(1)).sum(), torch.tensor(0.0),
+                    met.get("kl_ref", torch.zeros(1)).sum(),
+                ]).double()
+            if k == n_micro[m] - 1:
+                self.engine.step()
+                gn = self.engine.get_global_grad_norm()
+                if gn is not None:
+                    grad_norms.append(float(gn))
+        logged_after = self.cfg.learner.log_entropy_delta
+        if logged_after:
+            sums[SUM_KEYS.index("entropy_after")] = self._entropy_sum()
         sums[SUM_KEYS.index("ranks")] = 1.0 if sums[SUM_KEYS.index("tokens")] > 0 else 0.0
         dist.all_reduce(sums)
         return StepStats(sums=sums, grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
-                         train_s=time.perf_counter() - t0)
+                         train_s=time.perf_counter() - t0, entropy_delta_logged=logged_after)
+
+    @torch.no_grad()
+    def _entropy_sum(self) -> float:
+        """Sum of token entropies of the batch just trained on, under the updated policy."""
+        self.engine.eval()
+        total = 0.0
+        for _, _, idx, mb in self._micro(self._last_batch):
+            if idx:
+                total += float((self._logp_entropy(self.module, mb)[1] * mb["mask"]).sum())
+        self.engine.train()
+        return total
 
 
 def step_metrics(stats: StepStats) -> dict[str, float]:
     s = dict(zip(SUM_KEYS, stats.sums.tolist()))
     n = max(s["tokens"], 1.0)
     mean_lp, mean_a = s["logp"] / n, s["adv"] / n
-    return {
+    out = {
         "actor/entropy": s["entropy"] / n,
-        # Mean over tokens of (logp - mean logp)(A - mean A) = E[logp A] - E[logp] E[A] (Cui et al. Eq. 10).
+        # Mean over tokens of (logp - mean logp)(A - mean A) = E[logp A] - E[logp] E[A] (Cui et al. Eq. 10),
+        # with logp of pi_prox (the policy at the step start) over the whole step's batch.
         "actor/cov_mean": s["logp_adv"] / n - mean_lp * mean_a,
+        "actor/cov_selected_frac": s["cov_selected"] / n,
         "actor/pg_loss": s["pg_loss"] / n,
         "actor/pg_clipfrac": s["pg_clipfrac"] / n,
         "actor/ppo_kl": s["ppo_kl"] / n,
         "actor/grad_norm": stats.grad_norm,
         "actor/is_weight_mean": s["is_weight"] / n,
         "actor/is_weight_clipfrac": s["is_weight_clipfrac"] / n,
+        "actor/kl_ref": s["kl_ref"] / n,
         "learner/ranks_participating": s["ranks"],
         "perf/learner_tokens_per_s": s["seq_tokens"] / max(stats.train_s, 1e-9),
     }
+    if stats.entropy_delta_logged:
+        out["actor/entropy_after"] = s["entropy_after"] / n
+        out["actor/entropy_delta"] = (s["entropy_after"] - s["entropy"]) / n
+    return out
 
 
 def thread_setup(cfg: Config) -> None:

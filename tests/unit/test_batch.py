@@ -3,6 +3,7 @@ import torch
 from torch.testing import assert_close
 
 from common import messages as M
+from learner import advantages as A
 from learner import batch as B
 
 
@@ -19,7 +20,7 @@ def _group(prompt, responses, rewards, version=0):
 
 def test_grpo_advantages_hand_computed():
     # rewards [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(1/3) = 0.57735 -> +-0.866025
-    adv = B.grpo_advantages(np.array([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]))
+    adv = A.grpo(np.array([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]))
     np.testing.assert_allclose(adv[0], [0.866025, -0.866025, -0.866025, 0.866025], rtol=1e-5)
     np.testing.assert_allclose(adv[1], [0.0, 0.0, 0.0, 0.0])  # no spread, no signal
 

@@ -21,7 +21,8 @@ def hub(tiny_model_dir):
     from transformers import AutoTokenizer
 
     cfg = load_config(None, ["data.train_size=64", "rollout.groups_per_step=2", "rollout.group_size=2",
-                             "rollout.max_staleness_steps=0", "transport.generator_timeout_s=1.5"])
+                             "rollout.max_staleness_steps=0", "transport.generator_timeout_s=1.5",
+                             "learner.filter.dynamic_sampling=false"])
     h = Hub(cfg, run_id="run1", key=KEY, port=0, source=PromptSource(cfg),
             tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir), weight_addr="127.0.0.1:1", n_generators=2)
     h.start()

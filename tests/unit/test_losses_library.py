@@ -190,5 +190,7 @@ def test_no_host_sync_or_unseeded_rng_in_losses():
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("manual_seed", "seed"):
             bad.append(f"line {node.lineno}: global seeding")
     assert not bad, bad
-    src = inspect.getsource(L.clip_cov_loss)
+    src = inspect.getsource(L.clip_cov_keys)
     assert "generator=generator" in src  # the only randomness takes the caller's generator
+    with pytest.raises(ValueError, match="seeded torch.Generator"):
+        L.clip_cov_keys(torch.ones(3, dtype=torch.bool), None)

@@ -1,0 +1,41 @@
+import numpy as np
+
+from learner import advantages as A
+from learner.par import ParSchedule
+from common.config import ParConfig
+
+
+def test_estimators_hand_computed():
+    r = np.array([[1.0, 0.0, 0.0, 0.0]])  # mean 0.25
+    np.testing.assert_allclose(A.drgrpo(r), [[0.75, -0.25, -0.25, -0.25]])
+    # RLOO: r_i - mean of the other three: 1 - 0 = 1; 0 - 1/3 = -1/3
+    np.testing.assert_allclose(A.rloo(r), [[1.0, -1 / 3, -1 / 3, -1 / 3]])
+    # GRPO: unbiased std of [1,0,0,0] = 0.5 -> (r - 0.25) / 0.5
+    np.testing.assert_allclose(A.grpo(r), [[1.5, -0.5, -0.5, -0.5]], rtol=1e-5)
+    # REINFORCE++ baseline: token-weighted whitening of r - mean_g over lengths [3, 1, 1, 1]
+    a = A.reinforce_pp_baseline(r, np.array([[3, 1, 1, 1]]))
+    tok = np.repeat(a[0], [3, 1, 1, 1])
+    assert abs(tok.mean()) < 1e-9 and abs(tok.std(ddof=1) - 1.0) < 1e-5
+
+
+def test_overlong_penalty_and_zero_spread():
+    # max 100, buffer 20: no penalty up to 80, -0.5 at 90, -1 at 100
+    np.testing.assert_allclose(A.overlong_penalty(np.array([50, 80, 90, 100]), 100, 20, 1.0), [0, 0, -0.5, -1.0])
+    np.testing.assert_allclose(A.overlong_penalty(np.array([100]), 100, 0, 1.0), [0.0])
+    assert A.zero_spread([1.0, 1.0]) and not A.zero_spread([1.0, 0.0])
+
+
+def test_par_schedules():
+    assert ParSchedule(ParConfig(), 10).value(3) == 1.0  # off: no reweighting
+    assert ParSchedule(ParConfig(schedule="constant", lam=0.3), 10).value(7) == 0.3
+    lin = ParSchedule(ParConfig(schedule="linear"), 10)
+    assert [lin.value(s) for s in (1, 5, 6, 8, 10)] == [0.0, 0.0, 0.2, 0.6, 1.0]
+    eg = ParSchedule(ParConfig(schedule="entropy_guided", lam=0.0, delta=0.05, target_entropy=0.2), 10)
+    eg.observe(0.5)  # entropy above target: lambda up
+    eg.observe(0.5)
+    assert abs(eg.value(3) - 0.1) < 1e-12
+    eg.observe(0.1)  # below target: down
+    assert abs(eg.value(4) - 0.05) < 1e-12
+    for _ in range(5):
+        eg.observe(0.0)
+    assert eg.value(5) == 0.0  # clipped at 0
