@@ -50,7 +50,10 @@ class PromptSource:
         from common.templates import render_prompt
 
         task = ArithTask(seed=cfg.run.seed, train_size=cfg.data.train_size, eval_size=cfg.data.eval_size)
-        self.prompts = [Prompt(render_prompt(p.question), p.answer, p.data_source) for p in task.train()]
+        keep = set(cfg.data.levels)
+        self.prompts = [Prompt(render_prompt(p.question), p.answer, p.data_source) for p in task.train() if p.level in keep]
+        if not self.prompts:
+            raise ValueError(f"data.levels={list(cfg.data.levels)} selects no arith problems; use levels from 1 to 4")
         self.seed = cfg.run.seed
 
     def __len__(self) -> int:

@@ -94,7 +94,7 @@ def main() -> int:
                 [r.group for r in groups], version=version, ranks=world, mini_batches=cfg.learner.mini_batches,
                 micro_batch_tokens=cfg.learner.micro_batch_tokens, estimator=cfg.learner.advantage,
                 overlong=(cfg.rollout.max_new_tokens, filt.overlong_buffer_tokens, filt.overlong_penalty),
-                par_lambda=par.value(step), seed=cfg.run.seed * 100_003 + step)
+                par_lambda=par.value(step), seed=B.step_seed(cfg.run.seed, step))
         batch = share_batch(batch, rank)
         stats = trainer.train_step(batch)
         metrics = step_metrics(stats)

@@ -42,6 +42,11 @@ class StepBatch(msgspec.Struct, array_like=True, gc=False):
     seed: int = 0  # seeds this step's random token choices (Clip-Cov)
 
 
+def step_seed(run_seed: int, step: int) -> int:
+    """Seed of a step's random token choices: the same for every run with this seed."""
+    return run_seed * 100_003 + step
+
+
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(StepBatch)
 

@@ -173,13 +173,21 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def covariance_score(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Cov_t = (logp_t - mean logp)(A_t - mean A), means over the valid tokens passed in (Eq. 10).
+def covariance_score(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    means: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Cov_t = (logp_t - mean logp)(A_t - mean A) (Eq. 10).
 
-    logp is detached: the score selects tokens, it is not optimised.
+    The means are over the valid tokens passed in, or `means` = (mean logp, mean A)
+    taken over a larger batch (the trainer's whole step). logp is detached: the
+    score selects tokens, it is not optimised.
     """
     lp = logprobs.detach()
-    return (lp - _masked_mean(lp, mask)) * (advantages - _masked_mean(advantages, mask)) * mask
+    mean_lp, mean_a = means if means is not None else (_masked_mean(lp, mask), _masked_mean(advantages, mask))
+    return (lp - mean_lp) * (advantages - mean_a) * mask
 
 
 def _count(fraction: float, mask: torch.Tensor) -> torch.Tensor:
@@ -258,7 +266,6 @@ def clip_cov_loss(
         "pg_clipfrac": selected.float() * mask,  # the paper logs the share of tokens zeroed
         "cov_selected": selected.float() * mask,
         "ppo_kl": -log_ratio.detach() * mask,
-        "cov": cov,
     }
     return loss * mask, metrics
 
@@ -300,7 +307,6 @@ def kl_cov_loss(
         "pg_clipfrac": torch.zeros_like(pg),
         "cov_selected": selected.float() * mask,
         "ppo_kl": -log_ratio.detach() * mask,
-        "cov": cov,
     }
     return loss * mask, metrics
 

@@ -107,8 +107,9 @@ class Trainer:
         self.rank = dist.get_rank()
         self.objective = Objective(lc, cfg.rollout.max_new_tokens)
         self.step_wide_cov = lc.cov_scope == "step" and isinstance(lc.loss, (ClipCovLoss, KLCovLoss))
-        self.needs_survey = (lc.mini_batches > 1 or self.step_wide_cov or lc.high_entropy_fraction > 0
-                             or self.ref is not None or lc.log_entropy_delta)
+        # With one mini-batch the training forward itself sees pi_prox and the entropy before the
+        # update, so the survey pass is only paid for when something needs the whole step first.
+        self.needs_survey = lc.mini_batches > 1 or self.step_wide_cov or lc.high_entropy_fraction > 0 or self.ref is not None
 
     @property
     def module(self) -> torch.nn.Module:
@@ -162,7 +163,7 @@ class Trainer:
         scores = []
         for e in per.values():
             m = e["mb"]["mask"]
-            cov = (e["old"].double() - mean_lp) * (e["mb"]["adv"].double() - mean_a) * m
+            cov = L.covariance_score(e["old"].double(), e["mb"]["adv"].double(), m, means=(mean_lp, mean_a))
             if isinstance(loss, ClipCovLoss):
                 e["score"] = L.clip_cov_keys(L.clip_cov_candidates(cov, m, loss.cov_lb, loss.cov_ub), gen).double()
             else:

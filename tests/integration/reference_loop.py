@@ -1,0 +1,81 @@
+"""The synchronous reference: generate -> score -> train -> load weights, one process, no hub.
+
+Built from the same pieces as the async system (the actor's `rollout`, the
+learner's batcher and trainer), walking the same prompt order with the same
+seeds. With max_staleness_steps = 0 and one generator the async run must end
+with the same parameters. Usage:
+    python tests/integration/reference_loop.py RUN_DIR OUT.safetensors
+(RUN_DIR/config.toml is the config; the run need not have happened.)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from actors.actor import rollout  # noqa: E402
+from actors.engine import CpuEngine  # noqa: E402
+from common import messages as M  # noqa: E402
+from common import weights as W  # noqa: E402
+from common.cluster import read_run_config  # noqa: E402
+from common.data import PromptSource, encode_prompt, model_dir  # noqa: E402
+from common.rewards import RewardPool  # noqa: E402
+from learner.batch import build_step_batch, step_seed  # noqa: E402
+from learner.hub import prompt_seed  # noqa: E402
+from learner.trainer import Trainer, init_distributed, thread_setup  # noqa: E402
+
+
+def main(run_dir: str, out: str, micro_batch_tokens: int | None = None) -> None:
+    from transformers import AutoTokenizer
+
+    cfg = read_run_config(run_dir)
+    thread_setup(cfg)
+    torch.manual_seed(cfg.run.seed)
+    init_distributed()
+    path = model_dir(cfg)
+    tok = AutoTokenizer.from_pretrained(path)
+    engine = CpuEngine(path, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    trainer = Trainer(cfg, path)
+    source = PromptSource(cfg)
+    order = source.order(0)
+    gps, r = cfg.rollout.groups_per_step, cfg.rollout
+    sampling = M.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+    with RewardPool(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s) as pool:
+        for step in range(1, cfg.run.steps + 1):
+            items = [
+                M.WorkItem(ticket=slot, prompt_id=pid, epoch=0,
+                           prompt_ids=M.to_bytes(np.asarray(encode_prompt(tok, source[pid].text, cfg.data.max_prompt_tokens)), M.TOKEN_DTYPE),
+                           answer=source[pid].answer, data_source=source[pid].data_source, seed=prompt_seed(cfg.run.seed, 0, pid))
+                for slot, pid in enumerate(order[(step - 1) * gps : step * gps], start=(step - 1) * gps)
+            ]
+            work = M.Work(items=items, group_size=r.group_size, sampling=sampling, policy_version=step - 1)
+            groups = rollout(work, engine=engine, tokenizer=tok, pool=pool, receiver=None, gen_id=0, incarnation="ref", wait_s=0)
+            if cfg.learner.filter.dynamic_sampling:
+                raise SystemExit("the reference loop does not filter groups: run it with learner.filter.dynamic_sampling=false")
+            batch = build_step_batch(groups, version=step - 1, ranks=1, mini_batches=cfg.learner.mini_batches,
+                                     micro_batch_tokens=micro_batch_tokens or cfg.learner.micro_batch_tokens,
+                                     estimator=cfg.learner.advantage,
+                                     overlong=(r.max_new_tokens, cfg.learner.filter.overlong_buffer_tokens,
+                                               cfg.learner.filter.overlong_penalty),
+                                     seed=step_seed(cfg.run.seed, step))
+            trainer.train_step(batch)
+            engine.load_flat(W.flatten(trainer.module), step)
+    # clone: tied weights (lm_head = embed_tokens) share memory, which safetensors refuses to save
+    save_file({k: v.detach().clone() for k, v in trainer.module.state_dict().items()}, out)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run_dir")
+    ap.add_argument("out")
+    ap.add_argument("--micro-batch-tokens", type=int, default=None, help="override the run's micro-batch budget")
+    a = ap.parse_args()
+    main(a.run_dir, a.out, a.micro_batch_tokens)

@@ -1,0 +1,141 @@
+"""End-to-end runs of launch/cluster.py on CPU: real processes, sockets, gloo groups, DeepSpeed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.testing import assert_close
+
+from common.metrics import read_metrics
+from tests.conftest import BASE_MODEL, REPO
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["--set", "rollout.groups_per_step=8", "--set", "rollout.group_size=4", "--set", "rollout.max_new_tokens=24",
+         "--set", "data.train_size=256"]
+
+
+def launch(run_dir, *args, timeout=600):
+    cmd = [sys.executable, os.path.join(REPO, "launch", "cluster.py"), "--run-dir", str(run_dir), "--quiet", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert p.returncode == 0, f"cluster exited {p.returncode}\n{p.stdout}\n{p.stderr}\n" + "".join(
+        open(os.path.join(run_dir, "logs", f)).read()[-3000:] for f in sorted(os.listdir(os.path.join(run_dir, "logs"))))
+    return p
+
+
+def test_four_generators_four_learners(tmp_path):
+    """Acceptance 2 + 4: 6 steps, every rank trains every step, every generator gets every version."""
+    run = tmp_path / "r"
+    launch(run, "--gens", "4", "--learners", "4", "--steps", "6", *SMALL)
+    rows = read_metrics(str(run))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r["learner/ranks_participating"] == 4 for r in rows)
+    assert all(r["staleness/max"] <= 1 for r in rows)  # default max_staleness_steps = 1
+    learner_sums = {int(r["weights/version"]): r["weights/checksum"] for r in rows}
+    assert len(set(learner_sums.values())) > 1, "weights never changed: nothing was trained"
+    for g in range(4):
+        with open(run / "generators" / f"gen{g}.jsonl") as f:
+            got = [json.loads(line) for line in f]
+        assert [e["version"] for e in got] == [1, 2, 3, 4, 5, 6]
+        for e in got:
+            assert e["checksum"] == learner_sums[e["version"]]
+    for key in ("actor/entropy", "actor/cov_mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/grad_norm",
+                "actor/is_weight_mean", "critic/score/mean", "response_length/mean", "staleness/mean",
+                "staleness/max", "perf/gen_tokens_per_s", "perf/learner_tokens_per_s", "timing_s/step",
+                "timing_s/weight_sync"):
+        assert all(r.get(key) is not None for r in rows), key
+    assert os.listdir(run / "tb")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt = run / "checkpoints" / "step_6"
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    AutoTokenizer.from_pretrained(ckpt)
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+@pytest.mark.parametrize("learners, micro_tokens", [(1, 4096), (2, 64)])
+def test_staleness_zero_equals_synchronous_reference(tmp_path, learners, micro_tokens):
+    """Acceptance 3: same seed, k = 0, one generator: the async run ends where the sync loop does.
+
+    With 2 ranks and tiny micro-batches it also shows the token-mean loss is invariant to how the
+    batch is split over ranks and micro-batches (the reference runs one rank, one micro-batch).
+    """
+    run = tmp_path / "async"
+    sets = [*SMALL, "--set", "rollout.max_staleness_steps=0", "--set", "rollout.groups_per_request=8",
+            "--set", "learner.lr=1e-4", "--set", "learner.filter.dynamic_sampling=false"]
+    launch(run, "--gens", "1", "--learners", str(learners), "--steps", "3", *sets,
+           "--set", f"learner.micro_batch_tokens={micro_tokens}")
+    assert all(r["staleness/max"] == 0 for r in read_metrics(str(run)))
+    out = tmp_path / "ref.safetensors"
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_port()), "PYTHONPATH": REPO}
+    p = subprocess.run([sys.executable, os.path.join(REPO, "tests", "integration", "reference_loop.py"), str(run), str(out),
+                        "--micro-batch-tokens", "100000"],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ref = load_file(str(out))
+    got = load_file(str(run / "checkpoints" / "step_3" / "model.safetensors"))
+    base = load_file(os.path.join(BASE_MODEL, "model.safetensors"))
+    assert any(not torch.equal(got[k], base[k]) for k in base), "nothing trained: the comparison would be vacuous"
+    for k in got:
+        assert_close(got[k], ref[k], msg=lambda m: f"{k}: {m}")
+
+
+def test_staleness_bound_holds_with_two_generators(tmp_path):
+    """Acceptance 3b: with k = 2 no trained token is more than 2 versions old."""
+    run = tmp_path / "k2"
+    launch(run, "--gens", "2", "--learners", "1", "--steps", "6", *SMALL, "--set", "rollout.max_staleness_steps=2",
+           "--set", "rollout.groups_per_request=2")
+    rows = read_metrics(str(run))
+    assert len(rows) == 6 and all(r["staleness/max"] <= 2 for r in rows)
+    assert max(r["staleness/max"] for r in rows) >= 1, "the run never went off-policy: the bound was not exercised"
+
+
+def test_bad_config_fails_before_anything_starts(tmp_path):
+    p = subprocess.run([sys.executable, os.path.join(REPO, "launch", "cluster.py"), "--run-dir", str(tmp_path / "x"),
+                        "--set", "rollout.group_size=1"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert p.returncode == 2 and "rollout.group_size" in p.stderr
+    assert not (tmp_path / "x" / "logs").exists()
+
+
+def _port():
+    from common.transport import free_port
+
+    return free_port()
+
+
+def test_sigterm_stops_every_process_it_started(tmp_path):
+    """DESIGN.md section 2: Ctrl-C / SIGTERM stops everything the launcher started, and nothing else."""
+    import signal
+    import time
+
+    import psutil
+
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    run = tmp_path / "term"
+    p = subprocess.Popen([sys.executable, os.path.join(REPO, "launch", "cluster.py"), "--run-dir", str(run), "--quiet",
+                          "--gens", "2", "--learners", "2", "--steps", "500", *SMALL], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while not read_metrics(str(run)) and time.time() < deadline:
+            time.sleep(0.5)
+        assert read_metrics(str(run)), "the run never reached its first step"
+        family = psutil.Process(p.pid).children(recursive=True)
+        assert len(family) >= 4  # 2 learners + 2 generators (+ their reward workers)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 130 and "stopping every process" in err
+        gone, alive = psutil.wait_procs(family, timeout=10)
+        assert not alive, f"orphans left: {[a.pid for a in alive]}"
+        assert bystander.poll() is None  # a process it did not start is untouched
+    finally:
+        if p.poll() is None:
+            p.kill()
+        bystander.kill()
