@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(PY) launch/cluster.py --gens 1 --learners 1 --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests/unit tests/integration
 
 bench: $(STAMP)
 	$(PY) -m pytest -q tests/bench -p no:cacheprovider -s
