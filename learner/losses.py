@@ -23,6 +23,16 @@ import torch
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps ratios finite without changing any sane value
 
 
+def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    return (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _clipped_pg(log_ratio, advantages, clip_low, clip_high) -> tuple[torch.Tensor, torch.Tensor]:
+    """pg1 = -A r and pg2 = -A clip(r, 1 - eps_low, 1 + eps_high): PPO's two surrogate terms."""
+    ratio = log_ratio.exp()
+    return -advantages * ratio, -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+
+
 def ppo_loss(
     logprobs: torch.Tensor,  # [...] log pi_theta
     old_logprobs: torch.Tensor,  # [...] log pi_prox
@@ -39,10 +49,8 @@ def ppo_loss(
     dual-clip (Ye et al. 2020): for A < 0 the loss is also capped at -A c, so a
     huge ratio on a negative-advantage token cannot blow up the update.
     """
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = log_ratio.exp()
-    pg1 = -advantages * ratio
-    pg2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    log_ratio = _log_ratio(logprobs, old_logprobs)
+    pg1, pg2 = _clipped_pg(log_ratio, advantages, clip_low, clip_high)
     loss = torch.maximum(pg1, pg2)
     clipped = pg2 > pg1
     if dual_clip_c is not None:
@@ -249,10 +257,8 @@ def clip_cov_loss(
     `selected`, if given, is a choice already made over a larger batch (the
     trainer's step-wide selection); it still never touches a PPO-clipped token.
     """
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = log_ratio.exp()
-    pg1 = -advantages * ratio
-    pg2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    log_ratio = _log_ratio(logprobs, old_logprobs)
+    pg1, pg2 = _clipped_pg(log_ratio, advantages, clip_low, clip_high)
     ppo_clipped = pg2 > pg1
     cov = covariance_score(logprobs, advantages, mask)
     candidate = clip_cov_candidates(cov, mask, cov_lb, cov_ub) & ~ppo_clipped
@@ -292,9 +298,8 @@ def kl_cov_loss(
     with all advantages equal (Cov = 0 everywhere) no token is "high covariance",
     and penalising an arbitrary k of them would move the policy for no reason.
     """
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = log_ratio.exp()
-    pg = -advantages * ratio
+    log_ratio = _log_ratio(logprobs, old_logprobs)
+    pg = -advantages * log_ratio.exp()
     cov = covariance_score(logprobs, advantages, mask)
     if selected is not None:  # chosen over the whole step by the trainer
         selected = selected.bool() & (mask > 0)
@@ -359,7 +364,7 @@ def cispo_loss(
     The IS weight is clipped and detached, so every token keeps a gradient
     (PPO drops the gradient of clipped tokens entirely).
     """
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = _log_ratio(logprobs, old_logprobs)
     ratio = log_ratio.exp().detach()
     clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = -clipped_ratio * advantages * logprobs
