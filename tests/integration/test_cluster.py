@@ -139,3 +139,30 @@ def test_sigterm_stops_every_process_it_started(tmp_path):
         if p.poll() is None:
             p.kill()
         bystander.kill()
+
+
+def test_tensorboard_flag_serves_the_run(tmp_path):
+    import time
+    import urllib.request
+
+    run = tmp_path / "tb"
+    p = subprocess.Popen([sys.executable, os.path.join(REPO, "launch", "cluster.py"), "--run-dir", str(run), "--quiet",
+                          "--tensorboard", "--steps", "20", *SMALL], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        first = p.stdout.readline()
+        assert first.startswith("TensorBoard: http://127.0.0.1:"), first
+        url = first.split()[1]
+        tags, deadline = "", time.time() + 120
+        while "actor/entropy" not in tags and time.time() < deadline and p.poll() is None:
+            try:
+                tags = urllib.request.urlopen(url + "data/plugin/scalars/tags", timeout=5).read().decode()
+            except OSError:
+                pass
+            time.sleep(1)
+        assert "actor/entropy" in tags and "critic/score/mean" in tags
+        p.communicate(timeout=300)
+        assert p.returncode == 0
+    finally:
+        if p.poll() is None:
+            p.kill()

@@ -1,0 +1,36 @@
+"""The README documents every config key and every metric the learner writes."""
+
+import os
+import re
+
+import msgspec
+
+from common import config as C
+
+README = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+
+
+def _leaves(prefix, obj):
+    for name in obj.__struct_fields__:
+        value = getattr(obj, name)
+        if isinstance(value, msgspec.Struct):
+            yield from _leaves(f"{prefix}{name}.", value)
+        else:
+            yield f"{prefix}{name}"
+
+
+def test_every_config_key_is_documented():
+    keys = list(_leaves("", C.Config()))
+    for loss in (C.ClipCovLoss(), C.KLCovLoss(), C.GSPOLoss(), C.CISPOLoss()):
+        keys += [f"learner.loss.{k}" for k in loss.__struct_fields__]
+    missing = [k for k in keys if f"`{k}`" not in README and f"`{k.rsplit('.', 1)[1]}`" not in README]
+    assert not missing, f"README lacks config keys: {missing}"
+
+
+def test_every_learner_metric_is_documented():
+    src = open(os.path.join(os.path.dirname(__file__), "..", "..", "learner", "trainer.py")).read()
+    src += open(os.path.join(os.path.dirname(__file__), "..", "..", "learner", "__main__.py")).read()
+    metrics = set(re.findall(r'"((?:actor|critic|perf|timing_s|staleness|filter|weights|learner|reward|response_length)/[a-z_/]+)"', src))
+    assert len(metrics) > 20
+    missing = sorted(m for m in metrics if m not in README)
+    assert not missing, f"README lacks metrics: {missing}"
