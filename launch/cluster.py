@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -45,7 +45,6 @@ class RoleSpec:
     log: object = None
     next_start: float = 0.0
     done: bool = False
-    history: list[int] = field(default_factory=list)
 
 
 def parse_args(argv=None):
@@ -114,7 +113,8 @@ def role_specs(run_dir: str, info: ClusterInfo, cfg) -> list[RoleSpec]:
 
 
 def spawn(spec: RoleSpec, run_dir: str) -> None:
-    spec.log = open(os.path.join(run_dir, "logs", f"{spec.name}.log"), "ab")
+    if spec.log is None:  # a restarted role appends to the same log
+        spec.log = open(os.path.join(run_dir, "logs", f"{spec.name}.log"), "ab")
     spec.proc = subprocess.Popen(spec.argv, env=spec.env, cwd=REPO_ROOT, stdout=spec.log, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, start_new_session=True)
 
@@ -189,8 +189,7 @@ def supervise(specs: list[RoleSpec], run_dir: str, cfg, quiet: bool) -> int:
             code = s.proc.poll()
             if code is None:
                 continue
-            s.history.append(code)
-            if s.name.startswith("learner"):
+            if not s.restartable:  # a learner rank: its failure ends the run
                 if code != 0:
                     print(f"\n{s.name} exited with code {code}; stopping the run. Last lines of its log:\n{log_tail(run_dir, s.name)}",
                           file=sys.stderr)
@@ -212,7 +211,7 @@ def supervise(specs: list[RoleSpec], run_dir: str, cfg, quiet: bool) -> int:
             shown = len(rows)
             end = "\n" if not sys.stdout.isatty() else ""
             print("\r" + progress_line(rows[-1], cfg.run.steps, cfg.rollout.max_staleness_steps), end=end, flush=True)
-        if all(s.done for s in specs if s.name.startswith("learner")):
+        if all(s.done for s in specs if not s.restartable):
             # Learners finished: generators got Stop from the hub; give them a moment to exit.
             deadline = time.monotonic() + GRACE_S
             while time.monotonic() < deadline and any(s.proc.poll() is None for s in specs if s.proc and not s.done):
