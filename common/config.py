@@ -71,8 +71,10 @@ class ImportanceConfig(_Section):
 
     type: Literal["none", "tis", "seq_tis", "mis", "geo_mask"] = "tis"
     cap: PosFloat = 2.0  # C of (sequence-)truncated IS
-    lo: Annotated[float, Meta(ge=0)] = 0.5  # mis / geo_mask keep band [lo, hi]
+    lo: Annotated[float, Meta(ge=0)] = 0.5  # mis keeps tokens with rho in [lo, hi]
     hi: PosFloat = 2.0
+    geo_lo: Annotated[float, Meta(ge=0)] = 0.999  # geo_mask keeps sequences whose geometric-mean rho
+    geo_hi: PosFloat = 1.001  # lies in [geo_lo, geo_hi]
     # pi_prox: recompute (a no-grad pass at the step start, free when mini_batches == 1),
     # behaviour (use the generator's logprobs; w = 1), or loglinear (AReaL's
     # interpolation between pi_behav and pi_theta by version: no extra pass).
@@ -249,8 +251,13 @@ def check(cfg: Config) -> None:
     if isinstance(loss, ClipCovLoss) and loss.cov_lb >= loss.cov_ub:
         raise ConfigError(f"learner.loss.cov_lb={loss.cov_lb} must be below cov_ub={loss.cov_ub} (paper: 1 and 5)")
     imp = cfg.learner.importance
-    if imp.lo >= imp.hi:
-        raise ConfigError(f"learner.importance.lo={imp.lo} must be below hi={imp.hi}")
+    if imp.lo >= imp.hi or imp.geo_lo >= imp.geo_hi:
+        raise ConfigError(f"learner.importance: lo ({imp.lo}) must be below hi ({imp.hi}) and geo_lo ({imp.geo_lo}) below geo_hi ({imp.geo_hi})")
+    if cfg.learner.zero_stage == 3:
+        raise ConfigError(
+            "learner.zero_stage=3 partitions the parameters, and weight publishing and checkpoints do not gather "
+            "them yet (planned with the GPU path); use zero_stage 0, 1 or 2"
+        )
     if cfg.rollout.groups_per_step % cfg.learner.mini_batches:
         raise ConfigError(
             f"learner.mini_batches={cfg.learner.mini_batches} must divide rollout.groups_per_step="

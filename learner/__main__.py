@@ -100,8 +100,10 @@ def main() -> int:
         metrics = step_metrics(stats)
         if rank == 0:
             flat = W.flatten(trainer.module)
-            sync_s, nbytes = channel.publish(step, flat, lay)
+            # The hub moves first: a token stamped `step` may reach it the moment the broadcast
+            # lands, and work issued for `step` just waits in the generator for these weights.
             hub.set_version(step)
+            sync_s, nbytes = channel.publish(step, flat, lay)
             now = time.perf_counter()
             gen_tokens = hub.stats.gen_tokens
             adv = np.array([s.advantage for s in batch.samples])

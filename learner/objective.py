@@ -63,7 +63,8 @@ class Objective:
         self.policy_loss = _policy_loss(cfg.loss)
         imp = cfg.importance
         kind = "none" if imp.prox == "behaviour" else imp.type  # pi_prox = pi_behav: w = 1 by definition
-        self.weights = functools.partial(L.importance_weights, kind=kind, cap=imp.cap, lo=imp.lo, hi=imp.hi)
+        lo, hi = (imp.geo_lo, imp.geo_hi) if imp.type == "geo_mask" else (imp.lo, imp.hi)
+        self.weights = functools.partial(L.importance_weights, kind=kind, cap=imp.cap, lo=lo, hi=hi)
         self.agg = functools.partial(L.aggregate, mode=cfg.agg, norm_tokens=float(cfg.norm_tokens or max_new_tokens))
 
     def __call__(self, t: Tokens, *, global_tokens: float, global_seqs: float, par_lambda: float,
@@ -77,13 +78,13 @@ class Objective:
             tok = tok * L.par_weights(t.adv, par_lambda)
         if t.keep is not None:
             tok = tok * t.keep  # dropped low-entropy tokens stay in the denominator
+        metrics["pg_loss"] = tok.detach()  # the policy-gradient part, before bonus and KL terms
         if self.cfg.entropy_coef:
             tok = tok - self.cfg.entropy_coef * t.entropy * t.mask
         if self.cfg.kl.coef:
             kl = L.kl_penalty(t.logp, t.ref, self.cfg.kl.estimator) * t.mask
             tok = tok + self.cfg.kl.coef * kl
             metrics["kl_ref"] = kl.detach()
-        metrics["pg_loss"] = tok.detach()
         loss = self.agg(tok, t.mask, global_tokens=global_tokens, global_seqs=global_seqs, seq_ids=t.seq_ids,
                         num_seqs=t.num_seqs)
         return loss, metrics

@@ -168,7 +168,12 @@ class Trainer:
                 e["score"] = L.clip_cov_keys(L.clip_cov_candidates(cov, m, loss.cov_lb, loss.cov_ub), gen).double()
             else:
                 eligible = L.kl_cov_eligible(cov, m)
-                e["score"] = torch.where(eligible, cov, torch.full_like(cov, float("-inf")))
+                # Identical responses give identical scores; a tie at the k-th value would select
+                # every tied token. A tiny deterministic offset by (rank, position) breaks ties
+                # without reordering scores that differ by more than ~1e-12.
+                pos = torch.arange(cov.numel(), dtype=torch.float64).view_as(cov) / (cov.numel() + 1)
+                tie = 1e-12 * (self.rank + pos) / self.world
+                e["score"] = torch.where(eligible, cov - tie, torch.full_like(cov, float("-inf")))
             scores.append(e["score"][e["score"] > floor])
         kth = _global_kth_largest(torch.cat(scores) if scores else torch.zeros(0, dtype=torch.float64), k)
         for e in per.values():

@@ -66,8 +66,8 @@ advantage = "reinforce_pp_baseline"
 type = "gspo"
 [learner.importance]
 type = "geo_mask"
-lo = 0.9
-hi = 1.1
+geo_lo = 0.9
+geo_hi = 1.1
 """,
     "cispo": """
 [learner]

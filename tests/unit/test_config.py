@@ -21,6 +21,8 @@ def test_defaults_roundtrip_through_toml(tmp_path):
     ("learner.loss.dual_clip_c=0.5", "dual_clip_c"),
     ("learner.mini_batches=3", "must divide rollout.groups_per_step"),
     ("rollout", "expected key.path=value"),
+    ("learner.zero_stage=3", "use zero_stage 0, 1 or 2"),
+    ("learner.importance.geo_lo=1.5", "geo_lo (1.5) below geo_hi"),
 ])
 def test_bad_values_name_the_field(override, needle):
     with pytest.raises(ConfigError) as e:
