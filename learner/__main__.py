@@ -82,7 +82,6 @@ def main() -> int:
         log.info("hub on %s, weight channel with %d generators ready", cluster.hub_addr, cluster.generators)
     last_tokens, last_t, last_filtered = 0, time.perf_counter(), 0
     par = ParSchedule(cfg.learner.par, cfg.run.steps)
-    filt = cfg.learner.filter
     for step in range(1, cfg.run.steps + 1):
         t0 = time.perf_counter()
         version = step - 1
@@ -90,11 +89,8 @@ def main() -> int:
         if rank == 0:
             groups = hub.take_batch(version, timeout_s=cfg.transport.generator_timeout_s * 5)
             extra = host_metrics(groups, version)
-            batch = B.build_step_batch(
-                [r.group for r in groups], version=version, ranks=world, mini_batches=cfg.learner.mini_batches,
-                micro_batch_tokens=cfg.learner.micro_batch_tokens, estimator=cfg.learner.advantage,
-                overlong=(cfg.rollout.max_new_tokens, filt.overlong_buffer_tokens, filt.overlong_penalty),
-                par_lambda=par.value(step), seed=B.step_seed(cfg.run.seed, step))
+            batch = B.batch_from_config([r.group for r in groups], cfg, version=version, ranks=world,
+                                        par_lambda=par.value(step))
         batch = share_batch(batch, rank)
         stats = trainer.train_step(batch)
         metrics = step_metrics(stats)

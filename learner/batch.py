@@ -133,6 +133,18 @@ def build_step_batch(
                      par_lambda=par_lambda, seed=seed)
 
 
+def batch_from_config(groups: list[M.RolloutGroup], cfg, *, version: int, ranks: int, par_lambda: float = 1.0,
+                      micro_batch_tokens: int | None = None) -> StepBatch:
+    """`build_step_batch` with every knob read from the run config (the learner and the reference loop share it)."""
+    lc, filt = cfg.learner, cfg.learner.filter
+    return build_step_batch(
+        groups, version=version, ranks=ranks, mini_batches=lc.mini_batches,
+        micro_batch_tokens=micro_batch_tokens or lc.micro_batch_tokens, estimator=lc.advantage,
+        overlong=(cfg.rollout.max_new_tokens, filt.overlong_buffer_tokens, filt.overlong_penalty),
+        par_lambda=par_lambda, seed=step_seed(cfg.run.seed, version + 1),
+    )
+
+
 def pack(samples: list[TrainSample], idx: list[int], pad_id: int) -> dict[str, torch.Tensor]:
     """One padding-free row: restarting position ids tell attention where sequences end.
 

@@ -259,7 +259,6 @@ class Hub:
             # No reward spread, no advantage: drop it and let admission issue a replacement.
             self.filtered += 1
             self.filtered_this_step += 1
-            self.stats.counters["hub/filtered_groups"] += 1
             return
         self.ready[t.slot] = Ready(t.slot, t.issue_version, g)
         self.cv.notify_all()
@@ -337,7 +336,7 @@ class Hub:
 
     def counters(self) -> dict[str, float]:
         with self.cv:
-            out = dict(self.stats.counters)
+            out = {**self.stats.counters, "hub/filtered_groups": self.filtered}
             for reason, n in self.sock.rejected.items():
                 out[f"hub/rejected/{reason}"] = out.get(f"hub/rejected/{reason}", 0) + n
             return out

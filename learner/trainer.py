@@ -123,19 +123,25 @@ class Trainer:
                                          chunk=self.cfg.learner.logprob_chunk_tokens)
         return logp[None], ent[None]
 
-    def _micro(self, batch: StepBatch):
-        """(mini index, micro index, packed tensors) for this rank, in training order."""
-        for m, per_rank in enumerate(batch.plan):
-            for k, idx in enumerate(per_rank[self.rank]):
-                yield m, k, idx, pack(batch.samples, idx, self.pad_id)
+    def _micro(self, batch: StepBatch) -> list[tuple[int, int, list[int], dict]]:
+        """(mini index, micro index, sample indices, packed tensors) for this rank, in training order.
+
+        Packed once per step and shared by the survey, the training loop and the entropy-after pass.
+        """
+        return [(m, k, idx, pack(batch.samples, idx, self.pad_id))
+                for m, per_rank in enumerate(batch.plan) for k, idx in enumerate(per_rank[self.rank])]
+
+    def _generator(self, batch: StepBatch) -> torch.Generator:
+        """This rank's seeded stream for the step's random token choices."""
+        return torch.Generator().manual_seed(batch.seed * 1009 + self.rank)
 
     @torch.no_grad()
-    def _survey(self, batch: StepBatch) -> dict:
+    def _survey(self, batch: StepBatch, micro: list) -> dict:
         """Everything that must be known about the whole step before the first update."""
         lc = self.cfg.learner
         self.engine.eval()
         per = {}
-        for m, k, idx, mb in self._micro(batch):
+        for m, k, idx, mb in micro:
             logp, ent = self._logp_entropy(self.module, mb)
             ref = self._logp_entropy(self.ref, mb)[0] if self.ref is not None else None
             per[(m, k)] = {"old": logp, "entropy": ent, "ref": ref, "mb": mb}
@@ -158,7 +164,7 @@ class Trainer:
         mean_lp, mean_a = sums[0] / n, sums[1] / n
         fraction = loss.cov_fraction if isinstance(loss, ClipCovLoss) else loss.kl_fraction
         k = max(1, int(fraction * float(sums[2])))
-        gen = torch.Generator().manual_seed(batch.seed * 1009 + self.rank)
+        gen = self._generator(batch)
         floor = -1.0 if isinstance(loss, ClipCovLoss) else float("-inf")  # the score of a non-candidate
         scores = []
         for e in per.values():
@@ -207,14 +213,14 @@ class Trainer:
 
     def train_step(self, batch: StepBatch) -> StepStats:
         t0 = time.perf_counter()
-        self._last_batch = batch
-        survey = self._survey(batch) if self.needs_survey else None
+        micro = self._micro(batch)
+        survey = self._survey(batch, micro) if self.needs_survey else None
         sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
         grad_norms = []
-        gen = torch.Generator().manual_seed(batch.seed * 1009 + self.rank)
+        gen = self._generator(batch)
         self.engine.train()
         n_micro = [len(per_rank[self.rank]) for per_rank in batch.plan]
-        for m, k, idx, mb in self._micro(batch):
+        for m, k, idx, mb in micro:
             self.engine.set_gradient_accumulation_boundary(k == n_micro[m] - 1)
             logp, entropy = self._logp_entropy(self.module, mb)
             e = survey[(m, k)] if survey is not None else {}
@@ -247,18 +253,18 @@ class Trainer:
                     grad_norms.append(float(gn))
         logged_after = self.cfg.learner.log_entropy_delta
         if logged_after:
-            sums[SUM_KEYS.index("entropy_after")] = self._entropy_sum()
+            sums[SUM_KEYS.index("entropy_after")] = self._entropy_sum(micro)
         sums[SUM_KEYS.index("ranks")] = 1.0 if sums[SUM_KEYS.index("tokens")] > 0 else 0.0
         dist.all_reduce(sums)
         return StepStats(sums=sums, grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
                          train_s=time.perf_counter() - t0, entropy_delta_logged=logged_after)
 
     @torch.no_grad()
-    def _entropy_sum(self) -> float:
+    def _entropy_sum(self, micro: list) -> float:
         """Sum of token entropies of the batch just trained on, under the updated policy."""
         self.engine.eval()
         total = 0.0
-        for _, _, idx, mb in self._micro(self._last_batch):
+        for _, _, idx, mb in micro:
             if idx:
                 total += float((self._logp_entropy(self.module, mb)[1] * mb["mask"]).sum())
         self.engine.train()

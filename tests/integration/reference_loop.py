@@ -26,7 +26,7 @@ from common import weights as W  # noqa: E402
 from common.cluster import read_run_config  # noqa: E402
 from common.data import PromptSource, encode_prompt, model_dir  # noqa: E402
 from common.rewards import RewardPool  # noqa: E402
-from learner.batch import build_step_batch, step_seed  # noqa: E402
+from learner.batch import batch_from_config  # noqa: E402
 from learner.hub import prompt_seed  # noqa: E402
 from learner.trainer import Trainer, init_distributed, thread_setup  # noqa: E402
 
@@ -58,12 +58,7 @@ def main(run_dir: str, out: str, micro_batch_tokens: int | None = None) -> None:
             groups = rollout(work, engine=engine, tokenizer=tok, pool=pool, receiver=None, gen_id=0, incarnation="ref", wait_s=0)
             if cfg.learner.filter.dynamic_sampling:
                 raise SystemExit("the reference loop does not filter groups: run it with learner.filter.dynamic_sampling=false")
-            batch = build_step_batch(groups, version=step - 1, ranks=1, mini_batches=cfg.learner.mini_batches,
-                                     micro_batch_tokens=micro_batch_tokens or cfg.learner.micro_batch_tokens,
-                                     estimator=cfg.learner.advantage,
-                                     overlong=(r.max_new_tokens, cfg.learner.filter.overlong_buffer_tokens,
-                                               cfg.learner.filter.overlong_penalty),
-                                     seed=step_seed(cfg.run.seed, step))
+            batch = batch_from_config(groups, cfg, version=step - 1, ranks=1, micro_batch_tokens=micro_batch_tokens)
             trainer.train_step(batch)
             engine.load_flat(W.flatten(trainer.module), step)
     # clone: tied weights (lm_head = embed_tokens) share memory, which safetensors refuses to save
