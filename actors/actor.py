@@ -131,6 +131,10 @@ def run_actor(cfg: Config, *, engine, tokenizer, hub_addr: str, key: bytes, run_
                                          gen_id=gen_id, incarnation=incarnation,
                                          wait_s=cfg.transport.weight_sync_timeout_s):
                         sock.send(group)
+                elif isinstance(msg, M.EvalWork):
+                    for res in evaluate(msg, engine=engine, tokenizer=tokenizer, pool=pool, receiver=receiver,
+                                        gen_id=gen_id, incarnation=incarnation, wait_s=cfg.transport.weight_sync_timeout_s):
+                        sock.send(res)
         finally:
             beat.stop.set()
             sock.close()
@@ -160,4 +164,28 @@ def rollout(work: M.Work, *, engine, tokenizer, pool, receiver, gen_id: int, inc
             ))
         out.append(M.RolloutGroup(gen_id=gen_id, incarnation=incarnation, ticket=it.ticket, prompt_id=it.prompt_id,
                                   epoch=it.epoch, prompt_ids=it.prompt_ids, samples=samples, gen_time_s=gen_time))
+    return out
+
+
+def evaluate(work: M.EvalWork, *, engine, tokenizer, pool, receiver, gen_id: int, incarnation: str, wait_s: float) -> list[M.EvalResult]:
+    """Sample and score held-out prompts with weights of exactly work.policy_version.
+
+    The hub publishes nothing newer until every eval item of this version is back, so
+    the weights cannot change under us; no mid-generation swap hook is installed.
+    """
+    if receiver is not None:
+        receiver.wait_for(work.policy_version, engine, wait_s)
+    if engine.version != work.policy_version:
+        raise RuntimeError(f"eval of version {work.policy_version} asked, but the engine holds version {engine.version}: "
+                           "the hub published newer weights before this eval finished (a hub bug)")
+    prompts = [M.as_array(it.prompt_ids, M.TOKEN_DTYPE).tolist() for it in work.items]
+    groups = engine.generate(prompts, work.k, work.sampling, [it.seed for it in work.items])
+    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+    scores = pool.score_batch(list(zip(texts, [it.answer for it in work.items for _ in range(work.k)])))
+    out = []
+    for i, (it, comps) in enumerate(zip(work.items, groups)):
+        sc = scores[i * work.k:(i + 1) * work.k]
+        out.append(M.EvalResult(gen_id=gen_id, incarnation=incarnation, ticket=it.ticket, weight_version=engine.version,
+                                rewards=[float(x.reward) for x in sc], lengths=[len(c.token_ids) for c in comps],
+                                score_status=[x.status for x in sc]))
     return out

@@ -3,7 +3,8 @@
 `Engine.generate(prompts, n, sampling, seeds, before_forward)` returns, for
 each prompt, n completions with per-token behaviour logprobs *of the
 distribution actually sampled from* (after temperature and top-p
-renormalisation: that is pi_behav in the importance weights) and the policy
+renormalisation: that is pi_behav in the importance weights; temperature 0 is
+greedy decoding, used by evaluation, with untempered logprobs) and the policy
 version of the weights that produced each token. `before_forward` runs before
 every model call so an actor can swap in new weights mid-generation; tokens
 after the swap carry the new version (PipelineRL-style in-flight updates; the
@@ -130,8 +131,12 @@ class CpuEngine:
             logits = self.model(
                 input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache, use_cache=True
             ).logits[:, -1]
-            logp = sampling_logprobs(logits, sampling.temperature, sampling.top_p)
-            tok = (logp.double() + gumbel_noise(rseeds, t, logp.shape[-1])).argmax(-1)
+            if sampling.temperature > 0:
+                logp = sampling_logprobs(logits, sampling.temperature, sampling.top_p)
+                tok = (logp.double() + gumbel_noise(rseeds, t, logp.shape[-1])).argmax(-1)
+            else:  # greedy (evaluation): the logprobs reported are of the untempered distribution
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                tok = logp.argmax(-1)
             out_tok[:, t] = torch.where(done, self.pad, tok)
             out_lp[:, t] = logp.gather(-1, tok[:, None])[:, 0]
             out_ver[:, t] = self.version

@@ -21,6 +21,12 @@ non-negative; expression answers may be negative; word problems never are.
 `*` only ever appears as the first operator, so left-to-right evaluation (what
 the worked solution shows) agrees with the usual precedence.
 
+Solutions come in two styles, as a pretrained model's answers do: `worked`
+(one step per operator, then the boxed answer) and `direct` (the boxed answer
+alone). The warm start learns both, so the base model *chooses* a strategy at
+its first token; direct answers to multi-operand questions are often wrong, so
+RL has a strategy to discover, and the choice is where entropy can collapse.
+
 Held-out evaluation: `arith_easy` (levels 1-2) and `arith_hard` (levels 3-4)
 are drawn first from their own RNG stream; the train set rejects any question
 string that appears in either eval set. Every random draw goes through a
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 from random import Random
 
 DATA_SOURCE = "arith"
+SOLUTION_STYLES = ("worked", "direct")
 
 _NAMES = (("Tom", "he"), ("Ann", "she"), ("Sam", "he"), ("Mia", "she"), ("Ben", "he"), ("Eva", "she"))
 _ITEMS = ("apples", "pens", "cards", "books", "marbles", "stickers")
@@ -199,12 +206,14 @@ class ArithTask:
         return {name: list(problems) for name, problems in self._eval.items()}
 
     @staticmethod
-    def solution(p: Problem) -> str:
-        """A worked solution, one step per operator, ending in \\boxed{answer}.
+    def solution(p: Problem, style: str = "worked") -> str:
+        """A solution ending in \\boxed{answer}: `worked` (one step per operator) or `direct`.
 
-        Intermediate results are written out because a tiny model cannot add
-        four numbers "in its head"; it can chain two-operand steps.
+        Worked steps write intermediate results out because a tiny model cannot
+        add four numbers "in its head"; it can chain two-operand steps.
         """
+        if style not in SOLUTION_STYLES:
+            raise ValueError(f"solution style {style!r} is not one of {SOLUTION_STYLES}")
         numbers, ops = _parse(p.question)
         steps, total = [], numbers[0]
         for op, n in zip(ops, numbers[1:]):
@@ -216,4 +225,5 @@ class ArithTask:
                 f"problem answer {p.answer!r} disagrees with the question {p.question!r} (= {total}); "
                 "Problem objects must come from ArithTask, whose answers are computed from the question"
             )
-        return " ".join(steps) + f" The answer is \\boxed{{{total}}}."
+        final = f"The answer is \\boxed{{{total}}}."
+        return final if style == "direct" else " ".join(steps) + " " + final

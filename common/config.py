@@ -32,6 +32,11 @@ class RunConfig(_Section):
     steps: PosInt = 100
     torch_threads: PosInt = 1  # per process; the CPU path runs one role per core
     checkpoint_every_steps: NonNegInt = 0  # 0: only the final checkpoint
+    # Same seed, same numbers: all generation at policy version v finishes before v + 1 is
+    # published, so every token's version is a function of its prompt's place in the stream and
+    # no weights change mid-generation. Off: weights swap in mid-generation (more overlap when
+    # response lengths are heavy-tailed), and versions depend on timing.
+    deterministic: bool = True
 
 
 class ModelConfig(_Section):
@@ -42,8 +47,8 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     task: Literal["arith"] = "arith"
-    # arith difficulty levels to train on (1 easy .. 4 hard); the base model solves ~80 % of
-    # level 1, ~20 % of level 2 and almost none of 3-4, so those add groups with no reward spread.
+    # arith difficulty levels to train on (1 easy .. 4 hard); the base model solves ~85 % of (seen)
+    # level-1, ~16 % of level-2 and almost none of level 3-4 problems, so those add groups with no reward spread.
     levels: tuple[Annotated[int, Meta(ge=1, le=4)], ...] = (1, 2)
     train_size: PosInt = 4096
     eval_size: PosInt = 128
@@ -64,6 +69,19 @@ class RolloutConfig(_Section):
 class RewardConfig(_Section):
     workers: PosInt = 1
     timeout_s: PosFloat = 5.0
+
+
+class EvalConfig(_Section):
+    """Held-out evaluation by the generators, at policy versions 0, every_steps, 2*every_steps, ... and the last."""
+
+    every_steps: NonNegInt = 25  # 0: no evaluation
+    k: PosInt = 4  # samples per prompt: eval/<data_source>/acc is avg@k, eval/<data_source>/pass@k
+    # The policy as trained samples it (rollout.temperature 1.0); 0: greedy (then one sample per prompt).
+    temperature: Annotated[float, Meta(ge=0)] = 1.0
+    # Per data source temperature, e.g. {aime = 0.6} as in Cui et al.; sources not named use `temperature`.
+    temperatures: dict[str, Annotated[float, Meta(ge=0)]] = msgspec.field(default_factory=dict)
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    max_new_tokens: NonNegInt = 0  # 0: rollout.max_new_tokens
 
 
 class ImportanceConfig(_Section):
@@ -133,7 +151,7 @@ class KLRefConfig(_Section):
 
 
 class FilterConfig(_Section):
-    dynamic_sampling: bool = False  # drop groups whose rewards all agree and refill (DAPO; the paper recipes turn it on)
+    dynamic_sampling: bool = True  # drop groups whose rewards all agree and refill (DAPO; the paper recipes turn it on)
     # Stop dropping after this many step-batches' worth of groups were filtered for one step
     # (DAPO: up to 10 generation batches), so a task the model always or never solves still trains.
     max_filtered_batches: PosInt = 10
@@ -142,7 +160,7 @@ class FilterConfig(_Section):
 
 
 class LearnerConfig(_Section):
-    lr: PosFloat = 5e-5
+    lr: PosFloat = 1e-4
     weight_decay: Annotated[float, Meta(ge=0)] = 0.0
     grad_clip: PosFloat = 1.0
     zero_stage: Annotated[int, Meta(ge=0, le=3)] = 1
@@ -185,6 +203,7 @@ class Config(_Section):
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
 
@@ -263,6 +282,20 @@ def check(cfg: Config) -> None:
             f"learner.mini_batches={cfg.learner.mini_batches} must divide rollout.groups_per_step="
             f"{cfg.rollout.groups_per_step} so every optimizer step sees whole groups; change one of them"
         )
+
+
+def eval_versions(cfg: Config) -> list[int]:
+    """Policy versions the generators evaluate: 0 (the base model), every `every_steps`, and the last."""
+    every = cfg.eval.every_steps
+    if not every:
+        return []
+    return sorted({0, cfg.run.steps, *range(every, cfg.run.steps, every)})
+
+
+def eval_sampling(cfg: Config, data_source: str) -> tuple[float, int]:
+    """(temperature, samples per prompt) of one eval set: greedy decoding takes one sample."""
+    t = cfg.eval.temperatures.get(data_source, cfg.eval.temperature)
+    return t, (cfg.eval.k if t > 0 else 1)
 
 
 def to_toml(cfg: Config) -> str:

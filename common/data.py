@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import zlib
 from dataclasses import dataclass
 
 from common.config import Config
@@ -40,6 +41,22 @@ def model_dir(cfg: Config) -> str:
         )
         raise FileNotFoundError(f"model directory {path!r} has no config.json; {hint}")
     return path
+
+
+def eval_sets(cfg: Config) -> dict[str, list[Prompt]]:
+    """The held-out sets of the configured task, by data_source, in a fixed order."""
+    from common.arith import ArithTask
+    from common.templates import render_prompt
+
+    task = ArithTask(seed=cfg.run.seed, train_size=0, eval_size=cfg.data.eval_size)
+    return {name: [Prompt(render_prompt(p.question), p.answer, name) for p in problems]
+            for name, problems in task.eval_sets().items()}
+
+
+def eval_seed(run_seed: int, data_source: str, index: int) -> int:
+    """Sampling seed of one eval prompt: the same at every evaluated version (common random
+    numbers, so accuracy differences between versions are not sampling noise)."""
+    return zlib.crc32(f"{run_seed}:eval:{data_source}:{index}".encode()) & 0x7FFFFFFF
 
 
 class PromptSource:

@@ -4,12 +4,20 @@ R is accuracy, H the batch policy entropy. Fit by ordinary least squares of R
 on x = exp(H): the slope is -a and the intercept b. The predicted ceiling, at
 H = 0, is b - a. The paper fitted the first 36 steps and predicted the next 200
 within 0.9 % RMSE; `early_prediction` makes that check on any run.
+
+`eval_points` / `train_points` turn metrics.jsonl rows into (step, H, R) points:
+held-out accuracy paired with the entropy of the evaluated policy version, or the
+training reward paired with the step's batch entropy. `pearson` is the plain
+sample correlation used for the covariance check (Cov(log pi, A) vs entropy change).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
+
+MIN_FIT_POINTS = 3  # a 2-point fit always has R^2 = 1 and says nothing; reports and the CLI ask for 3
 
 
 @dataclass(frozen=True)
@@ -52,3 +60,104 @@ def early_prediction(entropies: list[float], rewards: list[float], fraction: flo
     rest = list(zip(entropies[k:], rewards[k:]))
     rmse = math.sqrt(sum((fit.predict(h) - r) ** 2 for h, r in rest) / len(rest))
     return fit, rmse
+
+
+# ---------------------------------------------------------------------------
+# Fit points from metrics.jsonl rows (pure; no I/O, no plotting).
+#
+# Step s's training metrics describe the update from policy version s-1 to s, and
+# `actor/entropy` on row s is the entropy of version s-1. Evaluation on row s is of
+# version s (row 0 holds only the base model's evaluation). The law pairs a
+# version's accuracy with that same version's entropy, so an eval point at version
+# v takes its entropy from row v+1 (measured before that row's update), or, for
+# the last version, from row v's entropy plus its `actor/entropy_delta`.
+# ---------------------------------------------------------------------------
+
+_EVAL_ACC = re.compile(r"^eval/(.+)/acc$")
+
+
+def row_value(row: dict | None, key: str) -> float | None:
+    """row[key] as a float, or None when the row, the key or a finite value is missing."""
+    if row is None:
+        return None
+    v = row.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def merge_rows(rows: list[dict]) -> list[dict]:
+    """Rows sorted by `step`, one per step; rows sharing a step are merged in file order (later keys win).
+
+    Rows without an integer `step` are dropped: they cannot be placed on the time axis.
+    """
+    by_step: dict[int, dict] = {}
+    for row in rows:
+        step = row.get("step")
+        if isinstance(step, bool) or not isinstance(step, int):
+            continue
+        by_step.setdefault(step, {}).update(row)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def eval_sources(rows: list[dict]) -> list[str]:
+    """Sorted data-source names that have an `eval/<ds>/acc` key in any row."""
+    return sorted({m.group(1) for row in rows for k in row if (m := _EVAL_ACC.match(k))})
+
+
+def mean_eval_acc(row: dict) -> float | None:
+    """Mean of the row's non-null `eval/<ds>/acc` values over data sources; None if it has none."""
+    accs = [v for k in row if _EVAL_ACC.match(k) and (v := row_value(row, k)) is not None]
+    return sum(accs) / len(accs) if accs else None
+
+
+def version_entropy(by_step: dict[int, dict], version: int) -> float | None:
+    """Entropy of policy version `version`: row version+1's `actor/entropy`, else row version's
+    `actor/entropy + actor/entropy_delta`, else None. `by_step` maps step -> merged row."""
+    after = row_value(by_step.get(version + 1), "actor/entropy")
+    if after is not None:
+        return after
+    row = by_step.get(version)
+    h, dh = row_value(row, "actor/entropy"), row_value(row, "actor/entropy_delta")
+    return h + dh if h is not None and dh is not None else None
+
+
+def eval_points(rows: list[dict]) -> list[tuple[int, float, float]]:
+    """(step, entropy of version step, mean eval accuracy of version step), sorted by step.
+
+    Eval rows whose version has no entropy (see `version_entropy`) are skipped.
+    """
+    merged = merge_rows(rows)
+    by_step = {r["step"]: r for r in merged}
+    points = []
+    for row in merged:
+        acc = mean_eval_acc(row)
+        h = version_entropy(by_step, row["step"]) if acc is not None else None
+        if h is not None:
+            points.append((row["step"], h, acc))
+    return points
+
+
+def train_points(rows: list[dict]) -> list[tuple[int, float, float]]:
+    """(step, actor/entropy, critic/score/mean) for rows holding both, sorted by step."""
+    points = []
+    for row in merge_rows(rows):
+        h, r = row_value(row, "actor/entropy"), row_value(row, "critic/score/mean")
+        if h is not None and r is not None:
+            points.append((row["step"], h, r))
+    return points
+
+
+def pearson(xs: list[float], ys: list[float]) -> float | None:
+    """Pearson correlation of paired samples; None with fewer than 3 pairs or a constant side."""
+    if len(xs) != len(ys):
+        raise ValueError(f"pearson needs paired samples, got {len(xs)} xs and {len(ys)} ys")
+    n = len(xs)
+    if n < 3:
+        return None
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    if sxx == 0 or syy == 0:
+        return None
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / math.sqrt(sxx * syy)

@@ -20,7 +20,7 @@ from typing import Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: evaluation messages (EvalWork, EvalResult)
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -80,6 +80,18 @@ class RolloutGroup(_Msg, tag="group"):
     gen_time_s: float
 
 
+class EvalResult(_Msg, tag="evalres"):
+    """Scores of one eval prompt's k samples; no tokens travel back, only what the metrics need."""
+
+    gen_id: int
+    incarnation: str
+    ticket: int
+    weight_version: int  # the policy version every sample was generated with
+    rewards: list[float]
+    lengths: list[int]  # response tokens per sample
+    score_status: list[str]  # "ok" | "timeout" | "error" per sample
+
+
 # ---- hub -> generator --------------------------------------------------------
 
 
@@ -113,12 +125,22 @@ class Work(_Msg, tag="work"):
     policy_version: int  # generate with weights of at least this version
 
 
+class EvalWork(_Msg, tag="eval"):
+    """Held-out prompts to sample with weights of exactly `policy_version` (the hub holds the next
+    version back until every eval item of this one is in), and score; answered with EvalResult."""
+
+    items: list[WorkItem]  # epoch is 0; prompt_id indexes the eval set named by data_source
+    k: int
+    sampling: SamplingParams  # temperature 0: greedy
+    policy_version: int
+
+
 class Stop(_Msg, tag="stop"):
     reason: str
 
 
-HUB_INBOUND = Union[Hello, WorkRequest, Heartbeat, RolloutGroup]
-GENERATOR_INBOUND = Union[Welcome, Refused, Work, Stop]
+HUB_INBOUND = Union[Hello, WorkRequest, Heartbeat, RolloutGroup, EvalResult]
+GENERATOR_INBOUND = Union[Welcome, Refused, Work, EvalWork, Stop]
 
 
 def to_bytes(values, dtype: np.dtype) -> bytes:
@@ -128,6 +150,17 @@ def to_bytes(values, dtype: np.dtype) -> bytes:
 def as_array(buf: bytes, dtype: np.dtype) -> np.ndarray:
     """Zero-copy read-only view of a raw array field."""
     return np.frombuffer(buf, dtype=dtype)
+
+
+def check_eval(res: EvalResult, *, k: int, version: int, max_tokens: int) -> str | None:
+    """Why this eval result cannot be counted, or None (a stable metric-key reason, like check_rollout)."""
+    if not (len(res.rewards) == len(res.lengths) == len(res.score_status) == k):
+        return "eval_shape"
+    if res.weight_version != version:
+        return "eval_version"
+    if any(not (0 < n <= max_tokens) for n in res.lengths) or any(not (r == r) for r in res.rewards):
+        return "eval_fields"
+    return None
 
 
 def check_rollout(group: RolloutGroup, *, group_size: int, max_version: int, max_tokens: int) -> str | None:

@@ -155,28 +155,45 @@ def log_tail(run_dir: str, name: str, lines: int = 25) -> str:
 
 
 def progress_line(row: dict, steps: int, k: int) -> str:
+    evals = " ".join(f"{key.split('/')[1]} {v:.3f}" for key, v in sorted(row.items())
+                     if key.startswith("eval/") and key.endswith("/acc") and v is not None)
+    evals = f" | eval acc {evals}" if evals else ""
+    if row.get("critic/score/mean") is None:  # row 0: the base model's evaluation only
+        return f"step {row['step']}/{steps}{evals}"
     return (f"step {row['step']}/{steps} | reward {row.get('critic/score/mean', 0):.3f} | "
             f"entropy {row.get('actor/entropy', 0):.3f} | gen {row.get('perf/gen_tokens_per_s', 0):.0f} tok/s | "
             f"staleness {row.get('staleness/mean', 0):.2f} (max {row.get('staleness/max', 0):.0f}, bound {k}) | "
-            f"{row.get('timing_s/step', 0):.2f} s/step")
+            f"{row.get('timing_s/step', 0):.2f} s/step{evals}")
 
 
 def summary(run_dir: str, cfg, elapsed: float) -> str:
     rows = read_metrics(run_dir)
-    if not rows:
+    train = [r for r in rows if r.get("critic/score/mean") is not None]
+    if not train:
         return f"no steps recorded in {run_dir}/metrics.jsonl"
-    q = max(1, len(rows) // 4)
+    q = max(1, len(train) // 4)
     avg = lambda rs, k: sum(r.get(k) or 0.0 for r in rs) / len(rs)  # noqa: E731
     ckpts = os.path.join(run_dir, "checkpoints")
     last = sorted(os.listdir(ckpts), key=lambda d: int(d.split("_")[1])) if os.path.isdir(ckpts) else []
-    return "\n".join([
-        f"covrl: {len(rows)} steps in {elapsed:.0f}s -> {run_dir}",
-        f"  reward (critic/score/mean): first quarter {avg(rows[:q], 'critic/score/mean'):.3f} -> last quarter {avg(rows[-q:], 'critic/score/mean'):.3f}",
-        f"  entropy (actor/entropy):    first quarter {avg(rows[:q], 'actor/entropy'):.3f} -> last quarter {avg(rows[-q:], 'actor/entropy'):.3f}",
-        f"  staleness max {max(r.get('staleness/max') or 0 for r in rows):.0f} (bound {cfg.rollout.max_staleness_steps})",
+    lines = [
+        f"covrl: {len(train)} steps in {elapsed:.0f}s -> {run_dir}",
+        f"  reward (critic/score/mean): first quarter {avg(train[:q], 'critic/score/mean'):.3f} -> last quarter {avg(train[-q:], 'critic/score/mean'):.3f}",
+        f"  entropy (actor/entropy):    first quarter {avg(train[:q], 'actor/entropy'):.3f} -> last quarter {avg(train[-q:], 'actor/entropy'):.3f}",
+    ]
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    sources = sorted({k.split("/")[1] for r in evals for k in r if k.startswith("eval/") and k.endswith("/acc")})
+    for ds in sources:
+        pts = [r for r in evals if r.get(f"eval/{ds}/acc") is not None]
+        first, end = pts[0], pts[-1]
+        lines.append(f"  eval {ds}: acc (avg@{cfg.eval.k}) {first[f'eval/{ds}/acc']:.3f} at step {first['step']} -> "
+                     f"{end[f'eval/{ds}/acc']:.3f} at step {end['step']}; pass@k {first[f'eval/{ds}/pass@k']:.3f} -> "
+                     f"{end[f'eval/{ds}/pass@k']:.3f}")
+    lines += [
+        f"  staleness max {max(r.get('staleness/max') or 0 for r in train):.0f} (bound {cfg.rollout.max_staleness_steps})",
         f"  metrics: {run_dir}/metrics.jsonl  tensorboard: {run_dir}/tb",
         f"  checkpoint: {os.path.join(ckpts, last[-1]) if last else 'none'}",
-    ])
+    ]
+    return "\n".join(lines)
 
 
 def supervise(specs: list[RoleSpec], run_dir: str, cfg, quiet: bool) -> int:

@@ -1,9 +1,15 @@
-"""Fit R = -a exp(H) + b on a run: `python launch/fit_law.py RUN_DIR [--reward KEY] [--entropy KEY]`.
+"""Fit R = -a exp(H) + b on a run: `python launch/fit_law.py RUN_DIR [--on eval|train] [--plot PATH]`.
 
 Reads RUN_DIR/metrics.jsonl, prints a, b, R^2, the ceiling b - a and the early-prediction check
-(fit on the first 15 % of steps, RMSE on the rest), and writes RUN_DIR/law_fit.json.
-R defaults to the training reward (critic/score/mean) until in-training evaluation exists;
-pass --reward eval/<data_source>/acc to fit on held-out accuracy.
+(fit on the first 15 % of points, RMSE on the rest), writes RUN_DIR/law_fit.json and a plot of the
+points with the fitted curve (default RUN_DIR/law_fit.png).
+
+Two point sources:
+- eval: held-out accuracy of each evaluated policy version (mean over data sources of
+  eval/<ds>/acc) paired with that version's entropy (see common.lawfit.eval_points). This is the
+  paper's law. Default when the run has at least 3 such points.
+- train: a per-step reward key (default critic/score/mean) paired with an entropy key of the same
+  row (default actor/entropy); `--reward` / `--entropy` choose the keys. Used otherwise.
 """
 
 from __future__ import annotations
@@ -15,33 +21,73 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common.lawfit import early_prediction, fit_law  # noqa: E402
+from common.lawfit import MIN_FIT_POINTS as MIN_POINTS  # noqa: E402
+from common.lawfit import early_prediction, eval_points, fit_law, merge_rows, row_value  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
+
+
+def train_key_points(rows: list[dict], reward_key: str, entropy_key: str) -> list[tuple[int, float, float]]:
+    """(step, row[entropy_key], row[reward_key]) for rows holding both as numbers, sorted by step."""
+    return [(r["step"], h, rew) for r in merge_rows(rows)
+            if (h := row_value(r, entropy_key)) is not None and (rew := row_value(r, reward_key)) is not None]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python launch/fit_law.py")
     ap.add_argument("run_dir")
-    ap.add_argument("--reward", default="critic/score/mean")
-    ap.add_argument("--entropy", default="actor/entropy")
+    ap.add_argument("--on", choices=["train", "eval"],
+                    help=f"point source (default: eval if the run has >= {MIN_POINTS} eval points, else train)")
+    ap.add_argument("--reward", help="train mode: reward key (default critic/score/mean)")
+    ap.add_argument("--entropy", help="train mode: entropy key (default actor/entropy)")
+    ap.add_argument("--plot", help="PNG path for the points and fitted curve (default RUN_DIR/law_fit.png)")
     args = ap.parse_args(argv)
-    rows = [r for r in read_metrics(args.run_dir) if r.get(args.reward) is not None and r.get(args.entropy) is not None]
-    if len(rows) < 3:
-        print(f"error: {args.run_dir}/metrics.jsonl has {len(rows)} steps with both {args.reward} and {args.entropy}; "
-              f"need at least 3", file=sys.stderr)
+    keys_given = args.reward is not None or args.entropy is not None
+    if args.on == "eval" and keys_given:
+        print("error: --reward/--entropy choose the keys of --on train; eval points always pair the mean "
+              "eval/<ds>/acc with the evaluated version's actor/entropy. Drop them or use --on train.", file=sys.stderr)
         return 2
-    H = [r[args.entropy] for r in rows]
-    R = [r[args.reward] for r in rows]
-    fit = fit_law(H, R)
-    early, rmse = early_prediction(H, R)
-    out = {"reward_key": args.reward, "entropy_key": args.entropy, "a": fit.a, "b": fit.b, "r2": fit.r2,
-           "ceiling": fit.ceiling, "points": fit.n, "early_fit": {"a": early.a, "b": early.b, "points": early.n},
-           "early_rmse_on_rest": rmse}
+    rows = read_metrics(args.run_dir)
+    reward_key, entropy_key = args.reward or "critic/score/mean", args.entropy or "actor/entropy"
+    ev = eval_points(rows)
+    source = args.on or ("train" if keys_given or len(ev) < MIN_POINTS else "eval")
+    if source == "eval":
+        points = ev
+        reward_desc, entropy_desc = "mean eval/<ds>/acc", "entropy of the evaluated version"
+    else:
+        points = train_key_points(rows, reward_key, entropy_key)
+        reward_desc, entropy_desc = reward_key, entropy_key
+    if len(points) < MIN_POINTS:
+        hint = ("; run with eval.every_steps set, or use --on train" if source == "eval"
+                else "; check the keys with --reward/--entropy")
+        print(f"error: {args.run_dir}/metrics.jsonl gives {len(points)} {source} points ({reward_desc} on "
+              f"{entropy_desc}); need at least {MIN_POINTS}{hint}", file=sys.stderr)
+        return 2
+    steps, H, R = (list(c) for c in zip(*points))
+    try:
+        fit = fit_law(H, R)
+        early, rmse = early_prediction(H, R)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    plot_path = args.plot or os.path.join(args.run_dir, "law_fit.png")
+    from launch.plots import plot_law_fit  # matplotlib only once there is something to draw
+
+    plot_law_fit({f"{source} points": list(zip(H, R))}, {f"{source} points": fit}, plot_path,
+                 ylabel=reward_desc, title=f"{os.path.basename(os.path.abspath(args.run_dir))}: R = -a exp(H) + b")
+    out = {"source": source, "reward_key": reward_desc, "entropy_key": entropy_desc, "steps": steps,
+           "a": fit.a, "b": fit.b, "r2": fit.r2, "ceiling": fit.ceiling, "points": fit.n,
+           "early_fit": {"a": early.a, "b": early.b, "points": early.n}, "early_rmse_on_rest": rmse,
+           "plot": plot_path}
     with open(os.path.join(args.run_dir, "law_fit.json"), "w") as f:
         json.dump(out, f, indent=1)
+    why = "chosen with --on" if args.on else ("default: the run has eval points" if source == "eval"
+                                              else f"default: fewer than {MIN_POINTS} eval points" if not keys_given
+                                              else "--reward/--entropy given")
+    print(f"fitting on {source} points ({why})")
     print(f"R = -{fit.a:.4f} exp(H) + {fit.b:.4f}   R^2 {fit.r2:.3f}   ceiling (H=0) {fit.ceiling:.4f}   "
-          f"({fit.n} steps; {args.reward} on {args.entropy})")
-    print(f"early prediction: fit on the first {early.n} steps, RMSE {rmse:.4f} on the other {fit.n - early.n}")
+          f"({fit.n} points; {reward_desc} on {entropy_desc})")
+    print(f"early prediction: fit on the first {early.n} points, RMSE {rmse:.4f} on the other {fit.n - early.n}")
+    print(f"plot: {plot_path}")
     return 0
 
 

@@ -6,6 +6,13 @@ Steps: train a byte-level BPE on arith texts; random-init a tiny Qwen2; SFT it
 on worked solutions with the loss on the response only; measure sampled
 accuracy at temperature 1; save model + tokenizer + warmstart.json atomically.
 
+Why two solution styles (`ArithTask.solution(p, style)`): a pretrained model
+answers some questions straight away and works others out. The SFT data mixes
+`worked` and `direct` solutions (DIRECT_FRACTION), so the base model picks a
+strategy at its first response token -- real sampling entropy with a reward
+behind it: direct answers to multi-operand questions are mostly wrong. The
+report measures how often each style is sampled and how accurate each is.
+
 Why *partial* competence: RL needs reward variance within a group. A model that
 solves 95 % (or 0 %) of problems gives GRPO-style advantages of ~0 everywhere,
 so the default step count stops SFT early, around 20-60 % sampled accuracy,
@@ -46,7 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `python la
 import torch  # noqa: E402
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from common.arith import ArithTask, Problem  # noqa: E402
+from random import Random  # noqa: E402
+
+from common.arith import SOLUTION_STYLES, ArithTask, Problem  # noqa: E402
 from common.templates import render_prompt  # noqa: E402
 from common.tokenizer import train_bpe_tokenizer  # noqa: E402
 
@@ -54,19 +63,22 @@ VOCAB_SIZE = 512  # requested; the narrow arith corpus stops merging near 400
 MAX_PARAMS = 2_500_000  # keeps the fp32 safetensors file < 10 MB
 MAX_POSITIONS = 256
 MAX_NEW_TOKENS = 96  # the longest level-4 worked solution is ~50 tokens
-DEFAULT_STEPS = 700  # measured: 29 % sampled train accuracy (600 steps: 22 %); 5-6 min on one shared thread
+# Measured with both styles: 1200 steps give 29 % sampled train accuracy (700: 16 %) in 7 min 42 s on
+# one thread of this 2-core machine.
+DEFAULT_STEPS = 1200
 ROW_TOKENS = 192  # packed row length; every example is <= 90 tokens
 ROWS_PER_STEP = 16  # ~3k tokens, ~60 examples per step
 PEAK_LR = 2e-3  # 3e-3 learned slightly worse and 6e-3 much worse in 600-step runs
 WARMUP_STEPS = 20
 EVAL_TRAIN_PROBLEMS = 256
+DIRECT_FRACTION = 0.5  # share of SFT solutions written in the `direct` style
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
 def build_tokenizer(task: ArithTask) -> PreTrainedTokenizerFast:
     """Prompts and solutions are fed as separate texts because they are tokenised separately."""
     problems = task.train()
-    texts = [render_prompt(p.question) for p in problems] + [ArithTask.solution(p) for p in problems]
+    texts = [render_prompt(p.question) for p in problems] + [ArithTask.solution(p, s) for p in problems for s in SOLUTION_STYLES]
     return train_bpe_tokenizer(texts, VOCAB_SIZE)
 
 
@@ -100,12 +112,17 @@ def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # tied embeddings are counted once
 
 
-def encode(tok: PreTrainedTokenizerFast, problems: list[Problem]) -> list[tuple[list[int], int]]:
+def solution_style(seed: int, index: int) -> str:
+    """The style of SFT example `index`: direct with probability DIRECT_FRACTION, seeded."""
+    return "direct" if Random(f"arith/{seed}/style/{index}").random() < DIRECT_FRACTION else "worked"
+
+
+def encode(tok: PreTrainedTokenizerFast, problems: list[Problem], seed: int) -> list[tuple[list[int], int]]:
     """Each example as (ids, prompt_len); ids = prompt + response + [eos], tokenised separately."""
     examples = []
-    for p in problems:
+    for i, p in enumerate(problems):
         prompt = tok(render_prompt(p.question)).input_ids
-        response = tok(ArithTask.solution(p)).input_ids + [tok.eos_token_id]
+        response = tok(ArithTask.solution(p, solution_style(seed, i))).input_ids + [tok.eos_token_id]
         examples.append((prompt + response, len(prompt)))
     return examples
 
@@ -214,15 +231,21 @@ def sample_responses(model, tok, questions: list[str], batch_size: int = 64) -> 
     return responses
 
 
-def accuracy(model, tok, problems: list[Problem]) -> tuple[float, float, dict[int, float]]:
-    """(accuracy, mean response tokens incl. eos, accuracy per level) by exact match of the last \\boxed{}."""
+def accuracy(model, tok, problems: list[Problem]) -> tuple[float, float, dict[int, float], dict[str, dict]]:
+    """(accuracy, mean response tokens incl. eos, accuracy per level, {style: {share, accuracy}})
+    by exact match of the last \\boxed{}; a response is `direct` when it starts with the final sentence."""
     responses = sample_responses(model, tok, [p.question for p in problems])
-    correct = [last_boxed(tok.decode(r, skip_special_tokens=True)) == p.answer for r, p in zip(responses, problems)]
+    texts = [tok.decode(r, skip_special_tokens=True) for r in responses]
+    correct = [last_boxed(t) == p.answer for t, p in zip(texts, problems)]
     by_level: dict[int, list[bool]] = {}
-    for ok, p in zip(correct, problems):
+    by_style: dict[str, list[bool]] = {s: [] for s in SOLUTION_STYLES}
+    for ok, p, t in zip(correct, problems, texts):
         by_level.setdefault(p.level, []).append(ok)
+        by_style["direct" if t.lstrip().startswith("The answer is") else "worked"].append(ok)
     per_level = {lvl: round(sum(v) / len(v), 4) for lvl, v in sorted(by_level.items())}
-    return sum(correct) / len(correct), sum(map(len, responses)) / len(responses), per_level
+    per_style = {s: {"share": round(len(v) / len(texts), 4), "accuracy": round(sum(v) / len(v), 4) if v else None}
+                 for s, v in by_style.items()}
+    return sum(correct) / len(correct), sum(map(len, responses)) / len(responses), per_level, per_style
 
 
 def save_atomic(out: Path, model, tok, report: dict) -> None:
@@ -263,14 +286,14 @@ def main() -> None:
     tok = build_tokenizer(task)
     model = build_model(len(tok), tok.eos_token_id, args.seed)
     print(f"vocab {len(tok)}  params {count_params(model)}", flush=True)
-    sft(model, encode(tok, task.train()), args.steps, tok.eos_token_id, args.seed)
+    sft(model, encode(tok, task.train(), args.seed), args.steps, tok.eos_token_id, args.seed)
 
     torch.manual_seed(args.seed + 1)  # the sampling stream, independent of how many SFT steps ran
     evals = {"train_sample": task.train()[:EVAL_TRAIN_PROBLEMS], **task.eval_sets()}
     evals = {name: problems[: args.eval_problems] for name, problems in evals.items()}
     results = {name: accuracy(model, tok, problems) for name, problems in evals.items()}
-    for name, (acc, length, per_level) in results.items():
-        print(f"{name:13s} accuracy {acc:.3f}  mean response tokens {length:.1f}  by level {per_level}")
+    for name, (acc, length, per_level, per_style) in results.items():
+        print(f"{name:13s} accuracy {acc:.3f}  mean response tokens {length:.1f}  by level {per_level}  by style {per_style}")
 
     report = {
         "seed": args.seed,
@@ -279,12 +302,14 @@ def main() -> None:
         "packed_rows_per_step": ROWS_PER_STEP,
         "packed_row_tokens": ROW_TOKENS,
         "peak_lr": PEAK_LR,
+        "direct_fraction": DIRECT_FRACTION,
         "param_count": count_params(model),
         "vocab_size": len(tok),
         "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": MAX_NEW_TOKENS},
         "accuracy": {name: round(r[0], 4) for name, r in results.items()},
         "accuracy_by_level": {name: r[2] for name, r in results.items()},
         "mean_response_tokens": {name: round(r[1], 2) for name, r in results.items()},
+        "styles": {name: r[3] for name, r in results.items()},
     }
     save_atomic(Path(args.out), model, tok, report)
     print(f"wrote {args.out} in {time.time() - started:.0f} s")

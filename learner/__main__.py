@@ -20,7 +20,8 @@ import torch.distributed as dist
 from common import messages as M
 from common import weights as W
 from common.cluster import read_cluster, read_run_config
-from common.data import PromptSource, model_dir
+from common.config import eval_versions
+from common.data import PromptSource, eval_sets, model_dir
 from common.metrics import MetricsWriter
 from common.transport import load_secret
 from learner import batch as B
@@ -74,7 +75,8 @@ def main() -> int:
         tokenizer = AutoTokenizer.from_pretrained(path)
         host, port = cluster.hub_addr.rsplit(":", 1)
         hub = Hub(cfg, run_id=cluster.run_id, key=load_secret(args.run_dir), port=int(port), source=PromptSource(cfg),
-                  tokenizer=tokenizer, weight_addr=cluster.weight_addr, n_generators=cluster.generators)
+                  tokenizer=tokenizer, weight_addr=cluster.weight_addr, n_generators=cluster.generators,
+                  eval_prompts=eval_sets(cfg) if cfg.eval.every_steps else None)
         hub.start()
         whost, wport = cluster.weight_addr.rsplit(":", 1)
         channel = W.WeightChannel(whost, int(wport), 0, cluster.generators + 1, cfg.transport.weight_sync_timeout_s)
@@ -82,12 +84,25 @@ def main() -> int:
         log.info("hub on %s, weight channel with %d generators ready", cluster.hub_addr, cluster.generators)
     last_tokens, last_t, last_filtered = 0, time.perf_counter(), 0
     par = ParSchedule(cfg.learner.par, cfg.run.steps)
+    # The row of an evaluated version waits for its eval results, so metrics.jsonl keeps one row
+    # per step (step 0: the base model's evaluation) and rows stay in step order.
+    evaluated = set(eval_versions(cfg))
+    held: dict[int, dict[str, float]] = {0: {}} if 0 in evaluated else {}
+    wait_s = cfg.transport.generator_timeout_s * 5
+
+    def finish_version(v: int) -> float:
+        """Wait for the generation pinned to version v; write its held row. Returns seconds waited."""
+        waited = hub.wait_version_done(v, timeout_s=wait_s)
+        if v in held:
+            writer.write(v, {**held.pop(v), **hub.take_eval(v)})
+        return waited
+
     for step in range(1, cfg.run.steps + 1):
         t0 = time.perf_counter()
         version = step - 1
         groups = extra = batch = None
         if rank == 0:
-            groups = hub.take_batch(version, timeout_s=cfg.transport.generator_timeout_s * 5)
+            groups = hub.take_batch(version, timeout_s=wait_s)
             extra = host_metrics(groups, version)
             batch = B.batch_from_config([r.group for r in groups], cfg, version=version, ranks=world,
                                         par_lambda=par.value(step))
@@ -96,6 +111,7 @@ def main() -> int:
         metrics = step_metrics(stats)
         if rank == 0:
             flat = W.flatten(trainer.module)
+            publish_wait_s = finish_version(version)
             # The hub moves first: a token stamped `step` may reach it the moment the broadcast
             # lands, and work issued for `step` just waits in the generator for these weights.
             hub.set_version(step)
@@ -114,18 +130,23 @@ def main() -> int:
                 "timing_s/step": now - t0,
                 "timing_s/train": stats.train_s,
                 "timing_s/weight_sync": sync_s,
+                "timing_s/publish_wait": publish_wait_s,
                 "weights/bytes": float(nbytes),
                 "weights/checksum": W.checksum(flat),
                 "weights/version": float(step),
             })
             last_tokens, last_t, last_filtered = gen_tokens, now, hub.filtered
-            writer.write(step, metrics)
+            if step in evaluated:
+                held[step] = metrics
+            else:
+                writer.write(step, metrics)
         every = cfg.run.checkpoint_every_steps
         if rank == 0 and (step == cfg.run.steps or (every and step % every == 0)):
             save_checkpoint(args.run_dir, step, trainer.module, tokenizer,
                             {"version": step, "hub_slots": hub.slots, "epoch": hub.epoch, "pos": hub.pos,
                              "par": par.state()})
     if rank == 0:
+        finish_version(cfg.run.steps)
         channel.stop()
         hub.stop()
         writer.close()

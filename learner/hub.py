@@ -12,12 +12,20 @@ Invariants
   oldest token is nonetheless more than k versions old is dropped and its prompt
   re-issued. So no trained token is more than k versions old, and k = 0 is
   synchronous on-policy training.
+- Nothing is issued for slots the run will never train: the admission cap stops at
+  `run.steps * groups_per_step` kept groups.
+- Evaluation: at each evaluated version v the hub queues every held-out prompt
+  (served before training work) and `wait_version_done(v)` holds the publish of
+  v + 1 until all of them are scored, so every eval sample comes from exactly v.
+  With `run.deterministic` the same barrier also waits for all training work
+  admissible at v, which makes every token's version a function of its slot:
+  same seed, same numbers.
 - A rollout is accepted only for a ticket that is in flight for that generator
   incarnation; anything else is dropped with a counted reason. Malformed or
   unauthenticated frames never raise out of the loop.
 
-The trainer thread talks to the hub only through `take_batch`, `set_version`
-and `stop`; the ZeroMQ socket belongs to the hub thread alone.
+The trainer thread talks to the hub only through `take_batch`, `set_version`,
+`wait_version_done`, `take_eval` and `stop`; the ZeroMQ socket belongs to the hub thread alone.
 """
 
 from __future__ import annotations
@@ -32,8 +40,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common import messages as M
-from common.config import Config
-from common.data import PromptSource, encode_prompt
+from common.config import Config, eval_sampling, eval_versions
+from common.data import Prompt, PromptSource, encode_prompt, eval_seed
 from common.transport import HubSocket
 from learner.advantages import zero_spread
 
@@ -49,6 +57,16 @@ class Ticket:
     gen_id: int
     incarnation: str
     issue_version: int
+
+
+@dataclass
+class EvalTicket:
+    ticket: int
+    version: int
+    data_source: str
+    index: int
+    gen_id: int
+    incarnation: str
 
 
 @dataclass
@@ -79,7 +97,8 @@ def prompt_seed(run_seed: int, epoch: int, prompt_id: int) -> int:
 
 
 class Hub:
-    def __init__(self, cfg: Config, *, run_id: str, key: bytes, port: int, source: PromptSource, tokenizer, weight_addr: str, n_generators: int):
+    def __init__(self, cfg: Config, *, run_id: str, key: bytes, port: int, source: PromptSource, tokenizer, weight_addr: str,
+                 n_generators: int, eval_prompts: dict[str, list[Prompt]] | None = None):
         self.cfg = cfg
         self.run_id = run_id
         self.sock = HubSocket(cfg.transport.host, port, key)
@@ -106,6 +125,14 @@ class Hub:
         self.gens: dict[int, GenState] = {}
         self.stats = HubStats()
         self._prompt_ids: dict[int, bytes] = {}
+        # Evaluation: (version, data_source, index) waiting to be issued, tickets out, scores in.
+        self.eval_prompts = eval_prompts or {}
+        self.eval_versions = set(eval_versions(cfg)) if self.eval_prompts else set()
+        self.eval_pending: collections.deque[tuple[int, str, int]] = collections.deque()
+        self.eval_in_flight: dict[int, EvalTicket] = {}
+        self.eval_scores: dict[int, dict[str, list[M.EvalResult]]] = {}
+        self._eval_ids: dict[tuple[str, int], bytes] = {}
+        self._schedule_eval(0)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hub", daemon=True)
         self.error: BaseException | None = None
@@ -118,7 +145,38 @@ class Hub:
     def set_version(self, version: int) -> None:
         with self.cv:
             self.version = version
+            self._schedule_eval(version)
             self.cv.notify_all()
+
+    def wait_version_done(self, version: int, timeout_s: float) -> float:
+        """Block until the generation that must use exactly `version` is in (see the module
+        docstring); call before publishing version + 1. Returns the seconds waited."""
+        t0 = time.monotonic()
+        with self.cv:
+            while not self._version_done(version):
+                if self.error is not None:
+                    raise RuntimeError("hub thread failed") from self.error
+                if time.monotonic() - t0 > timeout_s:
+                    raise TimeoutError(
+                        f"generation at version {version} not finished after {timeout_s:.0f}s: "
+                        f"{len(self.eval_pending)} eval prompts queued, {len(self.eval_in_flight)} eval and "
+                        f"{len(self.in_flight)} training groups in flight, {len(self.gens)} generators connected"
+                    )
+                self.cv.wait(0.5)
+        return time.monotonic() - t0
+
+    def take_eval(self, version: int) -> dict[str, float]:
+        """Eval metrics of `version` (empty if it was not evaluated); call after wait_version_done."""
+        with self.cv:
+            by_source = self.eval_scores.pop(version, {})
+        out: dict[str, float] = {}
+        for ds, results in sorted(by_source.items()):
+            correct = [[r >= 1.0 for r in res.rewards] for res in results]
+            out[f"eval/{ds}/acc"] = float(np.mean([np.mean(c) for c in correct]))
+            out[f"eval/{ds}/pass@k"] = float(np.mean([any(c) for c in correct]))
+            out[f"eval/{ds}/response_length"] = float(np.mean([np.mean(res.lengths) for res in results]))
+            out[f"eval/{ds}/score_failures"] = float(sum(st != "ok" for res in results for st in res.score_status))
+        return out
 
     def take_batch(self, version: int, timeout_s: float) -> list[Ready]:
         """Block until the batch for the step that starts at `version` is ready."""
@@ -143,7 +201,27 @@ class Hub:
         self._stopping.set()
         self._thread.join(timeout=10)
 
-    # ---- batch selection (called with self.cv held) ---------------------------
+    # ---- called with self.cv held ------------------------------------------------
+
+    def _admit_cap(self, version: int) -> int:
+        """Kept groups that may have been issued while the learner is at `version`."""
+        return min(version + 1 + self.k, self.cfg.run.steps) * self.gps
+
+    def _schedule_eval(self, version: int) -> None:
+        if version not in self.eval_versions or version in self.eval_scores:
+            return
+        self.eval_scores[version] = {ds: [] for ds in self.eval_prompts}
+        for ds, prompts in self.eval_prompts.items():
+            self.eval_pending.extend((version, ds, i) for i in range(len(prompts)))
+
+    def _version_done(self, version: int) -> bool:
+        if any(v <= version for v, _, _ in self.eval_pending) or any(t.version <= version for t in self.eval_in_flight.values()):
+            return False
+        if not self.cfg.run.deterministic:
+            return True
+        if self.reissue or any(t.issue_version <= version for t in self.in_flight.values()):
+            return False
+        return self.slots - self.filtered >= self._admit_cap(version)
 
     def _try_batch(self, version: int) -> list[Ready] | None:
         floor = version - self.k  # oldest version a trained token may have
@@ -202,6 +280,8 @@ class Hub:
             gen.weight_version = msg.weight_version
         elif isinstance(msg, M.RolloutGroup):
             self._rollout(msg)
+        elif isinstance(msg, M.EvalResult):
+            self._eval_result(msg)
 
     def _hello(self, identity: bytes, msg: M.Hello, now: float) -> None:
         if msg.protocol_version != M.PROTOCOL_VERSION or msg.run_id != self.run_id:
@@ -263,6 +343,22 @@ class Hub:
         self.ready[t.slot] = Ready(t.slot, t.issue_version, g)
         self.cv.notify_all()
 
+    def _eval_result(self, res: M.EvalResult) -> None:
+        t = self.eval_in_flight.get(res.ticket)
+        if t is None or t.gen_id != res.gen_id or t.incarnation != res.incarnation:
+            self.stats.counters["hub/rejected/unknown_ticket"] += 1
+            return
+        del self.eval_in_flight[res.ticket]
+        _, k = eval_sampling(self.cfg, t.data_source)
+        reason = M.check_eval(res, k=k, version=t.version, max_tokens=self._eval_params(t.data_source).max_new_tokens)
+        if reason is not None:
+            self.stats.counters[f"hub/rejected/{reason}"] += 1
+            log.warning("rejected eval result for ticket %d from generator %d: %s", res.ticket, res.gen_id, reason)
+            self.eval_pending.appendleft((t.version, t.data_source, t.index))
+            return
+        self.eval_scores[t.version][t.data_source].append(res)
+        self.cv.notify_all()
+
     def _expire(self, now: float) -> None:
         limit = self.cfg.transport.generator_timeout_s
         for gen_id, gen in list(self.gens.items()):
@@ -277,11 +373,44 @@ class Hub:
                 del self.in_flight[tid]
                 self.reissue.append(t)
                 self.stats.counters["hub/reissued_prompts"] += 1
+        for tid, e in list(self.eval_in_flight.items()):
+            if e.gen_id == gen_id:
+                del self.eval_in_flight[tid]
+                self.eval_pending.appendleft((e.version, e.data_source, e.index))
+                self.stats.counters["hub/reissued_eval_prompts"] += 1
         self.stats.counters[f"hub/generator_lost/{why}"] += 1
+
+    def _eval_params(self, data_source: str) -> M.SamplingParams:
+        t, _ = eval_sampling(self.cfg, data_source)
+        return M.SamplingParams(temperature=t, top_p=self.cfg.eval.top_p,
+                                max_new_tokens=self.cfg.eval.max_new_tokens or self.cfg.rollout.max_new_tokens)
+
+    def _serve_eval(self, gen_id: int, gen: GenState) -> bool:
+        """Give this generator eval prompts (one data source, as many rows as a training request)."""
+        if not self.eval_pending:
+            return False
+        version, ds, _ = self.eval_pending[0]
+        _, k = eval_sampling(self.cfg, ds)
+        room = max(1, self.cfg.rollout.groups_per_request * self.cfg.rollout.group_size // k)
+        items = []
+        while self.eval_pending and len(items) < room and self.eval_pending[0][:2] == (version, ds):
+            _, _, i = self.eval_pending.popleft()
+            t = EvalTicket(self.next_ticket, version, ds, i, gen_id, gen.incarnation)
+            self.next_ticket += 1
+            self.eval_in_flight[t.ticket] = t
+            ids = self._eval_ids.get((ds, i))
+            if ids is None:
+                tok = encode_prompt(self.tokenizer, self.eval_prompts[ds][i].text, self.cfg.data.max_prompt_tokens)
+                ids = self._eval_ids[(ds, i)] = M.to_bytes(np.asarray(tok), M.TOKEN_DTYPE)
+            items.append(M.WorkItem(ticket=t.ticket, prompt_id=i, epoch=0, prompt_ids=ids, answer=self.eval_prompts[ds][i].answer,
+                                    data_source=ds, seed=eval_seed(self.cfg.run.seed, ds, i)))
+        gen.wanted = 0
+        self.sock.send(gen.identity, M.EvalWork(items=items, k=k, sampling=self._eval_params(ds), policy_version=version))
+        return True
 
     def _serve_wanted(self) -> None:
         for gen_id, gen in self.gens.items():
-            if gen.wanted <= 0:
+            if gen.wanted <= 0 or self._serve_eval(gen_id, gen):
                 continue
             items = []
             while len(items) < gen.wanted:
@@ -300,7 +429,7 @@ class Hub:
         if self.reissue:
             old = self.reissue.popleft()
             slot, prompt_id, epoch = old.slot, old.prompt_id, old.epoch
-        elif self.slots - self.filtered < (self.version + 1 + self.k) * self.gps:
+        elif self.slots - self.filtered < self._admit_cap(self.version):
             if self.pos == len(self.order):
                 self.epoch, self.pos = self.epoch + 1, 0
                 self.order = self.source.order(self.epoch)

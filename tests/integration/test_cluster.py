@@ -18,7 +18,10 @@ from tests.conftest import BASE_MODEL, REPO
 pytestmark = pytest.mark.slow
 
 SMALL = ["--set", "rollout.groups_per_step=8", "--set", "rollout.group_size=4", "--set", "rollout.max_new_tokens=24",
-         "--set", "data.train_size=256"]
+         "--set", "data.train_size=256", "--set", "eval.every_steps=0"]
+# Evaluation on: small held-out sets, two evaluated versions besides the base model.
+EVAL = [*SMALL[:-2], "--set", "eval.every_steps=2", "--set", "data.eval_size=16", "--set", "eval.temperatures.arith_hard=0"]
+VOLATILE = ("timing_s/", "perf/")  # wall-clock measurements: the only keys allowed to differ between runs
 
 
 def launch(run_dir, *args, timeout=600):
@@ -166,3 +169,26 @@ def test_tensorboard_flag_serves_the_run(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_same_seed_same_numbers_with_evaluation(tmp_path):
+    """Issue 4 acceptance 4, and in-training evaluation: two runs of the async pipeline (staleness 1)
+    with evaluation at versions 0, 2, 4 write identical metrics, timings aside."""
+    runs = []
+    for name in ("a", "b"):
+        launch(tmp_path / name, "--gens", "1", "--learners", "1", "--steps", "4", *EVAL)
+        runs.append(read_metrics(str(tmp_path / name)))
+    a, b = runs
+    assert [r["step"] for r in a] == [0, 1, 2, 3, 4]  # one row per step; step 0 is the base model's eval
+    assert set(a[0]) == {"step", *(f"eval/{ds}/{m}" for ds in ("arith_easy", "arith_hard")
+                                   for m in ("acc", "pass@k", "response_length", "score_failures"))}
+    for v in (0, 2, 4):
+        assert 0 <= a[v]["eval/arith_easy/acc"] <= a[v]["eval/arith_easy/pass@k"] <= 1
+        # arith_hard is greedy here (temperature 0: one sample), so avg@k and pass@k coincide.
+        assert a[v]["eval/arith_hard/acc"] == a[v]["eval/arith_hard/pass@k"]
+    assert a[0]["eval/arith_easy/acc"] > 0.2, "the warm-started base model should solve some easy problems"
+    assert not any(k.startswith("eval/") for k in a[1]) and not any(k.startswith("eval/") for k in a[3])
+    assert max(r["staleness/max"] for r in a[1:]) == 1  # the run was off-policy, not a synchronous loop
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(VOLATILE)}  # noqa: E731
+    for ra, rb in zip(a, b):
+        assert strip(ra) == strip(rb), f"step {ra['step']} differs"

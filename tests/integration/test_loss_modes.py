@@ -22,6 +22,8 @@ train_size = 256
 group_size = 4
 groups_per_step = 4
 max_new_tokens = 24
+[eval]
+every_steps = 0
 """
 
 CASES = {

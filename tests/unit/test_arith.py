@@ -109,6 +109,10 @@ def test_solution_worked_by_hand():
     assert ArithTask.solution(p) == "5 - 12 = -7. -7 + 3 = -4. The answer is \\boxed{-4}."
     p = Problem("Mia buys 6 boxes with 37 pens in each. How many pens is that?", "222", "arith", 3)
     assert ArithTask.solution(p) == "6 * 37 = 222. The answer is \\boxed{222}."
+    # The direct style is the final sentence alone: the answer without the working.
+    assert ArithTask.solution(p, "direct") == "The answer is \\boxed{222}."
+    with pytest.raises(ValueError, match="style"):
+        ArithTask.solution(p, "chatty")
 
 
 def test_every_solution_steps_are_right_and_end_in_the_boxed_answer(task):

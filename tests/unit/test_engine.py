@@ -95,3 +95,18 @@ def test_weights_swapped_mid_generation_stamp_new_version(engine):
     n = len(out.token_ids)
     expected = [0, 0, 0] + [7] * (n - 3)
     assert out.versions.tolist() == expected[:n]
+
+
+def test_temperature_zero_is_greedy_with_untempered_logprobs(engine):
+    sp = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=8)
+    prompt = [5, 6, 7, 8]
+    a, b = engine.generate([prompt], 2, sp, [1])[0]
+    c = engine.generate([prompt], 1, sp, [999])[0][0]
+    np.testing.assert_array_equal(a.token_ids, b.token_ids)  # seeds do not matter: no noise
+    np.testing.assert_array_equal(a.token_ids, c.token_ids)
+    ids = torch.tensor([prompt + a.token_ids.tolist()])
+    with torch.no_grad():
+        logits = engine.model(ids).logits[0, len(prompt) - 1 : -1]
+    assert torch.equal(logits.argmax(-1), torch.from_numpy(a.token_ids).long())
+    ref = torch.log_softmax(logits, -1).max(-1).values
+    assert_close(torch.from_numpy(a.logprobs), ref, rtol=1e-4, atol=1e-4)

@@ -118,3 +118,99 @@ def test_dead_generator_work_is_reissued_with_same_slot(hub):
     assert [r.slot for r in batch] == [0, 1]
     assert hub.counters()["hub/reissued_prompts"] == 2
     b.close()
+
+
+def _eval_hub(tiny_model_dir, *extra):
+    from transformers import AutoTokenizer
+
+    from common.data import Prompt
+
+    cfg = load_config(None, ["data.train_size=64", "rollout.groups_per_step=2", "rollout.group_size=2",
+                             "rollout.max_staleness_steps=1", "run.steps=3", "eval.every_steps=2", "eval.k=2",
+                             "eval.temperature=0.6", "eval.temperatures.greedy_set=0",
+                             "learner.filter.dynamic_sampling=false", *extra])
+    prompts = {"sampled_set": [Prompt(f"Question: {i} + 1?", str(i + 1), "sampled_set") for i in range(3)],
+               "greedy_set": [Prompt("Question: 2 + 2?", "4", "greedy_set")]}
+    h = Hub(cfg, run_id="run1", key=KEY, port=0, source=PromptSource(cfg), eval_prompts=prompts,
+            tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir), weight_addr="127.0.0.1:1", n_generators=1)
+    h.start()
+    return h
+
+
+def _eval_result(item, k, rewards, version=0, inc="a"):
+    return M.EvalResult(gen_id=0, incarnation=inc, ticket=item.ticket, weight_version=version, rewards=rewards,
+                        lengths=[5] * k, score_status=["ok"] * k)
+
+
+def test_eval_is_served_first_per_source_temperature_and_holds_the_next_version(tiny_model_dir):
+    hub = _eval_hub(tiny_model_dir, "run.deterministic=false")
+    gen = GeneratorSocket(hub.sock.address, KEY)
+    try:
+        assert isinstance(_hello(gen), M.Welcome)
+        gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
+        sampled = gen.recv(5.0)
+        # Eval of the base model (version 0) goes out before any training work, one source per message.
+        assert isinstance(sampled, M.EvalWork) and sampled.policy_version == 0
+        assert sampled.k == 2 and sampled.sampling.temperature == 0.6 and len(sampled.items) == 3
+        gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
+        greedy = gen.recv(5.0)
+        assert isinstance(greedy, M.EvalWork) and greedy.k == 1 and greedy.sampling.temperature == 0.0
+        gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
+        assert isinstance(gen.recv(5.0), M.Work)  # then training work
+        with pytest.raises(TimeoutError, match="eval prompts"):
+            hub.wait_version_done(0, timeout_s=0.3)  # version 1 may not be published yet
+        # A malformed result (wrong k, wrong version) is rejected, counted and its prompt queued again.
+        gen.send(_eval_result(sampled.items[0], 1, [1.0]))
+        gen.send(_eval_result(sampled.items[1], 2, [1.0, 1.0], version=3))
+        time.sleep(0.3)
+        c = hub.counters()
+        assert c["hub/rejected/eval_shape"] == 1 and c["hub/rejected/eval_version"] == 1
+        gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
+        again = gen.recv(5.0)
+        assert isinstance(again, M.EvalWork) and sorted(it.prompt_id for it in again.items) == [0, 1]
+        assert {it.prompt_id: it.seed for it in again.items} == {it.prompt_id: it.seed for it in sampled.items[:2]}  # same samples
+        gen.send(_eval_result(again.items[0], 2, [1.0, 0.0]))
+        gen.send(_eval_result(again.items[1], 2, [0.0, 0.0]))
+        gen.send(_eval_result(sampled.items[2], 2, [1.0, 1.0]))
+        gen.send(_eval_result(greedy.items[0], 1, [1.0]))
+        assert hub.wait_version_done(0, timeout_s=5) >= 0
+        m = hub.take_eval(0)
+        assert m["eval/sampled_set/acc"] == pytest.approx((0.5 + 0 + 1) / 3)  # avg@k
+        assert m["eval/sampled_set/pass@k"] == pytest.approx(2 / 3)
+        assert m["eval/greedy_set/acc"] == 1.0 and m["eval/sampled_set/response_length"] == 5.0
+        assert hub.take_eval(1) == {}  # version 1 is not evaluated (every 2, and the last: 3)
+        hub.set_version(1)
+        hub.set_version(2)  # evaluated: queued again, for version 2
+        gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
+        nxt = gen.recv(5.0)
+        assert isinstance(nxt, M.EvalWork) and nxt.policy_version == 2
+    finally:
+        gen.close()
+        hub.stop()
+
+
+def test_deterministic_barrier_waits_for_all_training_work_of_the_version(tiny_model_dir):
+    hub = _eval_hub(tiny_model_dir, "eval.every_steps=0")
+    gen = GeneratorSocket(hub.sock.address, KEY)
+    try:
+        assert isinstance(_hello(gen), M.Welcome)
+        gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=3))
+        first = gen.recv(5.0)
+        assert isinstance(first, M.Work) and len(first.items) == 3
+        for it in first.items:
+            gen.send(_result(it))
+        batch = hub.take_batch(0, timeout_s=5)
+        # Staleness 1: version 0 may issue 2 steps' worth (4 groups); one is not issued yet.
+        with pytest.raises(TimeoutError):
+            hub.wait_version_done(0, timeout_s=0.3)
+        gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=3))
+        last = gen.recv(5.0)
+        assert len(last.items) == 1 and last.policy_version == 0
+        with pytest.raises(TimeoutError):
+            hub.wait_version_done(0, timeout_s=0.3)  # issued, not yet back
+        gen.send(_result(last.items[0]))
+        hub.wait_version_done(0, timeout_s=5)
+        assert [r.slot for r in batch] == [0, 1]
+    finally:
+        gen.close()
+        hub.stop()

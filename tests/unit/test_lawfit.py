@@ -42,3 +42,74 @@ def test_cli_writes_fit(tmp_path):
     out = json.load(open(tmp_path / "law_fit.json"))
     assert out["a"] == pytest.approx(0.2) and out["ceiling"] == pytest.approx(0.6)
     assert main([str(tmp_path / "nothing")]) == 2
+
+
+def test_eval_points_pair_the_evaluated_versions_entropy():
+    from common.lawfit import eval_points
+
+    rows = [
+        {"step": 0, "eval/a/acc": 0.2, "eval/b/acc": 0.4},  # version 0: entropy from row 1 (before its update)
+        {"step": 1, "actor/entropy": 0.9, "actor/entropy_delta": -0.1},
+        {"step": 2, "actor/entropy": 0.8, "actor/entropy_delta": -0.2, "eval/a/acc": 0.5, "eval/b/acc": None},
+        {"step": 3, "actor/entropy": 0.6, "actor/entropy_delta": -0.1},
+        {"step": 3, "eval/a/acc": 0.7, "eval/b/acc": 0.9},  # same step twice: merged
+        {"step": 5, "actor/entropy": 0.3, "eval/a/acc": 0.1},  # no row 6 and no delta: skipped
+    ]
+    # v0: row 1's 0.9, mean(0.2, 0.4) = 0.3; v2: row 3's 0.6, only a non-null source: 0.5;
+    # v3: no row 4, so row 3's 0.6 + (-0.1) = 0.5, mean(0.7, 0.9) = 0.8.
+    pts = eval_points(rows)
+    assert [p[0] for p in pts] == [0, 2, 3]
+    for (_, h, r), (eh, er) in zip(pts, [(0.9, 0.3), (0.6, 0.5), (0.5, 0.8)]):
+        assert h == pytest.approx(eh) and r == pytest.approx(er)
+
+
+def test_train_points_and_pearson():
+    from common.lawfit import pearson, train_points
+
+    rows = [{"step": 2, "actor/entropy": 0.5, "critic/score/mean": 0.1}, {"step": 1, "actor/entropy": 0.6},
+            {"step": 1, "critic/score/mean": 0.05}, {"step": 3, "actor/entropy": None, "critic/score/mean": 0.2}]
+    assert train_points(rows) == [(1, 0.6, 0.05), (2, 0.5, 0.1)]
+    assert pearson([1, 2, 3], [6, 4, 2]) == pytest.approx(-1.0)
+    # x = 1, 2, 3, 4; y = 1, 3, 2, 4: deviations (-1.5, -.5, .5, 1.5) and (-1.5, .5, -.5, 1.5):
+    # sxy = 2.25 - .25 - .25 + 2.25 = 4, sxx = syy = 5, r = 0.8.
+    assert pearson([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+    assert pearson([1, 2], [1, 2]) is None and pearson([1, 1, 1], [1, 2, 3]) is None
+
+
+def _eval_run(path, versions=9):
+    """Steps 0..versions*2 with eval every 2 steps on acc = -0.25 exp(H) + 1.0, H(v) = 1 - 0.02 v."""
+    H = lambda v: 1.0 - 0.02 * v  # noqa: E731
+    with open(path / "metrics.jsonl", "w") as f:
+        for s in range(0, 2 * versions + 1):
+            row = {"step": s}
+            if s:
+                row.update({"actor/entropy": H(s - 1), "actor/entropy_delta": H(s) - H(s - 1), "critic/score/mean": 0.5})
+            if s % 2 == 0:
+                row["eval/x/acc"] = -0.25 * math.exp(H(s)) + 1.0
+            f.write(json.dumps(row) + "\n")
+
+
+def test_cli_on_eval_writes_plot(tmp_path, capsys):
+    from launch.fit_law import main
+
+    _eval_run(tmp_path)
+    assert main([str(tmp_path)]) == 0  # eval points exist, so eval is the default
+    assert "fitting on eval points" in capsys.readouterr().out
+    out = json.load(open(tmp_path / "law_fit.json"))
+    assert out["source"] == "eval" and out["points"] == 10
+    assert out["a"] == pytest.approx(0.25) and out["b"] == pytest.approx(1.0)
+    assert out["plot"] == str(tmp_path / "law_fit.png")
+    assert open(tmp_path / "law_fit.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    plot = tmp_path / "custom.png"
+    assert main([str(tmp_path), "--on", "eval", "--plot", str(plot)]) == 0 and plot.stat().st_size > 5000
+    # train mode on a constant reward is still a valid (flat) fit; --reward with --on eval is refused.
+    assert main([str(tmp_path), "--on", "eval", "--reward", "critic/score/mean"]) == 2
+    assert "--on train" in capsys.readouterr().err
+
+
+def test_cli_on_eval_too_few_points(tmp_path, capsys):
+    from launch.fit_law import main
+
+    _eval_run(tmp_path, versions=1)  # versions 0, 1 -> 2 eval points
+    assert main([str(tmp_path), "--on", "eval"]) == 2
+    assert "gives 2 eval points" in capsys.readouterr().err

@@ -1,0 +1,143 @@
+"""PNG plots for the study report and the law-fit CLI (matplotlib, Agg canvas, no display).
+
+Every helper takes plain data (series of (x, y) pairs keyed by label), writes one
+PNG atomically (temp file, then rename) and returns its path. Figures are built
+with `matplotlib.figure.Figure` on an Agg canvas rather than through pyplot, so no
+GUI backend is ever touched and no figure stays registered after the call.
+Labels keep the order they are given in and label i always gets colour "C<i>",
+so a method has the same colour in every plot when callers pass the same order.
+An empty series set still yields a valid PNG that says "no data".
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from common.lawfit import LawFit
+
+Series = dict[str, list[tuple[float, float]]]  # label -> [(x, y), ...]
+
+
+def _save(fig: Figure, path: str) -> str:
+    """Write `fig` as PNG to `path` via a temp file and rename, so readers never see half an image."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    FigureCanvasAgg(fig)
+    fig.savefig(tmp, format="png", dpi=100)
+    os.replace(tmp, path)
+    return path
+
+
+def _figure(width_in: float, height_in: float) -> Figure:
+    """A figure with fixed margins (constrained layout would double the render time on a small CPU)."""
+    fig = Figure(figsize=(width_in, height_in))
+    fig.subplots_adjust(left=0.85 / width_in, right=1 - 0.2 / width_in, bottom=0.6 / height_in,
+                        top=1 - 0.6 / height_in, wspace=0.08, hspace=0.4)
+    return fig
+
+
+def _no_data(ax, why: str = "no data") -> None:
+    ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, color="grey")
+
+
+def plot_lines(panels: dict[str, Series], path: str, *, xlabel: str, ylabel: str, title: str) -> str:
+    """One subplot per panel (shared x and y axes), one line per label; returns `path`.
+
+    `panels` maps a panel title to its series; a single panel gives a single plot.
+    """
+    names = list(panels) or [""]
+    cols = min(len(names), 3)
+    rows = math.ceil(len(names) / cols)
+    fig = _figure(6.4 * cols, 4.2 * rows)
+    axes = fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False).ravel()
+    labels = list(dict.fromkeys(label for series in panels.values() for label in series))
+    for i, (ax, name) in enumerate(zip(axes, names)):
+        series = panels.get(name, {})
+        drawn = 0
+        for label, pts in series.items():
+            if pts:
+                xs, ys = zip(*sorted(pts))
+                ax.plot(xs, ys, marker="." if len(pts) < 30 else None, color=f"C{labels.index(label)}", label=label)
+                drawn += 1
+        if drawn:
+            ax.legend(fontsize="small")
+        else:
+            _no_data(ax)
+        ax.set_title(name)
+        ax.set_xlabel(xlabel)
+        if i % cols == 0:  # the y axis is shared: label it once per row
+            ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    for ax in axes[len(names):]:
+        ax.set_visible(False)
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def plot_metric(rows_by_label: dict[str, list[dict]], key: str, path: str, *, title: str | None = None) -> str:
+    """`key` against `step` for several runs on shared axes (rows missing the key are skipped)."""
+    series = {label: [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and "step" in r]
+              for label, rows in rows_by_label.items()}
+    return plot_lines({"": series}, path, xlabel="step", ylabel=key, title=title or f"{key} vs step")
+
+
+def _curve(fit: LawFit, lo: float, hi: float, n: int = 50) -> tuple[list[float], list[float]]:
+    hs = [lo + (hi - lo) * i / (n - 1) for i in range(n)]
+    return hs, [fit.predict(h) for h in hs]
+
+
+def plot_law_fit(points: Series, fits: dict[str, LawFit | None], path: str, *, pooled: LawFit | None = None,
+                 ylabel: str = "accuracy", title: str = "R = -a exp(H) + b") -> str:
+    """Scatter of (entropy, reward) points per label, each label's fitted curve (dashed, over its own
+    entropy range) and the pooled fit (black, over all points' range); returns `path`."""
+    fig = _figure(7.5, 5)
+    ax = fig.subplots()
+    all_h = [h for pts in points.values() for h, _ in pts]
+    for i, (label, pts) in enumerate(points.items()):
+        if not pts:
+            continue
+        hs, rs = zip(*pts)
+        ax.scatter(hs, rs, s=18, color=f"C{i}", label=label)
+        fit = fits.get(label)
+        if fit is not None and max(hs) > min(hs):
+            ax.plot(*_curve(fit, min(hs), max(hs)), "--", color=f"C{i}",
+                    label=f"{label} fit: a={fit.a:.3g} b={fit.b:.3g} R²={fit.r2:.2f}")
+    if pooled is not None and all_h and max(all_h) > min(all_h):
+        ax.plot(*_curve(pooled, min(all_h), max(all_h)), "-", color="black", linewidth=2,
+                label=f"pooled fit: a={pooled.a:.3g} b={pooled.b:.3g} R²={pooled.r2:.2f}")
+    if all_h:
+        ax.legend(fontsize="small")
+    else:
+        _no_data(ax)
+    ax.set_xlabel("policy entropy H")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_scatter(points: Series, path: str, *, xlabel: str, ylabel: str, title: str) -> str:
+    """Scatter of (x, y) points per label with the x = 0 and y = 0 lines drawn; returns `path`."""
+    fig = _figure(7, 5)
+    ax = fig.subplots()
+    drawn = 0
+    for i, (label, pts) in enumerate(points.items()):
+        if pts:
+            xs, ys = zip(*pts)
+            ax.scatter(xs, ys, s=14, alpha=0.7, color=f"C{i}", label=label)
+            drawn += 1
+    if drawn:
+        ax.axhline(0, color="grey", linewidth=0.8)
+        ax.axvline(0, color="grey", linewidth=0.8)
+        ax.legend(fontsize="small")
+    else:
+        _no_data(ax)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)

@@ -1,0 +1,221 @@
+"""launch/study.py: the report from synthetic run dirs, and argument checks. Never launches cluster.py."""
+
+import datetime
+import json
+import math
+import os
+
+from launch import study
+
+A, B = 0.3, 1.2  # eval law: acc = -A exp(H) + B (mean over the two data sources)
+A_TRAIN, B_TRAIN = 0.2, 0.9  # training reward law, distinct so the two tables can be told apart
+STEPS, EVAL_EVERY = 40, 5
+NOW = datetime.datetime(2025, 6, 1, 12, 0, 0)
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# Entropy of policy version v per method: GRPO collapses fastest, KL-Cov slowest.
+ENTROPY = {
+    "grpo": lambda v: 0.2 + 0.8 * math.exp(-v / 8),
+    "clip_higher": lambda v: 0.35 + 0.65 * math.exp(-v / 15),
+    "clip_cov": lambda v: 0.5 + 0.5 * math.exp(-v / 30),
+    "kl_cov": lambda v: 0.6 + 0.4 * math.exp(-v / 40),
+    "par": lambda v: 0.3 + 0.7 * math.exp(-v / 12),
+}
+
+
+def write_run(run_dir, entropy, cov_sign=-1.0, steps=STEPS, with_eval=True):
+    """metrics.jsonl as the learner writes it: row s has the entropy of version s-1 and the delta to version s;
+    eval rows (step 0 and every EVAL_EVERY) evaluate version s. cov_mean = cov_sign * 10 * delta + a small wobble,
+    so cov_sign=-1 gives a negative correlation with the entropy change."""
+    os.makedirs(run_dir, exist_ok=True)
+
+    def evals(v):
+        acc = -A * math.exp(entropy(v)) + B
+        return {"eval/arith_easy/acc": acc + 0.1, "eval/arith_hard/acc": acc - 0.1,
+                "eval/arith_easy/pass@4": min(1.0, acc + 0.15), "eval/arith_hard/pass@4": acc,
+                "eval/arith_easy/response_length": 20.0}
+
+    rows = [{"step": 0, **evals(0)}] if with_eval else []
+    for s in range(1, steps + 1):
+        delta = entropy(s) - entropy(s - 1)
+        row = {"step": s, "actor/entropy": entropy(s - 1), "actor/entropy_delta": delta,
+               "actor/cov_mean": cov_sign * 10 * delta + 0.001 * (s % 3),
+               "critic/score/mean": -A_TRAIN * math.exp(entropy(s - 1)) + B_TRAIN, "response_length/mean": 30.0 + s}
+        if with_eval and s % EVAL_EVERY == 0:
+            row.update(evals(s))
+        rows.append(row)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def make_study(tmp_path, methods=tuple(ENTROPY), **overrides):
+    for m in methods:
+        write_run(tmp_path / m, overrides.get(m, ENTROPY[m]))
+    return str(tmp_path)
+
+
+def claim(report: str, tag: str) -> str:
+    lines = [ln for ln in report.splitlines() if ln.startswith(f"- ({tag})")]
+    assert lines, f"no claim ({tag}) in the report"
+    return "\n".join(lines)
+
+
+def render(study_dir, methods):
+    runs = [study.load_run(study_dir, m) for m in methods]
+    return study.render_report(runs, {}, NOW)
+
+
+def test_report_has_every_section_and_recovers_the_law(tmp_path):
+    d = make_study(tmp_path)
+    meta = {"preset": "arith", "steps": STEPS, "seed": 0, "gens": 1, "learners": 1, "command": "python launch/study.py x",
+            "wall_clock_s": {m: 12.5 for m in ENTROPY}, "status": {m: "ran" for m in ENTROPY}}
+    path = study.write_report(d, list(ENTROPY), meta, now=NOW)
+    text = open(path).read()
+    for heading in ("## 1. Study", "## 2. Summary", "## 3. Entropy–performance law", "## 4. Early prediction",
+                    "## 5. Covariance check", "## 6. Does it match the paper?", "## 7. Plots"):
+        assert heading in text
+    assert "`python launch/study.py x`" in text and "2025-06-01 12:00:00" in text and "12.5" in text
+    # Eval points lie exactly on the law, so every fit and the pooled one recover a=0.3, b=1.2, R^2=1,
+    # ceiling 0.9; 9 eval points per method (steps 0, 5, ..., 40), 45 pooled.
+    assert "| pooled (all methods) | 45 | 0.3000 | 1.2000 | 1.000 | 0.9000 |" in text
+    assert "| grpo | 9 | 0.3000 | 1.2000 | 1.000 | 0.9000 |" in text
+    # Training points: 40 per method on their own law.
+    assert "| pooled (all methods) | 200 | 0.2000 | 0.9000 | 1.000 | 0.7000 |" in text
+    # Early prediction: int(9 * 0.15) = 1 -> 2 points fitted, exact, so RMSE 0.
+    assert "fit on first 2 of 9: RMSE 0.0000 on the other 7" in text
+    # Summary: GRPO's entropy, mean of actor/entropy over the first 4 steps (versions 0-3) -> the last 4 (36-39).
+    assert "0.8697 → 0.2074" in text
+    assert "arith_easy/pass@4 last" in text
+    for tag in ("a", "b", "c", "d", "e", "f"):
+        assert "**holds**" in claim(text, tag) or "does not hold" in claim(text, tag)
+    assert "R² = 1.000 on 45 points" in claim(text, "d") and "**holds**" in claim(text, "d")
+    for png in study.PLOTS:
+        assert f"]({png})" in text
+        data = open(os.path.join(d, png), "rb").read()
+        assert data[:8] == PNG_MAGIC and len(data) > 5000, png
+
+
+def test_collapse_claim_flips(tmp_path):
+    d = make_study(tmp_path / "falls", methods=("grpo",))
+    assert "**holds**" in claim(render(d, ["grpo"]), "a")
+    rising = lambda v: 0.2 + 0.01 * v  # noqa: E731
+    d = make_study(tmp_path / "rises", methods=("grpo",), grpo=rising)
+    text = claim(render(d, ["grpo"]), "a")
+    # Means over versions 0-3 and 36-39: 0.215 -> 0.575, +167.4 %.
+    assert "0.2150 → 0.5750 (+167.4 %)" in text and "does not hold at this scale" in text
+
+
+def test_covariance_claim_flips(tmp_path):
+    write_run(tmp_path / "neg" / "grpo", ENTROPY["grpo"], cov_sign=-1.0)
+    write_run(tmp_path / "pos" / "grpo", ENTROPY["grpo"], cov_sign=+1.0)
+    neg, pos = claim(render(str(tmp_path / "neg"), ["grpo"]), "e"), claim(render(str(tmp_path / "pos"), ["grpo"]), "e")
+    assert "**holds**" in neg and "r = -" in neg
+    assert "does not hold at this scale" in pos and "r = -" not in pos
+
+
+def test_entropy_comparison_claims_flip(tmp_path):
+    # KL-Cov collapsing harder than GRPO makes (b) fail for KL-Cov while Clip-Cov still holds.
+    d = make_study(tmp_path, methods=("grpo", "clip_cov", "kl_cov"), kl_cov=lambda v: 0.1 + 0.9 * math.exp(-v / 4))
+    text = claim(render(d, ["grpo", "clip_cov", "kl_cov"]), "b")
+    cc, kc = text.splitlines()
+    assert "Clip-Cov" in cc and "**holds**" in cc
+    assert "KL-Cov" in kc and "does not hold at this scale" in kc
+
+
+def test_missing_methods_and_keys_do_not_crash(tmp_path):
+    write_run(tmp_path / "grpo", ENTROPY["grpo"], with_eval=False)
+    path = study.write_report(str(tmp_path), ["grpo", "par"], {}, now=NOW)
+    text = open(path).read()
+    assert "par: not run" in text and "grpo: no eval/<ds>/acc values" in text
+    assert "n/a (0 points; need 3)" in text
+    assert "skipped (grpo has no eval rows; par was not run)" in claim(text, "f")
+    assert "skipped (clip_higher was not run)" in claim(text, "c")
+    assert "skipped (pooled eval fit n/a (0 points" in claim(text, "d")
+    assert "**holds**" in claim(text, "a")  # training metrics alone still answer (a)
+    for png in study.PLOTS:
+        assert open(os.path.join(tmp_path, png), "rb").read(8) == PNG_MAGIC
+
+
+def test_unknown_method_and_preset_are_rejected(capsys):
+    assert study.main(["--methods", "grpo,ppo_plus"]) == 2
+    err = capsys.readouterr().err
+    assert "ppo_plus" in err and "valid methods: grpo, clip_higher, clip_cov, kl_cov, par" in err
+    assert study.main(["--preset", "gsm8k"]) == 2
+    assert "valid presets: arith" in capsys.readouterr().err
+    assert study.main(["--methods", "grpo,grpo"]) == 2
+    assert study.main(["--set", "run.seed=3"]) == 2
+    assert "use --seed" in capsys.readouterr().err
+    assert study.main(["--report-only"]) == 2
+
+
+def test_cluster_command_order(tmp_path):
+    plan = study.make_plan(study.parse_args(["--methods", "clip_higher", "--steps", "7", "--seed", "3",
+                                             "--study-dir", str(tmp_path), "--set", "rollout.group_size=4"]), "cmd", NOW)
+    cmd = study.cluster_command(plan, "clip_higher")
+    sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
+    assert cmd[1:3] == ["launch/cluster.py", "--gens"] and cmd[cmd.index("--steps") + 1] == "7"
+    assert cmd[cmd.index("--run-dir") + 1] == os.path.join(str(tmp_path), "clip_higher")
+    assert sets == ["run.seed=3", *study.PRESETS["arith"]["overrides"], *study.METHODS["clip_higher"], "rollout.group_size=4"]
+
+
+def test_resume_skips_complete_runs_and_rejects_incomplete(tmp_path, monkeypatch, capsys):
+    def no_cluster(cmd):
+        raise AssertionError(f"a test must not launch cluster.py: {cmd}")
+
+    monkeypatch.setattr(study, "run_method", no_cluster)
+    monkeypatch.setattr(study, "write_plots", lambda study_dir, runs: [])  # plots are tested above; keep this fast
+    make_study(tmp_path, methods=("grpo", "kl_cov"))
+    args = ["--methods", "grpo,kl_cov", "--steps", str(STEPS), "--study-dir", str(tmp_path)]
+    assert study.main(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("already holds a complete 40-step run; skipping") == 2
+    meta = json.load(open(tmp_path / "study.json"))
+    assert meta["methods"] == ["grpo", "kl_cov"] and meta["steps"] == STEPS and meta["end_time"]
+    assert "launch/study.py --methods grpo,kl_cov" in meta["command"]
+    assert (tmp_path / "report.md").exists()
+    # Changed settings would mix incomparable runs.
+    assert study.main(args[:-2] + ["--seed", "1", "--study-dir", str(tmp_path)]) == 2
+    assert "other settings" in capsys.readouterr().err
+    # One step short of --steps: incomplete, must be deleted by the user.
+    write_run(tmp_path / "y" / "grpo", ENTROPY["grpo"], steps=STEPS - 1)
+    assert study.main(["--methods", "grpo", "--steps", str(STEPS), "--study-dir", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err
+    assert "incomplete grpo run" in err and "rm -r" in err
+
+
+def test_runs_each_method_and_stops_on_failure(tmp_path, monkeypatch, capsys):
+    """run_method is faked: it writes a complete synthetic run, or fails for methods in `failing`,
+    instead of starting cluster.py."""
+    launched, failing = [], {"kl_cov"}
+
+    def fake_cluster(cmd):
+        run_dir = cmd[cmd.index("--run-dir") + 1]
+        method = os.path.basename(run_dir)
+        launched.append(method)
+        if method in failing:
+            os.makedirs(os.path.join(run_dir, "logs"))
+            return 3
+        write_run(run_dir, ENTROPY[method], steps=int(cmd[cmd.index("--steps") + 1]))
+        return 0
+
+    monkeypatch.setattr(study, "run_method", fake_cluster)
+    monkeypatch.setattr(study, "write_plots", lambda study_dir, runs: [])
+    args = ["--methods", "grpo,kl_cov,par", "--steps", "10", "--study-dir", str(tmp_path)]
+    assert study.main(args) == 1
+    err = capsys.readouterr().err
+    assert "method kl_cov" in err and "exited with code 3" in err and os.path.join(str(tmp_path), "kl_cov", "logs") in err
+    assert launched == ["grpo", "kl_cov"]  # stopped before par
+    meta = json.load(open(tmp_path / "study.json"))
+    assert meta["status"] == {"grpo": "ran", "kl_cov": "failed (exit 3)"}
+    assert meta["wall_clock_s"]["grpo"] is not None and meta["end_time"] is None
+    # Resuming without deleting the failed run dir is refused; after deleting it, grpo is skipped.
+    assert study.main(args) == 2 and "incomplete kl_cov run" in capsys.readouterr().err
+    os.rename(tmp_path / "kl_cov", tmp_path / "kl_cov.failed")
+    launched.clear()
+    failing.clear()
+    assert study.main(args) == 0
+    assert launched == ["kl_cov", "par"]
+    meta = json.load(open(tmp_path / "study.json"))
+    assert meta["status"]["grpo"] == "complete before this invocation" and meta["wall_clock_s"]["grpo"] is not None
+    assert meta["status"]["par"] == "ran" and meta["end_time"]
+    assert (tmp_path / "report.md").exists()
