@@ -9,7 +9,7 @@ import sys
 import torch
 
 from actors.actor import run_actor
-from actors.engine import CpuEngine
+from actors.engine import load_engine
 from common.cluster import read_cluster, read_run_config
 from common.data import model_dir
 from common.transport import load_secret
@@ -25,14 +25,10 @@ def main() -> int:
     cfg = read_run_config(args.run_dir)
     cluster = read_cluster(args.run_dir)
     torch.set_num_threads(cfg.run.torch_threads)
-    from transformers import AutoTokenizer
-
-    path = model_dir(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.eos_token_id is None:
-        raise SystemExit(f"the tokenizer in {path} has no eos_token: generation could never stop before max_new_tokens")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    engine = CpuEngine(path, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+    try:
+        engine, tokenizer = load_engine(cfg, model_dir(cfg))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     return run_actor(cfg, engine=engine, tokenizer=tokenizer, hub_addr=args.hub or cluster.hub_addr,
                      key=load_secret(args.run_dir), run_id=cluster.run_id, gen_id=args.gen_id, run_dir=args.run_dir)
 

@@ -95,6 +95,11 @@ class Heartbeat(threading.Thread):
             sock.close()
 
 
+def make_reward_pool(cfg: Config) -> RewardPool:
+    r = cfg.reward
+    return RewardPool(workers=r.workers, timeout_s=r.timeout_s, extract=r.extract, format_score=r.format_score)
+
+
 def handshake(sock: GeneratorSocket, run_id: str, gen_id: int, incarnation: str, timeout_s: float) -> M.Welcome:
     sock.send(M.Hello(protocol_version=M.PROTOCOL_VERSION, run_id=run_id, gen_id=gen_id, incarnation=incarnation, pid=os.getpid()))
     reply = sock.recv(timeout_s)
@@ -116,7 +121,8 @@ def run_actor(cfg: Config, *, engine, tokenizer, hub_addr: str, key: bytes, run_
     receiver.start()
     beat = Heartbeat(hub_addr, key, gen_id, incarnation, cfg.transport.heartbeat_s, receiver)
     beat.start()
-    with RewardPool(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s) as pool:
+    eval_log = os.path.join(run_dir, "generators", f"gen{gen_id}_eval.jsonl") if run_dir else None
+    with make_reward_pool(cfg) as pool:
         try:
             while True:
                 sock.send(M.WorkRequest(gen_id=gen_id, incarnation=incarnation, max_groups=cfg.rollout.groups_per_request))
@@ -132,8 +138,14 @@ def run_actor(cfg: Config, *, engine, tokenizer, hub_addr: str, key: bytes, run_
                                          wait_s=cfg.transport.weight_sync_timeout_s):
                         sock.send(group)
                 elif isinstance(msg, M.EvalWork):
-                    for res in evaluate(msg, engine=engine, tokenizer=tokenizer, pool=pool, receiver=receiver,
-                                        gen_id=gen_id, incarnation=incarnation, wait_s=cfg.transport.weight_sync_timeout_s):
+                    results = evaluate(msg, engine=engine, tokenizer=tokenizer, pool=pool, receiver=receiver,
+                                       gen_id=gen_id, incarnation=incarnation, wait_s=cfg.transport.weight_sync_timeout_s)
+                    if eval_log:  # what this generator actually ran, per eval chunk
+                        with open(eval_log, "a") as f:
+                            f.write(json.dumps({"version": msg.policy_version, "data_source": msg.items[0].data_source,
+                                                "temperature": msg.sampling.temperature, "k": msg.k,
+                                                "prompts": len(msg.items)}) + "\n")
+                    for res in results:
                         sock.send(res)
         finally:
             beat.stop.set()

@@ -91,10 +91,11 @@ def row_seeds(seeds: Sequence[int], n: int) -> torch.Tensor:
 
 
 class CpuEngine:
-    def __init__(self, model_path: str, eos_token_id: int, pad_token_id: int, dtype=torch.float32):
+    def __init__(self, model_path: str, eos_token_id: int | Sequence[int], pad_token_id: int, dtype=torch.float32):
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
         self.model.eval().requires_grad_(False)
-        self.eos = eos_token_id
+        # Every token that ends a response (a chat model's end-of-turn and its end-of-text).
+        self.stop_ids = torch.tensor(sorted({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)))
         self.pad = pad_token_id
         self.version = 0
 
@@ -140,7 +141,7 @@ class CpuEngine:
             out_tok[:, t] = torch.where(done, self.pad, tok)
             out_lp[:, t] = logp.gather(-1, tok[:, None])[:, 0]
             out_ver[:, t] = self.version
-            finished_now = (tok == self.eos) & ~done
+            finished_now = torch.isin(tok, self.stop_ids) & ~done
             lengths[finished_now] = t + 1
             done |= finished_now
             if bool(done.all()):
@@ -163,3 +164,32 @@ class CpuEngine:
                 )
             result.append(group)
         return result
+
+
+def stop_token_ids(tokenizer, model_path: str) -> list[int]:
+    """Ids that end a response: the tokenizer's EOS plus the model's generation_config eos_token_id(s)
+    (an instruct model ends its turn with e.g. <|im_end|> and also stops at <|endoftext|>)."""
+    import json
+    import os
+
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen_cfg = os.path.join(model_path, "generation_config.json")
+    if os.path.isfile(gen_cfg):
+        with open(gen_cfg) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids |= {eos} if isinstance(eos, int) else set(eos or ())
+    if not ids:
+        raise ValueError(f"{model_path}: neither the tokenizer nor generation_config.json names an EOS token, so "
+                         f"generation could never stop before max_new_tokens; set eos_token in tokenizer_config.json")
+    return sorted(ids)
+
+
+def load_engine(cfg, model_path: str):
+    """(engine, tokenizer) for a local Hugging Face model directory, as the config asks."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    stops = stop_token_ids(tokenizer, model_path)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+    return CpuEngine(model_path, eos_token_id=stops, pad_token_id=pad, dtype=dtype), tokenizer

@@ -11,6 +11,7 @@ fraction, never a percent).
 
 from __future__ import annotations
 
+import os
 import tomllib
 from typing import Annotated, Literal
 
@@ -46,13 +47,26 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    task: Literal["arith"] = "arith"
+    # "arith": the built-in synthetic task; "files": train_files / eval_files in the common RL layout
+    # (common/datasets.py: prompt, reward_model.ground_truth or answer, data_source).
+    task: Literal["arith", "files"] = "arith"
+    train_files: tuple[str, ...] = ()
+    # Held-out sets (.jsonl / .parquet), evaluated by data_source; with task "arith" and none given, the
+    # built-in arith_easy / arith_hard.
+    eval_files: tuple[str, ...] = ()
+    data_source_from: Literal["row", "file"] = "row"  # row: the data_source field (else the file stem); file: the stem
     # arith difficulty levels to train on (1 easy .. 4 hard); the base model solves ~85 % of (seen)
     # level-1, ~16 % of level-2 and almost none of level 3-4 problems, so those add groups with no reward spread.
     levels: tuple[Annotated[int, Meta(ge=1, le=4)], ...] = (1, 2)
     train_size: PosInt = 4096
     eval_size: PosInt = 128
+    # auto: the tokenizer's chat template if it has one (instruct models), else the plain completion template.
+    template: Literal["auto", "chat", "plain"] = "auto"
+    # Appended to plain-string prompts (chat-message prompts are used as written).
+    instruction: str = "Put the final answer in \\boxed{}."
+    system_prompt: str = ""  # chat template only; "" = none
     max_prompt_tokens: PosInt = 128
+    truncation: Literal["drop", "left", "error"] = "drop"  # prompts over max_prompt_tokens: skip (counted), keep the end, or stop
 
 
 class RolloutConfig(_Section):
@@ -69,6 +83,10 @@ class RolloutConfig(_Section):
 class RewardConfig(_Section):
     workers: PosInt = 1
     timeout_s: PosFloat = 5.0
+    # Answer extraction: the last \\boxed{}; or, when a completion has none, its last "Answer: ..." line
+    # (the format DAPO-Math-17k prompts ask for).
+    extract: Literal["boxed", "boxed_or_answer_line"] = "boxed"
+    format_score: Fraction01 = 0.0  # reward of a wrong answer that is well-formed (an answer was found); 0: off
 
 
 class EvalConfig(_Section):
@@ -230,8 +248,9 @@ def _apply_override(tree: dict, dotted: str, value) -> None:
     node[keys[-1]] = value
 
 
-def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults <- TOML file <- `key.path=value` overrides, validated once."""
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = (), *, validate: bool = True) -> Config:
+    """Defaults <- TOML file <- `key.path=value` overrides, validated once (`validate=False`: types and
+    bounds only, not the cross-field rules of `check`, e.g. to read a recipe on a machine without its data)."""
     tree: dict = {}
     if path:
         try:
@@ -246,10 +265,10 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"--set {item!r}: expected key.path=value, e.g. --set rollout.group_size=8")
         key, text = item.split("=", 1)
         _apply_override(tree, key.strip(), _parse_value(text.strip()))
-    return from_dict(tree)
+    return from_dict(tree, validate=validate)
 
 
-def from_dict(tree: dict) -> Config:
+def from_dict(tree: dict, *, validate: bool = True) -> Config:
     loss = tree.get("learner", {}).get("loss")
     if isinstance(loss, dict) and "type" not in loss:
         loss["type"] = "ppo"  # the union's default member, so `[learner.loss] clip_low = 0.1` just works
@@ -258,12 +277,21 @@ def from_dict(tree: dict) -> Config:
     except msgspec.ValidationError as e:
         # msgspec names the path as `$.rollout.group_size`; say it as users write it.
         raise ConfigError(f"invalid config: {str(e).replace('$.', '')}") from None
-    check(cfg)
+    if validate:
+        check(cfg)
     return cfg
 
 
 def check(cfg: Config) -> None:
     """Cross-field rules that a single field's bounds cannot express."""
+    d = cfg.data
+    if d.task == "files" and not d.train_files:
+        raise ConfigError("data.task = \"files\" needs data.train_files, e.g. --set 'data.train_files=[\"train.parquet\"]'")
+    if d.task == "arith" and d.train_files:
+        raise ConfigError("data.train_files is set but data.task is \"arith\"; set data.task = \"files\" to train on them")
+    for path in d.train_files + d.eval_files:
+        if not os.path.isfile(path):
+            raise ConfigError(f"data file {path!r} does not exist (paths are relative to the directory you launch from)")
     loss = cfg.learner.loss
     if isinstance(loss, PPOLoss) and 0 < loss.dual_clip_c <= 1:
         raise ConfigError(f"learner.loss.dual_clip_c={loss.dual_clip_c} must be > 1 (published 3) or 0 to turn dual-clip off")
@@ -282,6 +310,15 @@ def check(cfg: Config) -> None:
             f"learner.mini_batches={cfg.learner.mini_batches} must divide rollout.groups_per_step="
             f"{cfg.rollout.groups_per_step} so every optimizer step sees whole groups; change one of them"
         )
+
+
+def with_absolute_paths(cfg: Config, base: str) -> Config:
+    """The config with model and data paths made absolute against `base` (the launcher's directory): roles
+    run elsewhere and read RUN_DIR/config.toml, so relative paths must be resolved once, where the user typed them."""
+    absolute = lambda p: p if not p or os.path.isabs(p) else os.path.normpath(os.path.join(base, p))  # noqa: E731
+    data = msgspec.structs.replace(cfg.data, train_files=tuple(map(absolute, cfg.data.train_files)),
+                                   eval_files=tuple(map(absolute, cfg.data.eval_files)))
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=absolute(cfg.model.path)), data=data)
 
 
 def eval_versions(cfg: Config) -> list[int]:

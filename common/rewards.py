@@ -108,6 +108,26 @@ def extract_boxed(text: str, *, max_chars: int | None = None) -> str | None:
     return None
 
 
+_ANSWER_LINE = re.compile(r"Answer\s*:\s*(.+?)\s*$", re.MULTILINE)
+
+
+def extract_answer(text: str, extract: str = "boxed") -> str | None:
+    """The graded answer: the last box (``extract="boxed"``); with ``"boxed_or_answer_line"`` a completion
+    without a box falls back to its last ``Answer: ...`` line (DAPO-Math-17k's format), with a trailing
+    period and ``$...$`` stripped. None when there is no answer (or it is over MAX_ANSWER_CHARS)."""
+    if extract not in ("boxed", "boxed_or_answer_line"):
+        raise ValueError(f"extract={extract!r}: use \"boxed\" or \"boxed_or_answer_line\"")
+    boxed = extract_boxed(text, max_chars=MAX_ANSWER_CHARS)
+    if boxed is not None or extract == "boxed":
+        return boxed
+    # Only the tail can hold the last line: a bounded regex scan even for a 1 MB completion.
+    lines = _ANSWER_LINE.findall(text[-4 * MAX_ANSWER_CHARS:])
+    if not lines:
+        return None
+    answer = lines[-1].rstrip(".").strip().strip("$").strip()
+    return answer if 0 < len(answer) <= MAX_ANSWER_CHARS else None
+
+
 def _canonical_integer(s: str) -> str:
     digits = s.lstrip("+-").lstrip("0") or "0"
     return "-" + digits if s.startswith("-") and digits != "0" else digits
@@ -131,8 +151,8 @@ def _fast_verdict(answer: str, ground_truth: str) -> float | None:
     return None
 
 
-def _prepare(completion: str, ground_truth: str) -> tuple[str, float | None]:
-    """(boxed answer, verdict or None if math-verify must decide); the part that runs in the caller."""
+def _prepare(completion: str, ground_truth: str, extract: str = "boxed") -> tuple[str | None, float | None]:
+    """(answer or None if there is none, verdict or None if math-verify must decide); runs in the caller."""
     if not isinstance(completion, str) or not isinstance(ground_truth, str):
         raise TypeError(
             f"score() takes (completion: str, ground_truth: str), got "
@@ -144,9 +164,9 @@ def _prepare(completion: str, ground_truth: str) -> tuple[str, float | None]:
             "ground_truth is empty, so every completion would score 0.0; "
             "drop or fix this example in the dataset"
         )
-    answer = extract_boxed(completion, max_chars=MAX_ANSWER_CHARS)
+    answer = extract_answer(completion, extract)
     if answer is None:
-        return "", 0.0
+        return None, 0.0
     return answer, _fast_verdict(answer, ground_truth)
 
 
@@ -170,13 +190,13 @@ def _math_verify(answer: str, ground_truth: str, *, soft_timeouts: bool) -> floa
     return 1.0 if verify(gold, pred, timeout_seconds=limit_s) else 0.0
 
 
-def score(completion: str, ground_truth: str) -> float:
+def score(completion: str, ground_truth: str, *, extract: str = "boxed") -> float:
     """1.0 if the last boxed answer of ``completion`` equals ``ground_truth``, else 0.0. In-process.
 
     No hard time limit: an adversarial answer can block the caller for minutes. Use ``RewardPool``
     for untrusted completions. On the main thread math-verify's SIGALRM soft timeouts (5 s) apply.
     """
-    answer, verdict = _prepare(completion, ground_truth)
+    answer, verdict = _prepare(completion, ground_truth, extract)
     if verdict is not None:
         return verdict
     on_main_thread = threading.current_thread() is threading.main_thread()
@@ -346,7 +366,9 @@ class RewardPool:
     ``timeouts`` and ``errors`` -- log them as ``reward/timeouts`` and ``reward/errors``.
     """
 
-    def __init__(self, workers: int = 2, timeout_s: float = 5.0) -> None:
+    def __init__(self, workers: int = 2, timeout_s: float = 5.0, *, extract: str = "boxed", format_score: float = 0.0) -> None:
+        """``extract``: see ``extract_answer``. ``format_score``: the reward of a wrong answer that was found
+        (a well-formed attempt), in [0, 1); a missing answer, a timeout or an error stay 0.0."""
         if workers < 1:
             raise ValueError(f"RewardPool needs workers >= 1, got {workers}; use score() to grade in-process")
         if not timeout_s > 0:
@@ -354,6 +376,10 @@ class RewardPool:
                 f"RewardPool needs timeout_s > 0, got {timeout_s}; without a limit one adversarial "
                 f"answer (e.g. \\boxed{{9^{{9^{{9^{{9^{{9}}}}}}}}}}) blocks a worker forever"
             )
+        if not 0.0 <= format_score < 1.0:
+            raise ValueError(f"format_score={format_score} must be in [0, 1): a full 1.0 is reserved for correct answers")
+        extract_answer("", extract)  # validates the mode now, not at the first batch
+        self.extract, self.format_score = extract, float(format_score)
         self.timeout_s = float(timeout_s)
         self.scored = 0
         self.timeouts = 0
@@ -400,12 +426,14 @@ class RewardPool:
                 raise RuntimeError("RewardPool.score_batch after close(); create a new RewardPool")
             results: list[ScoreResult | None] = [None] * len(pairs)
             todo: deque[tuple[int, _Job]] = deque()
+            found = [False] * len(pairs)
             for i, (completion, ground_truth) in enumerate(pairs):
                 try:
-                    answer, verdict = _prepare(completion, ground_truth)
+                    answer, verdict = _prepare(completion, ground_truth, self.extract)
                 except (TypeError, ValueError) as exc:  # a bad dataset row scores as an error, not a crash
                     self._finish(results, i, ScoreResult(0.0, "error", repr(exc)))
                     continue
+                found[i] = answer is not None
                 if verdict is None:
                     todo.append((i, _Job(answer, ground_truth)))
                 else:
@@ -421,6 +449,9 @@ class RewardPool:
                     if w.job is not None:
                         w.kill()
                         self._workers[k] = _Worker(self._argv)
+            if self.format_score:
+                results = [ScoreResult(self.format_score, "ok") if r.status == "ok" and r.reward == 0.0 and f else r
+                           for r, f in zip(results, found)]
             return results  # type: ignore[return-value]  # every slot was filled by the loop above
 
     # -- event loop helpers (called with the lock held) --

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
 
-_TEMPLATE = "Question: {question}\n" + BOXED_INSTRUCTION.replace("{}", "{{}}") + "\nAnswer:"
 
 
-def render_prompt(question: str) -> str:
-    """Return the completion prompt for `question`; the model's answer follows it."""
-    return _TEMPLATE.format(question=question)
+def render_prompt(question: str, instruction: str = BOXED_INSTRUCTION) -> str:
+    """Return the completion prompt for `question`; the model's answer follows it.
+
+    `instruction` (the answer-format request) goes on its own line; an empty one is left out.
+    """
+    middle = f"\n{instruction}" if instruction else ""
+    return f"Question: {question}{middle}\nAnswer:"

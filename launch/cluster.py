@@ -26,7 +26,7 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.cluster import ClusterInfo, write_cluster  # noqa: E402
-from common.config import ConfigError, load_config, to_toml  # noqa: E402
+from common.config import ConfigError, load_config, to_toml, with_absolute_paths  # noqa: E402
 from common.data import REPO_ROOT, model_dir  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
 from common.transport import create_secret, free_port  # noqa: E402
@@ -68,7 +68,7 @@ def prepare(args) -> tuple[str, object, ClusterInfo]:
     if args.gens < 1 or args.learners < 1:
         raise ConfigError(f"--gens {args.gens} --learners {args.learners}: need at least one of each")
     overrides = list(args.set) + ([f"run.steps={args.steps}"] if args.steps is not None else [])
-    cfg = load_config(args.config, overrides)
+    cfg = with_absolute_paths(load_config(args.config, overrides), os.getcwd())
     model_dir(cfg)  # fail now, not in every child, if the model is missing
     run_dir = os.path.abspath(args.run_dir or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S")))
     try:

@@ -74,9 +74,9 @@ def main() -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(path)
         host, port = cluster.hub_addr.rsplit(":", 1)
-        hub = Hub(cfg, run_id=cluster.run_id, key=load_secret(args.run_dir), port=int(port), source=PromptSource(cfg),
-                  tokenizer=tokenizer, weight_addr=cluster.weight_addr, n_generators=cluster.generators,
-                  eval_prompts=eval_sets(cfg) if cfg.eval.every_steps else None)
+        hub = Hub(cfg, run_id=cluster.run_id, key=load_secret(args.run_dir), port=int(port),
+                  source=PromptSource(cfg, tokenizer), weight_addr=cluster.weight_addr, n_generators=cluster.generators,
+                  eval_prompts=eval_sets(cfg, tokenizer) if cfg.eval.every_steps else None)
         hub.start()
         whost, wport = cluster.weight_addr.rsplit(":", 1)
         channel = W.WeightChannel(whost, int(wport), 0, cluster.generators + 1, cfg.transport.weight_sync_timeout_s)

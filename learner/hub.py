@@ -37,11 +37,10 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from common import messages as M
-from common.config import Config, eval_sampling, eval_versions
-from common.data import Prompt, PromptSource, encode_prompt, eval_seed
+from common.config import Config, eval_versions
+from common.data import Prompt, PromptSource
+from common.evaluation import eval_item, eval_metrics, eval_params, eval_room
 from common.transport import HubSocket
 from learner.advantages import zero_spread
 
@@ -97,13 +96,12 @@ def prompt_seed(run_seed: int, epoch: int, prompt_id: int) -> int:
 
 
 class Hub:
-    def __init__(self, cfg: Config, *, run_id: str, key: bytes, port: int, source: PromptSource, tokenizer, weight_addr: str,
+    def __init__(self, cfg: Config, *, run_id: str, key: bytes, port: int, source: PromptSource, weight_addr: str,
                  n_generators: int, eval_prompts: dict[str, list[Prompt]] | None = None):
         self.cfg = cfg
         self.run_id = run_id
         self.sock = HubSocket(cfg.transport.host, port, key)
         self.source = source
-        self.tokenizer = tokenizer
         self.weight_addr = weight_addr
         self.n_generators = n_generators
         self.gps = cfg.rollout.groups_per_step
@@ -124,14 +122,12 @@ class Hub:
         self.reissue: collections.deque[Ticket] = collections.deque()
         self.gens: dict[int, GenState] = {}
         self.stats = HubStats()
-        self._prompt_ids: dict[int, bytes] = {}
         # Evaluation: (version, data_source, index) waiting to be issued, tickets out, scores in.
         self.eval_prompts = eval_prompts or {}
         self.eval_versions = set(eval_versions(cfg)) if self.eval_prompts else set()
         self.eval_pending: collections.deque[tuple[int, str, int]] = collections.deque()
         self.eval_in_flight: dict[int, EvalTicket] = {}
         self.eval_scores: dict[int, dict[str, list[M.EvalResult]]] = {}
-        self._eval_ids: dict[tuple[str, int], bytes] = {}
         self._schedule_eval(0)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hub", daemon=True)
@@ -169,14 +165,7 @@ class Hub:
         """Eval metrics of `version` (empty if it was not evaluated); call after wait_version_done."""
         with self.cv:
             by_source = self.eval_scores.pop(version, {})
-        out: dict[str, float] = {}
-        for ds, results in sorted(by_source.items()):
-            correct = [[r >= 1.0 for r in res.rewards] for res in results]
-            out[f"eval/{ds}/acc"] = float(np.mean([np.mean(c) for c in correct]))
-            out[f"eval/{ds}/pass@k"] = float(np.mean([any(c) for c in correct]))
-            out[f"eval/{ds}/response_length"] = float(np.mean([np.mean(res.lengths) for res in results]))
-            out[f"eval/{ds}/score_failures"] = float(sum(st != "ok" for res in results for st in res.score_status))
-        return out
+        return eval_metrics(by_source)
 
     def take_batch(self, version: int, timeout_s: float) -> list[Ready]:
         """Block until the batch for the step that starts at `version` is ready."""
@@ -349,8 +338,8 @@ class Hub:
             self.stats.counters["hub/rejected/unknown_ticket"] += 1
             return
         del self.eval_in_flight[res.ticket]
-        _, k = eval_sampling(self.cfg, t.data_source)
-        reason = M.check_eval(res, k=k, version=t.version, max_tokens=self._eval_params(t.data_source).max_new_tokens)
+        sampling, k = eval_params(self.cfg, t.data_source)
+        reason = M.check_eval(res, k=k, version=t.version, max_tokens=sampling.max_new_tokens)
         if reason is not None:
             self.stats.counters[f"hub/rejected/{reason}"] += 1
             log.warning("rejected eval result for ticket %d from generator %d: %s", res.ticket, res.gen_id, reason)
@@ -380,32 +369,23 @@ class Hub:
                 self.stats.counters["hub/reissued_eval_prompts"] += 1
         self.stats.counters[f"hub/generator_lost/{why}"] += 1
 
-    def _eval_params(self, data_source: str) -> M.SamplingParams:
-        t, _ = eval_sampling(self.cfg, data_source)
-        return M.SamplingParams(temperature=t, top_p=self.cfg.eval.top_p,
-                                max_new_tokens=self.cfg.eval.max_new_tokens or self.cfg.rollout.max_new_tokens)
-
     def _serve_eval(self, gen_id: int, gen: GenState) -> bool:
-        """Give this generator eval prompts (one data source, as many rows as a training request)."""
+        """Give this generator eval prompts: the next chunk of one data source (common.evaluation)."""
         if not self.eval_pending:
             return False
         version, ds, _ = self.eval_pending[0]
-        _, k = eval_sampling(self.cfg, ds)
-        room = max(1, self.cfg.rollout.groups_per_request * self.cfg.rollout.group_size // k)
+        sampling, k = eval_params(self.cfg, ds)
+        room = eval_room(self.cfg, k)
         items = []
         while self.eval_pending and len(items) < room and self.eval_pending[0][:2] == (version, ds):
             _, _, i = self.eval_pending.popleft()
             t = EvalTicket(self.next_ticket, version, ds, i, gen_id, gen.incarnation)
             self.next_ticket += 1
             self.eval_in_flight[t.ticket] = t
-            ids = self._eval_ids.get((ds, i))
-            if ids is None:
-                tok = encode_prompt(self.tokenizer, self.eval_prompts[ds][i].text, self.cfg.data.max_prompt_tokens)
-                ids = self._eval_ids[(ds, i)] = M.to_bytes(np.asarray(tok), M.TOKEN_DTYPE)
-            items.append(M.WorkItem(ticket=t.ticket, prompt_id=i, epoch=0, prompt_ids=ids, answer=self.eval_prompts[ds][i].answer,
-                                    data_source=ds, seed=eval_seed(self.cfg.run.seed, ds, i)))
+            p = self.eval_prompts[ds][i]
+            items.append(eval_item(self.cfg, t.ticket, ds, i, p, M.to_bytes(p.ids, M.TOKEN_DTYPE)))
         gen.wanted = 0
-        self.sock.send(gen.identity, M.EvalWork(items=items, k=k, sampling=self._eval_params(ds), policy_version=version))
+        self.sock.send(gen.identity, M.EvalWork(items=items, k=k, sampling=sampling, policy_version=version))
         return True
 
     def _serve_wanted(self) -> None:
@@ -444,16 +424,12 @@ class Hub:
         return t
 
     def _work_item(self, t: Ticket) -> M.WorkItem:
-        ids = self._prompt_ids.get(t.prompt_id)
-        if ids is None:
-            tok = encode_prompt(self.tokenizer, self.source[t.prompt_id].text, self.cfg.data.max_prompt_tokens)
-            ids = self._prompt_ids[t.prompt_id] = M.to_bytes(np.asarray(tok), M.TOKEN_DTYPE)
         p = self.source[t.prompt_id]
         return M.WorkItem(
             ticket=t.ticket,
             prompt_id=t.prompt_id,
             epoch=t.epoch,
-            prompt_ids=ids,
+            prompt_ids=M.to_bytes(p.ids, M.TOKEN_DTYPE),
             answer=p.answer,
             data_source=p.data_source,
             seed=prompt_seed(self.cfg.run.seed, t.epoch, t.prompt_id),

@@ -15,7 +15,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
@@ -24,7 +23,7 @@ from actors.engine import CpuEngine  # noqa: E402
 from common import messages as M  # noqa: E402
 from common import weights as W  # noqa: E402
 from common.cluster import read_run_config  # noqa: E402
-from common.data import PromptSource, encode_prompt, model_dir  # noqa: E402
+from common.data import PromptSource, model_dir  # noqa: E402
 from common.rewards import RewardPool  # noqa: E402
 from learner.batch import batch_from_config  # noqa: E402
 from learner.hub import prompt_seed  # noqa: E402
@@ -42,7 +41,7 @@ def main(run_dir: str, out: str, micro_batch_tokens: int | None = None) -> None:
     tok = AutoTokenizer.from_pretrained(path)
     engine = CpuEngine(path, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     trainer = Trainer(cfg, path)
-    source = PromptSource(cfg)
+    source = PromptSource(cfg, tok)
     order = source.order(0)
     gps, r = cfg.rollout.groups_per_step, cfg.rollout
     sampling = M.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
@@ -50,7 +49,7 @@ def main(run_dir: str, out: str, micro_batch_tokens: int | None = None) -> None:
         for step in range(1, cfg.run.steps + 1):
             items = [
                 M.WorkItem(ticket=slot, prompt_id=pid, epoch=0,
-                           prompt_ids=M.to_bytes(np.asarray(encode_prompt(tok, source[pid].text, cfg.data.max_prompt_tokens)), M.TOKEN_DTYPE),
+                           prompt_ids=M.to_bytes(source[pid].ids, M.TOKEN_DTYPE),
                            answer=source[pid].answer, data_source=source[pid].data_source, seed=prompt_seed(cfg.run.seed, 0, pid))
                 for slot, pid in enumerate(order[(step - 1) * gps : step * gps], start=(step - 1) * gps)
             ]

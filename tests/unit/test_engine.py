@@ -59,23 +59,24 @@ def test_gumbel_noise_is_a_function_of_seed_step_and_token():
 
 def test_stops_at_eos_and_reports_length(engine):
     sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4)
+    eos = int(engine.stop_ids[0])
     free = engine.generate([[5, 6]], 2, sp, [1])[0]
     for c in free:  # a random model rarely says EOS: it runs to the limit
-        assert c.finish_reason == ("stop" if c.token_ids[-1] == engine.eos else "length")
-        assert (c.token_ids[:-1] != engine.eos).all() and len(c.token_ids) <= 4
+        assert c.finish_reason == ("stop" if c.token_ids[-1] == eos else "length")
+        assert (c.token_ids[:-1] != eos).all() and len(c.token_ids) <= 4
     head = engine.model.lm_head
     biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
     with torch.no_grad():
         biased.weight.copy_(head.weight)
         biased.bias.zero_()
-        biased.bias[engine.eos] = 100.0  # EOS certain from the first token
+        biased.bias[eos] = 100.0  # EOS certain from the first token
     engine.model.lm_head = biased
     try:
         out = engine.generate([[5, 6]], 2, sp, [1])[0]
     finally:
         engine.model.lm_head = head
     for c in out:
-        assert c.token_ids.tolist() == [engine.eos] and c.finish_reason == "stop"
+        assert c.token_ids.tolist() == [eos] and c.finish_reason == "stop"
         assert c.logprobs[0] > -1e-3
 
 
@@ -110,3 +111,27 @@ def test_temperature_zero_is_greedy_with_untempered_logprobs(engine):
     assert torch.equal(logits.argmax(-1), torch.from_numpy(a.token_ids).long())
     ref = torch.log_softmax(logits, -1).max(-1).values
     assert_close(torch.from_numpy(a.logprobs), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_any_stop_token_ends_a_response(tiny_model_dir, tmp_path):
+    """Chat models end a turn with e.g. <|im_end|> and also stop at <|endoftext|>: generation_config lists both."""
+    import json
+    import shutil
+
+    from actors.engine import load_engine, stop_token_ids
+    from common.config import Config
+
+    model = tmp_path / "chat"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    engine, tok = load_engine(Config(), str(model))
+    assert stop_token_ids(tok, str(model)) == sorted({tok.eos_token_id, 7, 9})
+    head = engine.model.lm_head
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        biased.bias[9] = 100.0  # the second stop id, not the tokenizer's EOS
+    engine.model.lm_head = biased
+    out = engine.generate([[5, 6]], 1, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4), [1])[0][0]
+    assert out.token_ids.tolist() == [9] and out.finish_reason == "stop"

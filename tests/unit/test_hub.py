@@ -23,8 +23,8 @@ def hub(tiny_model_dir):
     cfg = load_config(None, ["data.train_size=64", "rollout.groups_per_step=2", "rollout.group_size=2",
                              "rollout.max_staleness_steps=0", "transport.generator_timeout_s=1.5",
                              "learner.filter.dynamic_sampling=false"])
-    h = Hub(cfg, run_id="run1", key=KEY, port=0, source=PromptSource(cfg),
-            tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir), weight_addr="127.0.0.1:1", n_generators=2)
+    h = Hub(cfg, run_id="run1", key=KEY, port=0, source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)),
+            weight_addr="127.0.0.1:1", n_generators=2)
     h.start()
     yield h
     h.stop()
@@ -129,10 +129,10 @@ def _eval_hub(tiny_model_dir, *extra):
                              "rollout.max_staleness_steps=1", "run.steps=3", "eval.every_steps=2", "eval.k=2",
                              "eval.temperature=0.6", "eval.temperatures.greedy_set=0",
                              "learner.filter.dynamic_sampling=false", *extra])
-    prompts = {"sampled_set": [Prompt(f"Question: {i} + 1?", str(i + 1), "sampled_set") for i in range(3)],
-               "greedy_set": [Prompt("Question: 2 + 2?", "4", "greedy_set")]}
-    h = Hub(cfg, run_id="run1", key=KEY, port=0, source=PromptSource(cfg), eval_prompts=prompts,
-            tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir), weight_addr="127.0.0.1:1", n_generators=1)
+    prompts = {"sampled_set": [Prompt(f"Question: {i} + 1?", str(i + 1), "sampled_set", (5, 6, i)) for i in range(3)],
+               "greedy_set": [Prompt("Question: 2 + 2?", "4", "greedy_set", (5, 7))]}
+    h = Hub(cfg, run_id="run1", key=KEY, port=0, source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)),
+            eval_prompts=prompts, weight_addr="127.0.0.1:1", n_generators=1)
     h.start()
     return h
 

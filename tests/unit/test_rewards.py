@@ -22,6 +22,7 @@ from common.rewards import (
     ScoreResult,
     _fast_verdict,
     _math_verify,
+    extract_answer,
     extract_boxed,
     score,
 )
@@ -251,6 +252,29 @@ def test_pool_matches_table_in_order(pool: RewardPool) -> None:
     assert [r.reward for r in results] == [p.values[2] for p in CASES]
     assert all(r.status == "ok" for r in results), [r for r in results if r.status != "ok"]
     assert pool.scored == scored_before + len(CASES)
+
+
+@pytest.mark.parametrize("text, mode, expected", [
+    ("x \\boxed{3} Answer: 4", "boxed_or_answer_line", "3"),  # a box wins over an answer line
+    ("so the total is 12.\nAnswer: 12", "boxed_or_answer_line", "12"),
+    ("Answer: 1\nwait...\nAnswer: $\\frac{1}{2}$.", "boxed_or_answer_line", "\\frac{1}{2}"),  # the last line, $ and . stripped
+    ("Answer: 12", "boxed", None),  # not in boxed mode
+    ("no answer at all", "boxed_or_answer_line", None),
+    ("Answer: " + "9" * (MAX_ANSWER_CHARS + 1), "boxed_or_answer_line", None),
+])
+def test_extract_answer_modes(text: str, mode: str, expected: str | None) -> None:
+    assert extract_answer(text, mode) == expected
+
+
+def test_answer_line_scoring_and_format_score() -> None:
+    with pytest.raises(ValueError, match="extract"):
+        RewardPool(workers=1, extract="last_number")
+    with pytest.raises(ValueError, match="format_score"):
+        RewardPool(workers=1, format_score=1.0)
+    with RewardPool(workers=1, timeout_s=TIMEOUT_S, extract="boxed_or_answer_line", format_score=0.1) as p:
+        got = p.score_batch([("Answer: 5", "5"), ("Answer: 6", "5"), ("I give up", "5"), ("\\boxed{\\frac{10}{2}}", "5")])
+    # correct; wrong but well-formed (format score); no answer at all (0); correct through math-verify.
+    assert [r.reward for r in got] == [1.0, 0.1, 0.0, 1.0] and all(r.status == "ok" for r in got)
 
 
 def test_pool_empty_batch(pool: RewardPool) -> None:

@@ -1,0 +1,54 @@
+"""Evaluation work and metrics, shared by the hub (in-training) and `launch/evaluate.py` (standalone).
+
+Both cut each held-out set into the same chunks, give each prompt the same seed and sampling
+parameters, and compute the metrics with the same function, so the two report the same numbers for
+the same model, data and seed (issue 5, acceptance 3; tested).
+
+Per data source: temperature `eval.temperatures[source]` or `eval.temperature`; k samples per prompt
+(one when greedy). Metrics: `eval/<source>/acc` = avg@k (share of correct samples, averaged over
+prompts), `pass@k` = share of prompts with a correct sample, `response_length` (mean tokens),
+`score_failures` (samples whose scoring timed out or failed, scored 0 and counted).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from common import messages as M
+from common.config import Config, eval_sampling
+from common.data import Prompt, eval_seed
+
+
+def eval_params(cfg: Config, data_source: str) -> tuple[M.SamplingParams, int]:
+    """(sampling parameters, samples per prompt) of one eval set."""
+    t, k = eval_sampling(cfg, data_source)
+    return M.SamplingParams(temperature=t, top_p=cfg.eval.top_p,
+                            max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens), k
+
+
+def eval_room(cfg: Config, k: int) -> int:
+    """Eval prompts per EvalWork: as many sequences as one training request generates."""
+    return max(1, cfg.rollout.groups_per_request * cfg.rollout.group_size // k)
+
+
+def eval_item(cfg: Config, ticket: int, data_source: str, index: int, prompt: Prompt, prompt_ids: bytes) -> M.WorkItem:
+    return M.WorkItem(ticket=ticket, prompt_id=index, epoch=0, prompt_ids=prompt_ids, answer=prompt.answer,
+                      data_source=data_source, seed=eval_seed(cfg.run.seed, data_source, index))
+
+
+def correct(reward: float) -> bool:
+    """A sample counts as solved at full reward (a format-only reward does not)."""
+    return reward >= 1.0
+
+
+def eval_metrics(results: dict[str, list[M.EvalResult]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for ds, res in sorted(results.items()):
+        if not res:
+            continue
+        solved = [[correct(r) for r in x.rewards] for x in res]
+        out[f"eval/{ds}/acc"] = float(np.mean([np.mean(s) for s in solved]))
+        out[f"eval/{ds}/pass@k"] = float(np.mean([any(s) for s in solved]))
+        out[f"eval/{ds}/response_length"] = float(np.mean([np.mean(x.lengths) for x in res]))
+        out[f"eval/{ds}/score_failures"] = float(sum(st != "ok" for x in res for st in x.score_status))
+    return out

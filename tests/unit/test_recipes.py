@@ -1,0 +1,78 @@
+"""Issue 5: every recipe in launch/recipes loads and holds the paper's values (ALGORITHMS.md "Paper recipes")."""
+
+import glob
+import os
+
+import pytest
+
+from common import config as C
+from tests.conftest import REPO
+
+RECIPES = os.path.join(REPO, "launch", "recipes")
+PAPER = sorted(glob.glob(os.path.join(RECIPES, "qwen2.5-[0-9]*b-*.toml")))
+PAPER = [p for p in PAPER if "1gpu" not in p]
+
+
+def _load(name):
+    # validate=False: the values, without the cross-field checks that need the data files (test below).
+    return C.load_config(os.path.join(RECIPES, name), validate=False)
+
+
+def test_the_eight_paper_recipes_exist():
+    names = sorted(os.path.basename(p) for p in PAPER)
+    assert names == sorted(f"qwen2.5-{s}-{m}.toml" for s in ("7b", "32b") for m in ("grpo", "clip-higher", "clip-cov", "kl-cov"))
+
+
+@pytest.mark.parametrize("path", PAPER, ids=os.path.basename)
+def test_paper_recipe_shared_values(path):
+    cfg = C.load_config(path, validate=False)
+    size = "7b" if "-7b-" in path else "32b"
+    assert cfg.model.path.endswith("Qwen2.5-7B" if size == "7b" else "Qwen2.5-32B") and cfg.model.dtype == "bfloat16"
+    r, lr = cfg.rollout, cfg.learner
+    assert (r.groups_per_step, r.group_size, lr.mini_batches) == (256, 8, 8)  # 256 x 8, mini-batch 32 prompts
+    assert lr.lr == (5e-7 if size == "7b" else 1e-6) and lr.weight_decay == 0 and lr.grad_clip == 1.0
+    assert r.max_new_tokens == 8192 and cfg.data.max_prompt_tokens == 2048
+    assert r.temperature == 1.0 and r.top_p == 1.0
+    assert lr.agg == "token-mean" and lr.advantage == "grpo"
+    assert lr.filter.dynamic_sampling and lr.filter.max_filtered_batches == 10
+    assert lr.kl.coef == 0 and lr.entropy_coef == 0
+    assert cfg.data.train_files == ("data/dapo-math-17k.parquet",)
+    # Validation: greedy, except AIME, AIME25 and AMC at 0.6 with avg@32.
+    assert cfg.eval.temperature == 0 and cfg.eval.k == 32
+    assert cfg.eval.temperatures == {"aime-2024": 0.6, "aime-2025": 0.6, "amc": 0.6}
+    assert C.eval_sampling(cfg, "math500") == (0.0, 1) and C.eval_sampling(cfg, "aime-2025") == (0.6, 32)
+
+
+@pytest.mark.parametrize("size", ["7b", "32b"])
+def test_paper_recipe_loss_values(size):
+    grpo, higher = _load(f"qwen2.5-{size}-grpo.toml").learner.loss, _load(f"qwen2.5-{size}-clip-higher.toml").learner.loss
+    assert isinstance(grpo, C.PPOLoss) and (grpo.clip_low, grpo.clip_high) == (0.2, 0.2)
+    assert isinstance(higher, C.PPOLoss) and (higher.clip_low, higher.clip_high) == (0.2, 0.28)
+    cc = _load(f"qwen2.5-{size}-clip-cov.toml").learner.loss
+    assert isinstance(cc, C.ClipCovLoss)
+    assert (cc.cov_fraction, cc.cov_lb, cc.cov_ub, cc.clip_low, cc.clip_high) == (2e-4, 1.0, 5.0, 1.0, 1.0)
+    kc = _load(f"qwen2.5-{size}-kl-cov.toml").learner.loss
+    assert isinstance(kc, C.KLCovLoss) and kc.kl_coef == 1.0
+    assert kc.kl_fraction == (2e-3 if size == "7b" else 2e-4)
+
+
+def test_small_gpu_recipe():
+    cfg = _load("qwen2.5-1.5b-1gpu-kl-cov.toml")
+    assert cfg.model.path.endswith("Qwen2.5-1.5B") and isinstance(cfg.learner.loss, C.KLCovLoss)
+    assert cfg.learner.loss.kl_fraction == 2e-3 and cfg.rollout.groups_per_step % cfg.learner.mini_batches == 0
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(RECIPES, "*.toml"))), ids=os.path.basename)
+def test_recipe_passes_every_check_once_its_data_exists(path, tmp_path, monkeypatch):
+    cfg = C.load_config(path, validate=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(C.ConfigError, match="does not exist"):
+        C.check(cfg)  # the data files are named, and missing here
+    for f in cfg.data.train_files + cfg.data.eval_files:
+        os.makedirs(os.path.dirname(f), exist_ok=True)
+        open(f, "w").close()
+    if cfg.learner.zero_stage == 3:  # 32B: parameters must be gathered to publish them (the GPU path, issue 6)
+        with pytest.raises(C.ConfigError, match="zero_stage=3"):
+            C.check(cfg)
+    else:
+        C.check(cfg)
