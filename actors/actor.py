@@ -46,10 +46,10 @@ class WeightReceiver(threading.Thread):
             host, port = self.welcome.weight_addr.rsplit(":", 1)
             ch = W.WeightChannel(host, int(port), self.welcome.weight_rank, self.welcome.weight_world, self.timeout_s)
             while (got := ch.receive(self.lay)) is not None:
-                version, flat = got
+                version, flat, weights_sum = got
                 if self.log_path:
                     with open(self.log_path, "a") as f:
-                        f.write(json.dumps({"version": version, "checksum": W.checksum(flat), "t": time.time()}) + "\n")
+                        f.write(json.dumps({"version": version, "checksum": weights_sum, "t": time.time()}) + "\n")
                 with self.cv:
                     self.staged, self.latest = (version, flat), version
                     self.cv.notify_all()

@@ -20,6 +20,25 @@ class ClusterInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     learners: int
 
 
+class PlacementError(ValueError):
+    """More GPUs asked for than the node has; the message says how to fit."""
+
+
+def place_gpus(gpus: int, learners: int, gens: int, tp: int) -> tuple[list[list[int]], list[list[int]]]:
+    """GPU indices of each learner rank and each generator on one node: learners take the first `learners`
+    GPUs (one each), then each generator takes `tp` consecutive GPUs (its tensor-parallel group).
+    No GPUs (`gpus == 0`): every role runs on the CPU and every list is empty."""
+    if gpus == 0:
+        return [[] for _ in range(learners)], [[] for _ in range(gens)]
+    if tp < 1:
+        raise PlacementError(f"--tp {tp}: each generator needs at least one GPU")
+    need = learners + gens * tp
+    if need > gpus:
+        raise PlacementError(f"{learners} learner rank(s) + {gens} generator(s) x {tp} GPU(s) need {need} GPUs and "
+                             f"this node has {gpus}; lower --learners, --gens or --tp")
+    return [[r] for r in range(learners)], [list(range(learners + g * tp, learners + (g + 1) * tp)) for g in range(gens)]
+
+
 def write_cluster(run_dir: str, info: ClusterInfo) -> None:
     tmp = os.path.join(run_dir, "cluster.json.tmp")
     with open(tmp, "wb") as f:

@@ -300,11 +300,6 @@ def check(cfg: Config) -> None:
     imp = cfg.learner.importance
     if imp.lo >= imp.hi or imp.geo_lo >= imp.geo_hi:
         raise ConfigError(f"learner.importance: lo ({imp.lo}) must be below hi ({imp.hi}) and geo_lo ({imp.geo_lo}) below geo_hi ({imp.geo_hi})")
-    if cfg.learner.zero_stage == 3:
-        raise ConfigError(
-            "learner.zero_stage=3 partitions the parameters, and weight publishing and checkpoints do not gather "
-            "them yet (planned with the GPU path); use zero_stage 0, 1 or 2"
-        )
     if cfg.rollout.groups_per_step % cfg.learner.mini_batches:
         raise ConfigError(
             f"learner.mini_batches={cfg.learner.mini_batches} must divide rollout.groups_per_step="

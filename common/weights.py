@@ -3,8 +3,10 @@
 A dedicated torch.distributed gloo group (NCCL on GPUs) built on its own
 TCPStore, apart from the learners' default group: rank 0 is learner rank 0,
 ranks 1..G are generators. One publish = one header broadcast
-`[version, numel, layout_hash, flags]` then the parameters as flat buckets of
-at most `bucket_numel` elements, in the order of `layout()`. Both sides derive
+`[version, numel, layout_hash, flags]` then the parameters as flat fp32 buckets
+in the order of `layout()`, cut at parameter boundaries by `bucket_plan` (at most
+BUCKET_NUMEL elements, or one larger parameter), so a ZeRO-3 learner can gather,
+send and free one bucket at a time and never hold the whole model. Both sides derive
 the layout from the same architecture, and the header's layout hash catches a
 generator built from another model before it loads garbage.
 
@@ -50,9 +52,26 @@ def _prod(shape) -> int:
 
 
 def layout(model: torch.nn.Module) -> Layout:
-    """Trainable tensors in registration order; tied weights appear once."""
+    """Trainable tensors in registration order; tied weights appear once. Under ZeRO-3 a parameter's own
+    shape is its local shard; DeepSpeed keeps the full shape in `ds_shape`."""
     named = list(model.named_parameters())
-    return Layout(tuple(n for n, _ in named), tuple(tuple(p.shape) for _, p in named))
+    return Layout(tuple(n for n, _ in named), tuple(tuple(getattr(p, "ds_shape", p.shape)) for _, p in named))
+
+
+def bucket_plan(lay: Layout, bucket_numel: int = 0) -> list[tuple[int, int, int, int]]:
+    """(first param, end param, first element, end element) of each bucket: whole parameters, in layout order,
+    at most `bucket_numel` (default BUCKET_NUMEL) elements unless one parameter alone is larger."""
+    limit = bucket_numel or BUCKET_NUMEL
+    plan, first, start, offset = [], 0, 0, 0
+    for i, shape in enumerate(lay.shapes):
+        n = _prod(shape)
+        if offset > start and offset + n - start > limit:
+            plan.append((first, i, start, offset))
+            first, start = i, offset
+        offset += n
+    if offset > start:
+        plan.append((first, len(lay.shapes), start, offset))
+    return plan
 
 
 def flatten(model: torch.nn.Module) -> torch.Tensor:
@@ -72,15 +91,33 @@ def load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
 CHECKSUM_SAMPLES = 1 << 20
 
 
-def checksum(flat: torch.Tensor) -> float:
-    """A cheap order-sensitive fingerprint of a flat parameter vector.
+class Checksum:
+    """A cheap order-sensitive fingerprint of a flat parameter vector, fed bucket by bucket.
 
-    At most ~1M evenly strided elements are read, so fingerprinting a 7B model
-    every step costs milliseconds, not seconds; small models are read whole.
+    At most ~1M evenly strided elements are read, so fingerprinting a 7B model every step
+    costs milliseconds; small models are read whole. Sender and receivers feed the same
+    buckets in the same order, so their float64 sums agree to the bit.
     """
-    sample = flat[:: max(1, flat.numel() // CHECKSUM_SAMPLES)]
-    w = torch.arange(1, sample.numel() + 1, dtype=torch.float64).remainder_(1013.0).add_(1.0)
-    return float((sample.double() * w).sum())
+
+    def __init__(self, numel: int):
+        self.stride = max(1, numel // CHECKSUM_SAMPLES)
+        self.total = 0.0
+
+    def add(self, bucket: torch.Tensor, start: int) -> None:
+        first = -start % self.stride  # first element of this bucket on the global stride
+        sample = bucket[first :: self.stride]
+        s0 = (start + first) // self.stride  # index of that element among all samples
+        w = torch.arange(s0 + 1, s0 + 1 + sample.numel(), dtype=torch.float64).remainder_(1013.0).add_(1.0)
+        self.total += float((sample.double() * w).sum())
+
+
+def checksum(flat: torch.Tensor, lay: Layout | None = None) -> float:
+    """The Checksum of a whole flat vector, fed by `lay`'s bucket plan (one bucket without a layout)."""
+    acc = Checksum(flat.numel())
+    plan = bucket_plan(lay) if lay is not None else [(0, 0, 0, flat.numel())]
+    for _, _, start, end in plan:
+        acc.add(flat[start:end], start)
+    return acc.total
 
 
 class WeightChannel:
@@ -96,19 +133,28 @@ class WeightChannel:
         opts.rootRank = 0
         self.pg.broadcast([t], opts).wait()
 
-    def publish(self, version: int, flat: torch.Tensor, lay: Layout) -> tuple[float, int]:
-        """Root side. Returns (seconds, bytes sent to each receiver)."""
+    def publish(self, version: int, lay: Layout, buckets) -> tuple[float, int, float]:
+        """Root side: send `buckets` (fp32 tensors following `bucket_plan(lay)`, e.g. `param_buckets`).
+        Returns (seconds, bytes sent to each receiver, checksum)."""
         t0 = time.perf_counter()
-        self._bcast(torch.tensor([version, flat.numel(), lay.digest, 0], dtype=torch.int64))
-        for start in range(0, flat.numel(), BUCKET_NUMEL):
-            self._bcast(flat[start : start + BUCKET_NUMEL])  # a 1-D slice is contiguous
-        return time.perf_counter() - t0, flat.numel() * flat.element_size()
+        plan = bucket_plan(lay)
+        acc = Checksum(lay.numel)
+        self._bcast(torch.tensor([version, lay.numel, lay.digest, 0], dtype=torch.int64))
+        sent = 0
+        for (_, _, start, end), bucket in zip(plan, buckets, strict=True):
+            if bucket.numel() != end - start or bucket.dtype != torch.float32:
+                raise ValueError(f"weight bucket at element {start} has {bucket.numel()} {bucket.dtype} elements; "
+                                 f"the plan says {end - start} float32")
+            self._bcast(bucket)
+            acc.add(bucket, start)
+            sent += bucket.numel() * bucket.element_size()
+        return time.perf_counter() - t0, sent, acc.total
 
     def stop(self) -> None:
         self._bcast(torch.tensor([-1, 0, 0, FLAG_STOP], dtype=torch.int64))
 
-    def receive(self, lay: Layout) -> tuple[int, torch.Tensor] | None:
-        """Receiver side: block for the next version; None when the learner says stop."""
+    def receive(self, lay: Layout) -> tuple[int, torch.Tensor, float] | None:
+        """Receiver side: block for the next version -> (version, flat, checksum); None when the learner says stop."""
         header = torch.zeros(4, dtype=torch.int64)
         self._bcast(header)
         version, numel, digest, flags = header.tolist()
@@ -121,6 +167,8 @@ class WeightChannel:
                 f"(model.path) so both build the same architecture"
             )
         flat = torch.empty(numel, dtype=torch.float32)
-        for start in range(0, numel, BUCKET_NUMEL):
-            self._bcast(flat[start : start + BUCKET_NUMEL])
-        return version, flat
+        acc = Checksum(numel)
+        for _, _, start, end in bucket_plan(lay):
+            self._bcast(flat[start:end])  # a 1-D slice is contiguous
+            acc.add(flat[start:end], start)
+        return version, flat, acc.total

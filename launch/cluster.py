@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common.cluster import ClusterInfo, write_cluster  # noqa: E402
+from common.cluster import ClusterInfo, PlacementError, place_gpus, write_cluster  # noqa: E402
 from common.config import ConfigError, load_config, to_toml, with_absolute_paths  # noqa: E402
 from common.data import REPO_ROOT, model_dir  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
@@ -58,6 +58,9 @@ def parse_args(argv=None):
     ap.add_argument("--run-dir", help="output directory (default runs/<timestamp>)")
     ap.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run (not implemented yet)")
     ap.add_argument("--tensorboard", action="store_true", help="also serve TensorBoard for this run on 127.0.0.1")
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs on this node to place roles on (default: all "
+                    "CUDA devices torch sees; 0: CPU only). Learners take one each, then generators --tp each")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per generator (default 1)")
     ap.add_argument("--quiet", action="store_true", help="no live progress line")
     return ap.parse_args(argv)
 
@@ -95,22 +98,35 @@ def prepare(args) -> tuple[str, object, ClusterInfo]:
     return run_dir, cfg, info
 
 
-def role_specs(run_dir: str, info: ClusterInfo, cfg) -> list[RoleSpec]:
+def visible_gpus(requested: int | None) -> int:
+    if requested is not None:
+        if requested < 0:
+            raise ConfigError(f"--gpus {requested}: give a count, 0 for CPU only")
+        return requested
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def role_specs(run_dir: str, info: ClusterInfo, cfg, gpus: int = 0, tp: int = 1) -> list[RoleSpec]:
+    learner_gpus, gen_gpus = place_gpus(gpus, info.learners, info.generators, tp)
+    devices = lambda ids: {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}  # noqa: E731  ("" with no GPUs: CPU only)
+    all_learner_gpus = [g for ids in learner_gpus for g in ids]
     base = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
             "OMP_NUM_THREADS": str(cfg.run.torch_threads), "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     master_port = str(free_port())
     specs = [
         RoleSpec(f"learner{r}", [sys.executable, "-m", "learner", "--run-dir", run_dir],
-                 {**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(info.learners),
+                 {**base, **devices(all_learner_gpus), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(info.learners),
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port}, restartable=False)
         for r in range(info.learners)
     ]
     # Generators are restartable in principle, but a restarted one cannot rejoin the fixed gloo
     # weight group yet (the learner's next broadcast would fail), so for now no restarts are tried.
     specs += [
-        RoleSpec(f"gen{i}", [sys.executable, "-m", "actors", "--run-dir", run_dir, "--gen-id", str(i)], base,
-                 restartable=True, max_restarts=0)
+        RoleSpec(f"gen{i}", [sys.executable, "-m", "actors", "--run-dir", run_dir, "--gen-id", str(i)],
+                 {**base, **devices(gen_gpus[i])}, restartable=True, max_restarts=0)
         for i in range(info.generators)
     ]
     return specs
@@ -245,11 +261,13 @@ def supervise(specs: list[RoleSpec], run_dir: str, cfg, quiet: bool) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        gpus = visible_gpus(args.gpus)
+        place_gpus(gpus, args.learners, args.gens, args.tp)  # refuse a placement that cannot fit before writing anything
         run_dir, cfg, info = prepare(args)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, PlacementError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    specs = role_specs(run_dir, info, cfg)
+    specs = role_specs(run_dir, info, cfg, gpus, args.tp)
     extra: list[subprocess.Popen] = []
     if args.tensorboard:
         port = free_port()

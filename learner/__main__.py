@@ -27,6 +27,7 @@ from common.transport import load_secret
 from learner import batch as B
 from learner.checkpoint import save_checkpoint
 from learner.hub import Hub
+from learner.params import full_state_dict, param_buckets
 from learner.par import ParSchedule
 from learner.trainer import Trainer, init_distributed, step_metrics, thread_setup
 
@@ -69,6 +70,7 @@ def main() -> int:
     trainer = Trainer(cfg, path)
     hub = channel = writer = tokenizer = None
     lay = W.layout(trainer.module)
+    zero3 = cfg.learner.zero_stage == 3  # parameters are shards: every rank takes part in each gather
     if rank == 0:
         from transformers import AutoTokenizer
 
@@ -109,13 +111,15 @@ def main() -> int:
         batch = share_batch(batch, rank)
         stats = trainer.train_step(batch)
         metrics = step_metrics(stats)
+        if rank != 0 and zero3:
+            for _ in param_buckets(trainer.module, lay, zero3):
+                pass  # rank 0 sends each gathered bucket to the generators
         if rank == 0:
-            flat = W.flatten(trainer.module)
             publish_wait_s = finish_version(version)
             # The hub moves first: a token stamped `step` may reach it the moment the broadcast
             # lands, and work issued for `step` just waits in the generator for these weights.
             hub.set_version(step)
-            sync_s, nbytes = channel.publish(step, flat, lay)
+            sync_s, nbytes, weights_sum = channel.publish(step, lay, param_buckets(trainer.module, lay, zero3))
             now = time.perf_counter()
             gen_tokens = hub.stats.gen_tokens
             adv = np.array([s.advantage for s in batch.samples])
@@ -132,7 +136,7 @@ def main() -> int:
                 "timing_s/weight_sync": sync_s,
                 "timing_s/publish_wait": publish_wait_s,
                 "weights/bytes": float(nbytes),
-                "weights/checksum": W.checksum(flat),
+                "weights/checksum": weights_sum,
                 "weights/version": float(step),
             })
             last_tokens, last_t, last_filtered = gen_tokens, now, hub.filtered
@@ -141,10 +145,12 @@ def main() -> int:
             else:
                 writer.write(step, metrics)
         every = cfg.run.checkpoint_every_steps
-        if rank == 0 and (step == cfg.run.steps or (every and step % every == 0)):
-            save_checkpoint(args.run_dir, step, trainer.module, tokenizer,
-                            {"version": step, "hub_slots": hub.slots, "epoch": hub.epoch, "pos": hub.pos,
-                             "par": par.state()})
+        if step == cfg.run.steps or (every and step % every == 0):
+            full = full_state_dict(trainer.module, lay, zero3) if zero3 else None  # a collective under ZeRO-3
+            if rank == 0:
+                save_checkpoint(args.run_dir, step, trainer.module, tokenizer,
+                                {"version": step, "hub_slots": hub.slots, "epoch": hub.epoch, "pos": hub.pos,
+                                 "par": par.state()}, state_dict=full)
     if rank == 0:
         finish_version(cfg.run.steps)
         channel.stop()

@@ -222,6 +222,11 @@ class Trainer:
         n_micro = [len(per_rank[self.rank]) for per_rank in batch.plan]
         for m, k, idx, mb in micro:
             self.engine.set_gradient_accumulation_boundary(k == n_micro[m] - 1)
+            # We call the module's parts, not engine.forward, so do what engine.forward does first: ZeRO-3
+            # counts micro-steps there, and with the count stuck at 0 each backward overwrites the gradient
+            # shards instead of accumulating them.
+            if hasattr(self.engine.optimizer, "clear_backward_seen_flag"):
+                self.engine.optimizer.clear_backward_seen_flag()
             logp, entropy = self._logp_entropy(self.module, mb)
             e = survey[(m, k)] if survey is not None else {}
             t = Tokens(logp=logp, entropy=entropy, old=self._prox(survey, m, k, logp, mb, batch), behav=mb["behav"],
@@ -230,9 +235,10 @@ class Trainer:
             loss, met = self.objective(t, global_tokens=float(batch.mini_tokens[m]), global_seqs=float(batch.mini_seqs[m]),
                                        par_lambda=batch.par_lambda, generator=gen)
             loss = loss * self.world
-            if not idx:
-                # Empty micro-batch: touch every parameter with a zero gradient so
-                # ZeRO's reduction hooks fire on this rank like on the others.
+            if not idx and self.cfg.learner.zero_stage < 3:
+                # Empty micro-batch: touch every parameter with a zero gradient so ZeRO's reduction hooks
+                # fire on this rank like on the others. (ZeRO-3 shards are empty outside a forward; there
+                # the forward on the placeholder input already reaches every parameter.)
                 loss = loss + 0.0 * sum(p.sum() for p in self.module.parameters())
             self.engine.backward(loss, scale_wrt_gas=False)
             with torch.no_grad():

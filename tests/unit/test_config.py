@@ -21,7 +21,10 @@ def test_defaults_roundtrip_through_toml(tmp_path):
     ("learner.loss.dual_clip_c=0.5", "dual_clip_c"),
     ("learner.mini_batches=3", "must divide rollout.groups_per_step"),
     ("rollout", "expected key.path=value"),
-    ("learner.zero_stage=3", "use zero_stage 0, 1 or 2"),
+    ("learner.zero_stage=4", "at `learner.zero_stage`"),
+    ("data.task=files", "needs data.train_files"),
+    ("data.train_files=['x.jsonl']", "set data.task = \"files\""),
+    ("data.eval_files=['/no/such/file.jsonl']", "does not exist"),
     ("learner.importance.geo_lo=1.5", "geo_lo (1.5) below geo_hi"),
 ])
 def test_bad_values_name_the_field(override, needle):

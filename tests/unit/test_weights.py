@@ -23,6 +23,26 @@ def test_flatten_roundtrip_and_checksum_sensitivity():
     assert W.checksum(swapped) != W.checksum(flat)  # order-sensitive
 
 
+def test_bucket_plan_cuts_at_parameter_boundaries():
+    lay = W.Layout(("a", "b", "c", "d"), ((3, 2), (5,), (20,), (4,)))  # 6, 5, 20, 4 elements
+    assert W.bucket_plan(lay, 12) == [(0, 2, 0, 11), (2, 3, 11, 31), (3, 4, 31, 35)]  # c alone exceeds 12
+    assert W.bucket_plan(lay, 1000) == [(0, 4, 0, 35)]
+    assert [(s, e) for _, _, s, e in W.bucket_plan(lay, 1)] == [(0, 6), (6, 11), (11, 31), (31, 35)]
+
+
+def test_checksum_is_the_same_whole_or_by_buckets(monkeypatch):
+    monkeypatch.setattr(W, "CHECKSUM_SAMPLES", 7)  # stride > 1, crossing bucket edges at odd offsets
+    monkeypatch.setattr(W, "BUCKET_NUMEL", 16)
+    src = _model(0)
+    lay, flat = W.layout(src), W.flatten(src)
+    one = W.Checksum(flat.numel())
+    one.add(flat, 0)
+    strided = flat[:: max(1, flat.numel() // 7)].double()
+    expected = float((strided * (torch.arange(1, strided.numel() + 1, dtype=torch.float64) % 1013 + 1)).sum())
+    assert one.total == pytest.approx(expected, rel=1e-12)
+    assert W.checksum(flat, lay) == pytest.approx(one.total, rel=1e-12)
+
+
 def test_broadcast_to_two_receivers_then_stop(monkeypatch):
     monkeypatch.setattr(W, "BUCKET_NUMEL", 16)  # force several buckets
     port = free_port()
@@ -39,22 +59,31 @@ def test_broadcast_to_two_receivers_then_stop(monkeypatch):
     for t in threads:
         t.start()
     root = W.WeightChannel("127.0.0.1", port, 0, 3, 30)
-    sent = []
+    sent, sums = [], []
     for v in (1, 2):
         with torch.no_grad():
             for p in src.parameters():
                 p.add_(0.5)
         flat = W.flatten(src)
         sent.append(flat.clone())
-        seconds, nbytes = root.publish(v, flat, lay)
+        buckets = [flat[s:e] for _, _, s, e in W.bucket_plan(lay)]
+        assert len(buckets) > 2
+        seconds, nbytes, total = root.publish(v, lay, iter(buckets))
         assert nbytes == lay.numel * 4 and seconds >= 0
+        sums.append(total)
     root.stop()
     for t in threads:
         t.join(10)
     for rank in (1, 2):
-        assert [v for v, _ in got[rank]] == [1, 2]
-        for (_, flat), ref in zip(got[rank], sent):
-            assert W.checksum(flat) == W.checksum(ref)
+        assert [v for v, _, _ in got[rank]] == [1, 2]
+        for (_, flat, total), ref, sent_sum in zip(got[rank], sent, sums):
+            assert torch.equal(flat, ref) and total == sent_sum == W.checksum(ref, lay)  # to the bit
+
+
+def test_publish_refuses_a_bucket_off_the_plan():
+    root = W.WeightChannel("127.0.0.1", free_port(), 0, 1, 30)  # no receivers: only the check runs
+    with pytest.raises(ValueError, match="the plan says"):
+        root.publish(1, W.layout(_model(0)), iter([torch.zeros(3)]))
 
 
 def test_layout_mismatch_is_a_clear_error():

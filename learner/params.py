@@ -1,0 +1,49 @@
+"""Full parameters out of a DeepSpeed module, one bucket at a time, with or without ZeRO-3.
+
+Under ZeRO-3 each rank holds a shard of every parameter. Publishing and checkpointing need whole
+parameters, so they walk `W.bucket_plan` (whole parameters, BUCKET_NUMEL elements at a time): every
+rank enters `GatheredParameters` for the bucket (a collective), rank 0 copies the bucket out, and the
+gathered memory is freed before the next one. No rank ever holds more than one gathered bucket, and
+the publisher sends each bucket before asking for the next (checkpoints alone assemble a whole state
+dict, on rank 0, as any saved model directory needs). Every rank must drain the same iterators in the
+same order; without ZeRO-3 only rank 0 calls them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from common import weights as W
+
+
+def _gathered(params: list[torch.nn.Parameter], zero3: bool):
+    if not zero3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def param_buckets(module: torch.nn.Module, lay: W.Layout, zero3: bool) -> Iterator[torch.Tensor]:
+    """fp32 flat buckets in `W.bucket_plan(lay)` order (the weight channel's wire order)."""
+    params = [p for _, p in module.named_parameters()]
+    for first, end, _, _ in W.bucket_plan(lay):
+        group = params[first:end]
+        with torch.no_grad(), _gathered(group, zero3):
+            bucket = torch.cat([p.detach().reshape(-1).float() for p in group])  # a copy: the gather is freed on exit
+        yield bucket
+
+
+def full_state_dict(module: torch.nn.Module, lay: W.Layout, zero3: bool) -> dict[str, torch.Tensor]:
+    """name -> full fp32 tensor (tied weights once, as in `named_parameters`); a collective under ZeRO-3."""
+    out: dict[str, torch.Tensor] = {}
+    for (first, end, start, _), bucket in zip(W.bucket_plan(lay), param_buckets(module, lay, zero3), strict=True):
+        at = 0
+        for name, shape in zip(lay.names[first:end], lay.shapes[first:end]):
+            n = W._prod(shape)
+            out[name] = bucket[at:at + n].view(shape).clone()
+            at += n
+    return out
