@@ -29,7 +29,7 @@ from common.cluster import ClusterInfo, PlacementError, place_gpus, write_cluste
 from common.config import ConfigError, load_config, to_toml, with_absolute_paths  # noqa: E402
 from common.data import REPO_ROOT, model_dir  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
-from common.transport import create_secret, free_port  # noqa: E402
+from common.transport import create_secret, free_port, port_in_use  # noqa: E402
 
 GRACE_S = 10.0
 
@@ -73,6 +73,14 @@ def prepare(args) -> tuple[str, object, ClusterInfo]:
     overrides = list(args.set) + ([f"run.steps={args.steps}"] if args.steps is not None else [])
     cfg = with_absolute_paths(load_config(args.config, overrides), os.getcwd())
     model_dir(cfg)  # fail now, not in every child, if the model is missing
+    t, r = cfg.transport, cfg.rollout
+    if t.hub_port and (why := port_in_use(t.host, t.hub_port)):
+        raise ConfigError(f"transport.hub_port {t.hub_port} on {t.host} cannot be bound ({why}); pick another port, "
+                          f"or 0 for a free one")
+    per_update = r.groups_per_step * r.group_size // cfg.learner.mini_batches
+    if args.learners > per_update:
+        raise ConfigError(f"--learners {args.learners}: an optimizer step has only {per_update} samples (groups_per_step "
+                          f"x group_size / mini_batches) to shard; use at most {per_update} learner ranks or a bigger batch")
     run_dir = os.path.abspath(args.run_dir or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S")))
     try:
         os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
