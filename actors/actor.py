@@ -32,24 +32,28 @@ log = logging.getLogger("covrl.actor")
 class WeightReceiver(threading.Thread):
     """Receives every published version; hands the newest to the main thread."""
 
-    def __init__(self, welcome: M.Welcome, lay: W.Layout, timeout_s: float, log_path: str | None):
+    def __init__(self, welcome: M.Welcome, lay: W.Layout, timeout_s: float, log_path: str | None, prefix: str):
         super().__init__(name="weights", daemon=True)
-        self.welcome, self.lay, self.timeout_s, self.log_path = welcome, lay, timeout_s, log_path
+        self.welcome, self.lay, self.timeout_s, self.log_path, self.prefix = welcome, lay, timeout_s, log_path, prefix
         self.cv = threading.Condition()
         self.staged: tuple[int, torch.Tensor] | None = None
-        self.latest = welcome.weight_version
+        # The engine starts from the base model: version 0, whatever the learner is at. A (re)joining generator
+        # is sent the latest version first thing, and work waits for the version it names.
+        self.latest = 0
         self.finished = False
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
             host, port = self.welcome.weight_addr.rsplit(":", 1)
-            ch = W.WeightChannel(host, int(port), self.welcome.weight_rank, self.welcome.weight_world, self.timeout_s)
+            ch = W.WeightChannel(host, int(port), self.welcome.weight_rank, self.welcome.weight_world, self.timeout_s,
+                                 prefix=self.prefix)
             while (got := ch.receive(self.lay)) is not None:
                 version, flat, weights_sum = got
                 if self.log_path:
                     with open(self.log_path, "a") as f:
-                        f.write(json.dumps({"version": version, "checksum": weights_sum, "t": time.time()}) + "\n")
+                        f.write(json.dumps({"version": version, "checksum": weights_sum, "t": time.time(),
+                                            "channel": self.prefix}) + "\n")
                 with self.cv:
                     self.staged, self.latest = (version, flat), version
                     self.cv.notify_all()
@@ -117,7 +121,8 @@ def run_actor(cfg: Config, *, engine, tokenizer, hub_addr: str, key: bytes, run_
     log_path = os.path.join(run_dir, "generators", f"gen{gen_id}.jsonl") if run_dir else None
     if log_path:
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    receiver = WeightReceiver(welcome, W.layout(engine.model), cfg.transport.weight_sync_timeout_s, log_path)
+    receiver = WeightReceiver(welcome, W.layout(engine.model), cfg.transport.weight_sync_timeout_s, log_path,
+                              W.pair_prefix(gen_id, incarnation))
     receiver.start()
     beat = Heartbeat(hub_addr, key, gen_id, incarnation, cfg.transport.heartbeat_s, receiver)
     beat.start()

@@ -20,7 +20,7 @@ from typing import Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 2  # 2: evaluation messages (EvalWork, EvalResult)
+PROTOCOL_VERSION = 3  # 2: evaluation messages (EvalWork, EvalResult); 3: one weight channel per generator incarnation
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -98,9 +98,9 @@ class EvalResult(_Msg, tag="evalres"):
 class Welcome(_Msg, tag="welcome"):
     protocol_version: int
     run_id: str
-    weight_version: int
-    weight_addr: str  # host:port of the weight channel's TCPStore
-    weight_rank: int  # this generator's rank in the weight group (learner is 0)
+    weight_version: int  # the learner's version now; the generator still waits to *receive* a version before using it
+    weight_addr: str  # host:port of the learner's weight-channel TCPStore
+    weight_rank: int  # this generator's rank in its own channel (learner is 0), under W.pair_prefix(gen_id, incarnation)
     weight_world: int
 
 

@@ -120,11 +120,27 @@ def checksum(flat: torch.Tensor, lay: Layout | None = None) -> float:
     return acc.total
 
 
+def pair_prefix(gen_id: int, incarnation: str) -> str:
+    """The store prefix of one generator incarnation's own channel to the learner."""
+    return f"gen{gen_id}/{incarnation}"
+
+
 class WeightChannel:
-    def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float):
+    """A gloo group whose rank 0 (learner rank 0) broadcasts versions to ranks 1.. (generators).
+
+    `prefix` names a group inside a shared store, so each generator incarnation can get a two-member
+    channel of its own (`pair_prefix`) that is built when it joins and dropped when it dies, while the
+    learner keeps one store master for all of them (`store`).
+    """
+
+    def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float, *, prefix: str = "",
+                 store: dist.Store | None = None):
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
-        self.pg = dist.ProcessGroupGloo(self.store, rank, world, timeout)
+        if store is None:
+            store = dist.TCPStore(host, port, None if prefix else world, is_master=rank == 0 and not prefix,
+                                  timeout=timeout, wait_for_workers=False)
+        self.store = store
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store) if prefix else store, rank, world, timeout)
         self.rank = rank
         self.world = world
 

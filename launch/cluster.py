@@ -3,8 +3,8 @@
 Resolves the config, prepares the run directory (config.toml, secret.key,
 cluster.json), starts L learner ranks and G generators from one list of
 `RoleSpec`s, shows a live progress line, and supervises:
-- a generator that exits with an error would be restarted (bounded retries, backoff), but
-  until restarted generators can rejoin the weight channel the bound is 0: the run stops;
+- a generator that exits with an error is restarted (3 retries, backoff 2, 4, 8 s); it rejoins
+  with a weight channel of its own and catches up on the latest version;
 - a learner rank that fails stops the run; the last checkpoint stays intact;
 - Ctrl-C / SIGTERM stops every process group this launcher started, and only those.
 Every role runs in its own session (process group), so stopping a role also
@@ -130,11 +130,11 @@ def role_specs(run_dir: str, info: ClusterInfo, cfg, gpus: int = 0, tp: int = 1)
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port}, restartable=False)
         for r in range(info.learners)
     ]
-    # Generators are restartable in principle, but a restarted one cannot rejoin the fixed gloo
-    # weight group yet (the learner's next broadcast would fail), so for now no restarts are tried.
+    # A generator that dies is restarted (bounded, with backoff): it rejoins with a weight channel of its own and
+    # is sent the latest version before it generates; the hub re-issues the prompts it held.
     specs += [
         RoleSpec(f"gen{i}", [sys.executable, "-m", "actors", "--run-dir", run_dir, "--gen-id", str(i)],
-                 {**base, **devices(gen_gpus[i])}, restartable=True, max_restarts=0)
+                 {**base, **devices(gen_gpus[i])}, restartable=True, max_restarts=3)
         for i in range(info.generators)
     ]
     return specs
@@ -248,9 +248,7 @@ def supervise(specs: list[RoleSpec], run_dir: str, cfg, quiet: bool) -> int:
                 print(f"\n{s.name} exited with code {code}; restart {s.restarts}/{s.max_restarts} in {delay:.0f}s", file=sys.stderr)
                 s.proc, s.next_start = None, time.monotonic() + delay
             else:
-                why = (f"failed {s.restarts + 1} times" if s.max_restarts else
-                       "failed, and generators cannot rejoin the weight channel yet")
-                print(f"\n{s.name} {why}; stopping the run. Last lines of its log:\n{log_tail(run_dir, s.name)}",
+                print(f"\n{s.name} failed {s.restarts + 1} times; stopping the run. Last lines of its log:\n{log_tail(run_dir, s.name)}",
                       file=sys.stderr)
                 return 1
         rows = read_metrics(run_dir)

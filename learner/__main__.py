@@ -28,6 +28,7 @@ from learner import batch as B
 from learner.checkpoint import save_checkpoint
 from learner.hub import Hub
 from learner.params import full_state_dict, param_buckets
+from learner.publisher import WeightPublisher
 from learner.par import ParSchedule
 from learner.trainer import Trainer, init_distributed, step_metrics, thread_setup
 
@@ -76,12 +77,12 @@ def main() -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(path)
         host, port = cluster.hub_addr.rsplit(":", 1)
+        whost, wport = cluster.weight_addr.rsplit(":", 1)
+        channel = WeightPublisher(whost, int(wport), cfg.transport.weight_sync_timeout_s)
         hub = Hub(cfg, run_id=cluster.run_id, key=load_secret(args.run_dir), port=int(port),
                   source=PromptSource(cfg, tokenizer), weight_addr=cluster.weight_addr, n_generators=cluster.generators,
-                  eval_prompts=eval_sets(cfg, tokenizer) if cfg.eval.every_steps else None)
+                  eval_prompts=eval_sets(cfg, tokenizer) if cfg.eval.every_steps else None, on_join=channel.join)
         hub.start()
-        whost, wport = cluster.weight_addr.rsplit(":", 1)
-        channel = W.WeightChannel(whost, int(wport), 0, cluster.generators + 1, cfg.transport.weight_sync_timeout_s)
         writer = MetricsWriter(args.run_dir)
         log.info("hub on %s, weight channel with %d generators ready", cluster.hub_addr, cluster.generators)
     last_tokens, last_t, last_filtered = 0, time.perf_counter(), 0
@@ -125,6 +126,7 @@ def main() -> int:
             adv = np.array([s.advantage for s in batch.samples])
             metrics.update(extra)
             metrics.update(hub.counters())
+            metrics.update(channel.counters)
             par.observe(metrics["actor/entropy"])
             metrics.update({
                 "actor/par_lambda": batch.par_lambda,

@@ -97,13 +97,14 @@ def prompt_seed(run_seed: int, epoch: int, prompt_id: int) -> int:
 
 class Hub:
     def __init__(self, cfg: Config, *, run_id: str, key: bytes, port: int, source: PromptSource, weight_addr: str,
-                 n_generators: int, eval_prompts: dict[str, list[Prompt]] | None = None):
+                 n_generators: int, eval_prompts: dict[str, list[Prompt]] | None = None, on_join=None):
         self.cfg = cfg
         self.run_id = run_id
         self.sock = HubSocket(cfg.transport.host, port, key)
         self.source = source
         self.weight_addr = weight_addr
         self.n_generators = n_generators
+        self.on_join = on_join  # (gen_id, incarnation) -> None: builds that incarnation's weight channel
         self.gps = cfg.rollout.groups_per_step
         self.k = cfg.rollout.max_staleness_steps
         self.sampling = M.SamplingParams(
@@ -122,6 +123,7 @@ class Hub:
         self.reissue: collections.deque[Ticket] = collections.deque()
         self.gens: dict[int, GenState] = {}
         self.stats = HubStats()
+        self.trained: set[int] = set()  # the ledger: slots handed to the learner
         # Evaluation: (version, data_source, index) waiting to be issued, tickets out, scores in.
         self.eval_prompts = eval_prompts or {}
         self.eval_versions = set(eval_versions(cfg)) if self.eval_prompts else set()
@@ -227,6 +229,8 @@ class Hub:
             return None
         slots = sorted(self.ready)[: self.gps]
         self.filtered_this_step = 0
+        self.stats.counters["hub/duplicate_trained_prompts"] += len(self.trained.intersection(slots))
+        self.trained.update(slots)
         return [self.ready.pop(s) for s in slots]
 
     # ---- hub thread ---------------------------------------------------------------
@@ -298,10 +302,12 @@ class Hub:
                 run_id=self.run_id,
                 weight_version=self.version,
                 weight_addr=self.weight_addr,
-                weight_rank=msg.gen_id + 1,
-                weight_world=self.n_generators + 1,
+                weight_rank=1,  # of its own two-member channel, W.pair_prefix(gen_id, incarnation)
+                weight_world=2,
             ),
         )
+        if self.on_join is not None:
+            self.on_join(msg.gen_id, msg.incarnation)
         log.info("generator %d joined (pid %d)", msg.gen_id, msg.pid)
 
     def _rollout(self, g: M.RolloutGroup) -> None:
@@ -441,7 +447,11 @@ class Hub:
 
     def counters(self) -> dict[str, float]:
         with self.cv:
-            out = {**self.stats.counters, "hub/filtered_groups": self.filtered}
+            # Every issued slot is trained, ready, in flight, waiting for re-issue or filtered; anything else is lost.
+            accounted = (len(self.trained) + self.filtered + len(self.ready) + len(self.reissue)
+                         + len({t.slot for t in self.in_flight.values()}))
+            out = {**self.stats.counters, "hub/filtered_groups": self.filtered,
+                   "hub/lost_prompts": float(self.slots - accounted)}
             for reason, n in self.sock.rejected.items():
                 out[f"hub/rejected/{reason}"] = out.get(f"hub/rejected/{reason}", 0) + n
             return out

@@ -24,6 +24,21 @@ EVAL = [*SMALL[:-2], "--set", "eval.every_steps=2", "--set", "data.eval_size=16"
 VOLATILE = ("timing_s/", "perf/")  # wall-clock measurements: the only keys allowed to differ between runs
 
 
+def start(run_dir, *args) -> subprocess.Popen:
+    """The launcher in the background, for tests that act on the run while it trains."""
+    return subprocess.Popen([sys.executable, os.path.join(REPO, "launch", "cluster.py"), "--run-dir", str(run_dir),
+                             "--quiet", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_steps(run_dir, n: int, timeout_s: float = 240) -> None:
+    import time
+
+    deadline = time.time() + timeout_s
+    while len(read_metrics(str(run_dir))) < n and time.time() < deadline:
+        time.sleep(0.2)
+    assert len(read_metrics(str(run_dir))) >= n, f"the run never reached step {n}"
+
+
 def launch(run_dir, *args, timeout=600):
     cmd = [sys.executable, os.path.join(REPO, "launch", "cluster.py"), "--run-dir", str(run_dir), "--quiet", *args]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
@@ -116,20 +131,14 @@ def _port():
 def test_sigterm_stops_every_process_it_started(tmp_path):
     """DESIGN.md section 2: Ctrl-C / SIGTERM stops everything the launcher started, and nothing else."""
     import signal
-    import time
 
     import psutil
 
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     run = tmp_path / "term"
-    p = subprocess.Popen([sys.executable, os.path.join(REPO, "launch", "cluster.py"), "--run-dir", str(run), "--quiet",
-                          "--gens", "2", "--learners", "2", "--steps", "500", *SMALL], cwd=REPO,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = start(run, "--gens", "2", "--learners", "2", "--steps", "500", *SMALL)
     try:
-        deadline = time.time() + 240
-        while not read_metrics(str(run)) and time.time() < deadline:
-            time.sleep(0.5)
-        assert read_metrics(str(run)), "the run never reached its first step"
+        wait_for_steps(run, 1)
         family = psutil.Process(p.pid).children(recursive=True)
         assert len(family) >= 4  # 2 learners + 2 generators (+ their reward workers)
         p.send_signal(signal.SIGTERM)
@@ -212,3 +221,41 @@ def test_zero3_publishes_and_checkpoints_gathered_parameters(tmp_path):
     assert any(not torch.equal(ckpts[3][k], base[k]) for k in base), "nothing trained under ZeRO-3"
     for k in base:  # the same updates; ZeRO-3 reduces gradients in another order, so not to the bit
         assert_close(ckpts[3][k], ckpts[1][k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def test_killed_generator_is_restarted_and_rejoins(tmp_path):
+    """Issue 7 (generator death): SIGKILL a generator mid-run; the launcher restarts it, it gets a weight channel
+    of its own and the latest version before generating, its prompts are re-issued, and the run finishes."""
+    import signal
+
+    import psutil
+
+    run = tmp_path / "kill"
+    p = start(run, "--gens", "2", "--learners", "1", "--steps", "10", *SMALL)
+    try:
+        wait_for_steps(run, 3)
+        victim = [c for c in psutil.Process(p.pid).children() if "--gen-id" in c.cmdline() and c.cmdline()[-1] == "1"]
+        assert len(victim) == 1, "generator 1 not found"
+        os.killpg(os.getpgid(victim[0].pid), signal.SIGKILL)  # the generator and its reward workers
+        killed_after = len(read_metrics(str(run)))
+        out, err = p.communicate(timeout=400)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err[-3000:]
+    assert "gen1 exited with code -9; restart 1/3" in err
+    rows = read_metrics(str(run))
+    assert [r["step"] for r in rows] == list(range(1, 11)) and killed_after < 10
+    last = rows[-1]
+    assert last["hub/generator_lost/restarted"] == 1 and last["weights/joins"] == 3
+    # The ledger: every issued prompt was trained once or is still accounted for; none lost, none trained twice.
+    assert all(r["hub/lost_prompts"] == 0 and r["hub/duplicate_trained_prompts"] == 0 for r in rows)
+    learner_sums = {int(r["weights/version"]): r["weights/checksum"] for r in rows}
+    with open(run / "generators" / "gen1.jsonl") as f:
+        got = [json.loads(line) for line in f]
+    channels = list(dict.fromkeys(e["channel"] for e in got))  # one per incarnation, in order
+    assert len(channels) == 2, channels
+    second = [e["version"] for e in got if e["channel"] == channels[1]]
+    assert second[0] >= 2, "the restarted generator was not caught up on the latest version"
+    assert second == list(range(second[0], 11))  # then every later version, in order
+    assert all(e["checksum"] == learner_sums[e["version"]] for e in got)  # what it holds is what the learner sent
