@@ -123,7 +123,11 @@ class Hub:
         self.reissue: collections.deque[Ticket] = collections.deque()
         self.gens: dict[int, GenState] = {}
         self.stats = HubStats()
-        self.trained: set[int] = set()  # the ledger: slots handed to the learner
+        # The ledger of settled slots (trained, or dropped by dynamic sampling): every slot below settled_floor,
+        # plus the set above it, so it stays small however long the run.
+        self.settled: set[int] = set()
+        self.settled_floor = 0
+        self.n_trained = 0
         # Evaluation: (version, data_source, index) waiting to be issued, tickets out, scores in.
         self.eval_prompts = eval_prompts or {}
         self.eval_versions = set(eval_versions(cfg)) if self.eval_prompts else set()
@@ -229,9 +233,17 @@ class Hub:
             return None
         slots = sorted(self.ready)[: self.gps]
         self.filtered_this_step = 0
-        self.stats.counters["hub/duplicate_trained_prompts"] += len(self.trained.intersection(slots))
-        self.trained.update(slots)
+        self._settle(slots)
+        self.n_trained += len(slots)
         return [self.ready.pop(s) for s in slots]
+
+    def _settle(self, slots) -> None:
+        """Record slots as done for good (trained, or dropped by dynamic sampling); counts any seen twice."""
+        self.stats.counters["hub/duplicate_trained_prompts"] += sum(s < self.settled_floor or s in self.settled for s in slots)
+        self.settled.update(slots)
+        while self.settled_floor in self.settled:  # keep only the slots above the contiguous settled prefix
+            self.settled.discard(self.settled_floor)
+            self.settled_floor += 1
 
     # ---- hub thread ---------------------------------------------------------------
 
@@ -334,6 +346,7 @@ class Hub:
             # No reward spread, no advantage: drop it and let admission issue a replacement.
             self.filtered += 1
             self.filtered_this_step += 1
+            self._settle([t.slot])
             return
         self.ready[t.slot] = Ready(t.slot, t.issue_version, g)
         self.cv.notify_all()
@@ -448,7 +461,7 @@ class Hub:
     def counters(self) -> dict[str, float]:
         with self.cv:
             # Every issued slot is trained, ready, in flight, waiting for re-issue or filtered; anything else is lost.
-            accounted = (len(self.trained) + self.filtered + len(self.ready) + len(self.reissue)
+            accounted = (self.n_trained + self.filtered + len(self.ready) + len(self.reissue)
                          + len({t.slot for t in self.in_flight.values()}))
             out = {**self.stats.counters, "hub/filtered_groups": self.filtered,
                    "hub/lost_prompts": float(self.slots - accounted)}
