@@ -138,11 +138,12 @@ def eval_points(rows: list[dict]) -> list[tuple[int, float, float]]:
     return points
 
 
-def train_points(rows: list[dict]) -> list[tuple[int, float, float]]:
-    """(step, actor/entropy, critic/score/mean) for rows holding both, sorted by step."""
+def train_points(rows: list[dict], reward_key: str = "critic/score/mean",
+                 entropy_key: str = "actor/entropy") -> list[tuple[int, float, float]]:
+    """(step, row[entropy_key], row[reward_key]) for rows holding both as numbers, sorted by step."""
     points = []
     for row in merge_rows(rows):
-        h, r = row_value(row, "actor/entropy"), row_value(row, "critic/score/mean")
+        h, r = row_value(row, entropy_key), row_value(row, reward_key)
         if h is not None and r is not None:
             points.append((row["step"], h, r))
     return points

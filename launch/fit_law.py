@@ -22,14 +22,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.lawfit import MIN_FIT_POINTS as MIN_POINTS  # noqa: E402
-from common.lawfit import early_prediction, eval_points, fit_law, merge_rows, row_value  # noqa: E402
+from common.lawfit import early_prediction, eval_points, fit_law, train_points  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
-
-
-def train_key_points(rows: list[dict], reward_key: str, entropy_key: str) -> list[tuple[int, float, float]]:
-    """(step, row[entropy_key], row[reward_key]) for rows holding both as numbers, sorted by step."""
-    return [(r["step"], h, rew) for r in merge_rows(rows)
-            if (h := row_value(r, entropy_key)) is not None and (rew := row_value(r, reward_key)) is not None]
 
 
 def main(argv=None) -> int:
@@ -54,7 +48,7 @@ def main(argv=None) -> int:
         points = ev
         reward_desc, entropy_desc = "mean eval/<ds>/acc", "entropy of the evaluated version"
     else:
-        points = train_key_points(rows, reward_key, entropy_key)
+        points = train_points(rows, reward_key, entropy_key)
         reward_desc, entropy_desc = reward_key, entropy_key
     if len(points) < MIN_POINTS:
         hint = ("; run with eval.every_steps set, or use --on train" if source == "eval"
