@@ -120,6 +120,15 @@ def checksum(flat: torch.Tensor, lay: Layout | None = None) -> float:
     return acc.total
 
 
+def checked_buckets(lay: Layout, buckets):
+    """(first element, bucket) for each of `buckets`, checked against `bucket_plan(lay)`: the wire order."""
+    for (_, _, start, end), bucket in zip(bucket_plan(lay), buckets, strict=True):
+        if bucket.numel() != end - start or bucket.dtype != torch.float32:
+            raise ValueError(f"weight bucket at element {start} has {bucket.numel()} {bucket.dtype} elements; "
+                             f"the plan says {end - start} float32")
+        yield start, bucket
+
+
 def pair_prefix(gen_id: int, incarnation: str) -> str:
     """The store prefix of one generator incarnation's own channel to the learner."""
     return f"gen{gen_id}/{incarnation}"
@@ -149,22 +158,19 @@ class WeightChannel:
         opts.rootRank = 0
         self.pg.broadcast([t], opts).wait()
 
+    def send_header(self, version: int, lay: Layout) -> None:
+        self._bcast(torch.tensor([version, lay.numel, lay.digest, 0], dtype=torch.int64))
+
     def publish(self, version: int, lay: Layout, buckets) -> tuple[float, int, float]:
         """Root side: send `buckets` (fp32 tensors following `bucket_plan(lay)`, e.g. `param_buckets`).
         Returns (seconds, bytes sent to each receiver, checksum)."""
         t0 = time.perf_counter()
-        plan = bucket_plan(lay)
         acc = Checksum(lay.numel)
-        self._bcast(torch.tensor([version, lay.numel, lay.digest, 0], dtype=torch.int64))
-        sent = 0
-        for (_, _, start, end), bucket in zip(plan, buckets, strict=True):
-            if bucket.numel() != end - start or bucket.dtype != torch.float32:
-                raise ValueError(f"weight bucket at element {start} has {bucket.numel()} {bucket.dtype} elements; "
-                                 f"the plan says {end - start} float32")
+        self.send_header(version, lay)
+        for start, bucket in checked_buckets(lay, buckets):
             self._bcast(bucket)
             acc.add(bucket, start)
-            sent += bucket.numel() * bucket.element_size()
-        return time.perf_counter() - t0, sent, acc.total
+        return time.perf_counter() - t0, lay.numel * 4, acc.total
 
     def stop(self) -> None:
         self._bcast(torch.tensor([-1, 0, 0, FLAG_STOP], dtype=torch.int64))

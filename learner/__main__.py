@@ -126,7 +126,7 @@ def main() -> int:
             adv = np.array([s.advantage for s in batch.samples])
             metrics.update(extra)
             metrics.update(hub.counters())
-            metrics.update(channel.counters)
+            metrics.update(channel.counter_values())
             par.observe(metrics["actor/entropy"])
             metrics.update({
                 "actor/par_lambda": batch.par_lambda,

@@ -51,11 +51,12 @@ class WeightPublisher:
                                  store=self.store)
         except Exception:  # noqa: BLE001 - a generator that died before its rendezvous: count, log, carry on
             log.exception("generator %d (%s) never completed its weight-channel rendezvous", gen_id, incarnation)
-            self.counters["weights/join_failures"] += 1
+            with self.lock:
+                self.counters["weights/join_failures"] += 1
             return
         with self.lock:
             if self._stopped:
-                self._send_stop(ch)
+                self._try(ch.stop)
                 return
             if self.latest is not None:  # catch up: the version everyone else holds
                 try:
@@ -77,25 +78,14 @@ class WeightPublisher:
         with self.lock:
             if self.latest is None:
                 self.latest, self.lay = torch.empty(lay.numel, dtype=torch.float32), lay
-            plan = W.bucket_plan(lay)
-
-            def fill():
-                for (_, _, start, end), bucket in zip(plan, buckets, strict=True):
-                    if bucket.numel() != end - start or bucket.dtype != torch.float32:
-                        raise ValueError(f"weight bucket at element {start} has {bucket.numel()} {bucket.dtype} "
-                                         f"elements; the plan says {end - start} float32")
-                    self.latest[start:end].copy_(bucket)
-                    acc.add(bucket, start)
-                    yield self.latest[start:end], start
-
             live = dict(self.channels)
-            dead: set[int] = set()
-            for gen_id, (_, ch) in live.items():  # headers first, so a dead peer is found before the buckets
-                if not self._try(ch, lambda c: c._bcast(torch.tensor([version, lay.numel, lay.digest, 0], dtype=torch.int64))):
-                    dead.add(gen_id)
-            for bucket, _ in fill():
+            # Headers first, so a dead peer is found before the buckets.
+            dead = {g for g, (_, ch) in live.items() if not self._try(lambda: ch.send_header(version, lay))}
+            for start, bucket in W.checked_buckets(lay, buckets):
+                self.latest[start:start + bucket.numel()].copy_(bucket)
+                acc.add(bucket, start)
                 for gen_id, (_, ch) in live.items():
-                    if gen_id not in dead and not self._try(ch, lambda c: c._bcast(bucket)):
+                    if gen_id not in dead and not self._try(lambda: ch._bcast(bucket)):
                         dead.add(gen_id)
             for gen_id in dead:
                 if self.channels.get(gen_id) == live[gen_id]:
@@ -109,24 +99,25 @@ class WeightPublisher:
         with self.lock:
             self._stopped = True
             for _, ch in self.channels.values():
-                self._send_stop(ch)
+                self._try(ch.stop)
             self.channels.clear()
+
+    def counter_values(self) -> dict[str, float]:
+        """A copy of the counters (the join threads update them)."""
+        with self.lock:
+            return dict(self.counters)
 
     # ---- helpers (lock held) -----------------------------------------------------------------
 
     def _send_latest(self, ch: W.WeightChannel) -> None:
-        lay = self.lay
-        ch._bcast(torch.tensor([self.latest_version, lay.numel, lay.digest, 0], dtype=torch.int64))
-        for _, _, start, end in W.bucket_plan(lay):
+        ch.send_header(self.latest_version, self.lay)
+        for _, _, start, end in W.bucket_plan(self.lay):
             ch._bcast(self.latest[start:end])
 
     @staticmethod
-    def _try(ch: W.WeightChannel, op) -> bool:
+    def _try(op) -> bool:
         try:
-            op(ch)
+            op()
             return True
         except RuntimeError:  # gloo: the peer closed the connection
             return False
-
-    def _send_stop(self, ch: W.WeightChannel) -> None:
-        self._try(ch, lambda c: c._bcast(torch.tensor([-1, 0, 0, W.FLAG_STOP], dtype=torch.int64)))
