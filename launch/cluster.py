@@ -111,6 +111,10 @@ def visible_gpus(requested: int | None) -> int:
         if requested < 0:
             raise ConfigError(f"--gpus {requested}: give a count, 0 for CPU only")
         return requested
+    import glob
+
+    if not glob.glob("/dev/nvidia[0-9]*"):
+        return 0  # no NVIDIA device on this host: skip importing torch (1-2 s) in the launcher
     import torch
 
     return torch.cuda.device_count()
