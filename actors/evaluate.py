@@ -40,8 +40,9 @@ def run(cfg, model: str) -> dict[str, float]:
             sampling, k = eval_params(cfg, ds)
             room = eval_room(cfg, k)
             for start in range(0, len(prompts), room):
-                chunk = list(enumerate(prompts))[start:start + room]
-                items = [eval_item(cfg, ticket + j, ds, i, p, M.to_bytes(p.ids, M.TOKEN_DTYPE)) for j, (i, p) in enumerate(chunk)]
+                indices = range(start, min(start + room, len(prompts)))
+                items = [eval_item(cfg, ticket + j, ds, i, prompts[i], M.to_bytes(prompts[i].ids, M.TOKEN_DTYPE))
+                         for j, i in enumerate(indices)]
                 ticket += len(items)
                 work = M.EvalWork(items=items, k=k, sampling=sampling, policy_version=engine.version)
                 results.setdefault(ds, []).extend(evaluate(work, engine=engine, tokenizer=tokenizer, pool=pool, receiver=None,

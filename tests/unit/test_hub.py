@@ -1,5 +1,6 @@
 """The hub against a scripted generator on loopback: handshake, hostile input, admission, re-issue."""
 
+import contextlib
 import logging
 import time
 
@@ -120,7 +121,9 @@ def test_dead_generator_work_is_reissued_with_same_slot(hub):
     b.close()
 
 
+@contextlib.contextmanager
 def _eval_hub(tiny_model_dir, *extra):
+    """A hub with two small eval sets, and a generator it has welcomed; both closed on exit."""
     from transformers import AutoTokenizer
 
     from common.data import Prompt
@@ -134,7 +137,13 @@ def _eval_hub(tiny_model_dir, *extra):
     h = Hub(cfg, run_id="run1", key=KEY, port=0, source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)),
             eval_prompts=prompts, weight_addr="127.0.0.1:1", n_generators=1)
     h.start()
-    return h
+    gen = GeneratorSocket(h.sock.address, KEY)
+    try:
+        assert isinstance(_hello(gen), M.Welcome)
+        yield h, gen
+    finally:
+        gen.close()
+        h.stop()
 
 
 def _eval_result(item, k, rewards, version=0, inc="a"):
@@ -143,10 +152,7 @@ def _eval_result(item, k, rewards, version=0, inc="a"):
 
 
 def test_eval_is_served_first_per_source_temperature_and_holds_the_next_version(tiny_model_dir):
-    hub = _eval_hub(tiny_model_dir, "run.deterministic=false")
-    gen = GeneratorSocket(hub.sock.address, KEY)
-    try:
-        assert isinstance(_hello(gen), M.Welcome)
+    with _eval_hub(tiny_model_dir, "run.deterministic=false") as (hub, gen):
         gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
         sampled = gen.recv(5.0)
         # Eval of the base model (version 0) goes out before any training work, one source per message.
@@ -184,16 +190,10 @@ def test_eval_is_served_first_per_source_temperature_and_holds_the_next_version(
         gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
         nxt = gen.recv(5.0)
         assert isinstance(nxt, M.EvalWork) and nxt.policy_version == 2
-    finally:
-        gen.close()
-        hub.stop()
 
 
 def test_deterministic_barrier_waits_for_all_training_work_of_the_version(tiny_model_dir):
-    hub = _eval_hub(tiny_model_dir, "eval.every_steps=0")
-    gen = GeneratorSocket(hub.sock.address, KEY)
-    try:
-        assert isinstance(_hello(gen), M.Welcome)
+    with _eval_hub(tiny_model_dir, "eval.every_steps=0") as (hub, gen):
         gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=3))
         first = gen.recv(5.0)
         assert isinstance(first, M.Work) and len(first.items) == 3
@@ -211,6 +211,3 @@ def test_deterministic_barrier_waits_for_all_training_work_of_the_version(tiny_m
         gen.send(_result(last.items[0]))
         hub.wait_version_done(0, timeout_s=5)
         assert [r.slot for r in batch] == [0, 1]
-    finally:
-        gen.close()
-        hub.stop()
