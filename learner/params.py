@@ -12,6 +12,7 @@ same order; without ZeRO-3 only rank 0 calls them.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -40,10 +41,8 @@ def param_buckets(module: torch.nn.Module, lay: W.Layout, zero3: bool) -> Iterat
 def full_state_dict(module: torch.nn.Module, lay: W.Layout, zero3: bool) -> dict[str, torch.Tensor]:
     """name -> full fp32 tensor (tied weights once, as in `named_parameters`); a collective under ZeRO-3."""
     out: dict[str, torch.Tensor] = {}
-    for (first, end, start, _), bucket in zip(W.bucket_plan(lay), param_buckets(module, lay, zero3), strict=True):
-        at = 0
-        for name, shape in zip(lay.names[first:end], lay.shapes[first:end]):
-            n = W._prod(shape)
-            out[name] = bucket[at:at + n].view(shape).clone()
-            at += n
+    for (first, end, _, _), bucket in zip(W.bucket_plan(lay), param_buckets(module, lay, zero3), strict=True):
+        shapes = lay.shapes[first:end]
+        for name, shape, part in zip(lay.names[first:end], shapes, bucket.split([math.prod(s) for s in shapes])):
+            out[name] = part.view(shape).clone()
     return out
