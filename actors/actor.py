@@ -127,6 +127,7 @@ def run_actor(cfg: Config, *, engine, tokenizer, hub_addr: str, key: bytes, run_
     beat = Heartbeat(hub_addr, key, gen_id, incarnation, cfg.transport.heartbeat_s, receiver)
     beat.start()
     eval_log = os.path.join(run_dir, "generators", f"gen{gen_id}_eval.jsonl") if run_dir else None
+    sent = 0
     with make_reward_pool(cfg) as pool:
         try:
             while True:
@@ -135,13 +136,14 @@ def run_actor(cfg: Config, *, engine, tokenizer, hub_addr: str, key: bytes, run_
                 if msg is None:
                     continue  # no work yet (admission control holds it back): ask again
                 if isinstance(msg, M.Stop):
-                    log.info("generator %d: stop (%s)", gen_id, msg.reason)
+                    log.info("generator %d: stop (%s) after %d rollout groups", gen_id, msg.reason, sent)
                     return 0
                 if isinstance(msg, M.Work):
                     for group in rollout(msg, engine=engine, tokenizer=tokenizer, pool=pool, receiver=receiver,
                                          gen_id=gen_id, incarnation=incarnation,
                                          wait_s=cfg.transport.weight_sync_timeout_s):
                         sock.send(group)
+                        sent += 1
                 elif isinstance(msg, M.EvalWork):
                     results = evaluate(msg, engine=engine, tokenizer=tokenizer, pool=pool, receiver=receiver,
                                        gen_id=gen_id, incarnation=incarnation, wait_s=cfg.transport.weight_sync_timeout_s)

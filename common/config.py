@@ -32,7 +32,10 @@ class RunConfig(_Section):
     seed: NonNegInt = 0
     steps: PosInt = 100
     torch_threads: PosInt = 1  # per process; the CPU path runs one role per core
-    checkpoint_every_steps: NonNegInt = 0  # 0: only the final checkpoint
+    checkpoint_every_steps: NonNegInt = 0  # 0: only the final checkpoint (and one on a graceful stop)
+    keep_checkpoints: NonNegInt = 0  # newest complete checkpoints kept on disk (0: all)
+    # Ctrl-C / SIGTERM: seconds the learners get to finish their step and write a checkpoint.
+    stop_grace_s: PosFloat = 300.0
     # Same seed, same numbers: all generation at policy version v finishes before v + 1 is
     # published, so every token's version is a function of its prompt's place in the stream and
     # no weights change mid-generation. Off: weights swap in mid-generation (more overlap when
@@ -181,6 +184,9 @@ class LearnerConfig(_Section):
     lr: PosFloat = 1e-4
     weight_decay: Annotated[float, Meta(ge=0)] = 0.0
     grad_clip: PosFloat = 1.0
+    # An optimizer step whose loss or gradient is not finite is skipped (actor/skipped_steps); this many
+    # in a row stop the run with a checkpoint.
+    max_consecutive_skipped_steps: PosInt = 3
     zero_stage: Annotated[int, Meta(ge=0, le=3)] = 1
     advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp_baseline"] = "grpo"
     # Optimizer steps per rollout batch; >1 recomputes pi_prox first.

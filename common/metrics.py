@@ -13,14 +13,15 @@ import os
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str, tensorboard: bool = True):
+    def __init__(self, run_dir: str, tensorboard: bool = True, purge_step: int | None = None):
+        """`purge_step` (a resumed run): TensorBoard hides the events of steps >= it that the dead run wrote."""
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.f = open(self.path, "a", buffering=1)
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+            self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=purge_step)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: float(v) for k, v in sorted(metrics.items())}}
@@ -36,6 +37,17 @@ class MetricsWriter:
         self.f.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def keep_metrics(run_dir: str, keep) -> int:
+    """Rewrite metrics.jsonl with only the rows whose step satisfies `keep(step)` (and no torn last
+    line); atomic. Returns the rows kept. Used on resume: rows written after the checkpoint go."""
+    rows = [r for r in read_metrics(run_dir) if keep(r["step"])]
+    path = os.path.join(run_dir, "metrics.jsonl")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(path + ".tmp", path)
+    return len(rows)
 
 
 def read_metrics(run_dir: str) -> list[dict]:

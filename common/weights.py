@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import os
+import socket
 import time
 from dataclasses import dataclass
 
@@ -129,6 +131,17 @@ def checked_buckets(lay: Layout, buckets):
         yield start, bucket
 
 
+def gloo_device(host: str, port: int):
+    """The gloo device of a channel to the store at host:port: the local interface that routes there
+    (GLOO_SOCKET_IFNAME, if set, wins). Gloo's default, the address the hostname resolves to, is wrong
+    across hosts and network namespaces (e.g. 127.0.1.1 in /etc/hosts)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return dist.ProcessGroupGloo.create_device(interface=os.environ["GLOO_SOCKET_IFNAME"])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))  # UDP: picks the route, sends nothing
+        return dist.ProcessGroupGloo.create_device(hostname=s.getsockname()[0])
+
+
 def pair_prefix(gen_id: int, incarnation: str) -> str:
     """The store prefix of one generator incarnation's own channel to the learner."""
     return f"gen{gen_id}/{incarnation}"
@@ -149,7 +162,10 @@ class WeightChannel:
             store = dist.TCPStore(host, port, None if prefix else world, is_master=rank == 0 and not prefix,
                                   timeout=timeout, wait_for_workers=False)
         self.store = store
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store) if prefix else store, rank, world, timeout)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [gloo_device(host, port)]
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store) if prefix else store, rank, world, opts)
         self.rank = rank
         self.world = world
 

@@ -5,8 +5,11 @@ cluster.json), starts L learner ranks and G generators from one list of
 `RoleSpec`s, shows a live progress line, and supervises:
 - a generator that exits with an error is restarted (3 retries, backoff 2, 4, 8 s); it rejoins
   with a weight channel of its own and catches up on the latest version;
-- a learner rank that fails stops the run; the last checkpoint stays intact;
-- Ctrl-C / SIGTERM stops every process group this launcher started, and only those.
+- a learner rank that fails stops the run; the last checkpoint stays intact, and
+  `--resume RUN_DIR` continues from it;
+- Ctrl-C / SIGTERM: the learners finish their step and write a checkpoint (up to
+  run.stop_grace_s), then every process group this launcher started is stopped, and only
+  those; a second Ctrl-C stops at once.
 Every role runs in its own session (process group), so stopping a role also
 stops whatever it spawned (reward workers), and nothing else on the machine.
 """
@@ -25,11 +28,12 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common.cluster import ClusterInfo, PlacementError, place_gpus, write_cluster  # noqa: E402
+from common.cluster import ClusterInfo, PlacementError, place_gpus, read_cluster, write_cluster  # noqa: E402
 from common.config import ConfigError, load_config, to_toml, with_absolute_paths  # noqa: E402
 from common.data import REPO_ROOT, model_dir  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
 from common.transport import create_secret, free_port, port_in_use  # noqa: E402
+from common.checkpoints import complete_checkpoints, latest_checkpoint  # noqa: E402
 
 GRACE_S = 10.0
 
@@ -50,33 +54,91 @@ class RoleSpec:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python launch/cluster.py", description="Run covrl: generators + learner ranks.")
-    ap.add_argument("--gens", type=int, default=1, help="generator processes (default 1)")
-    ap.add_argument("--learners", type=int, default=1, help="learner ranks in one DeepSpeed world (default 1)")
+    ap.add_argument("--gens", type=int, default=None, help="generator processes (default 1; on --resume, as before)")
+    ap.add_argument("--learners", type=int, default=None,
+                    help="learner ranks in one DeepSpeed world (default 1; on --resume it must stay as it was)")
     ap.add_argument("--config", help="TOML config file (default: the built-in arith task)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. rollout.group_size=8")
-    ap.add_argument("--steps", type=int, help="learner steps (same as --set run.steps=N)")
+    ap.add_argument("--steps", type=int, help="learner steps (same as --set run.steps=N; with --resume: extend the run)")
     ap.add_argument("--run-dir", help="output directory (default runs/<timestamp>)")
-    ap.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run (not implemented yet)")
+    ap.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped or crashed run from its newest checkpoint")
     ap.add_argument("--tensorboard", action="store_true", help="also serve TensorBoard for this run on 127.0.0.1")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs on this node to place roles on (default: all "
                     "CUDA devices torch sees; 0: CPU only). Learners take one each, then generators --tp each")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per generator (default 1)")
+    ap.add_argument("--remote-gens", type=int, default=0, metavar="N",
+                    help="of the --gens generators, the last N are started on other hosts (python -m actors "
+                         "--run-dir RUN_DIR --gen-id I); bind the hub to a reachable address with --set transport.host=IP")
     ap.add_argument("--quiet", action="store_true", help="no live progress line")
     return ap.parse_args(argv)
 
 
-def prepare(args) -> tuple[str, object, ClusterInfo]:
-    if args.resume:
-        raise ConfigError("--resume is not implemented yet; start a new run with --run-dir")
-    if args.gens < 1 or args.learners < 1:
-        raise ConfigError(f"--gens {args.gens} --learners {args.learners}: need at least one of each")
-    overrides = list(args.set) + ([f"run.steps={args.steps}"] if args.steps is not None else [])
-    cfg = with_absolute_paths(load_config(args.config, overrides), os.getcwd())
-    model_dir(cfg)  # fail now, not in every child, if the model is missing
-    t, r = cfg.transport, cfg.rollout
+def prepare_resume(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
+    """The run directory of a stopped run, its config (only --steps may change) and fresh addresses."""
+    run_dir = os.path.abspath(args.resume)
+    if args.config or args.set or (args.run_dir and os.path.abspath(args.run_dir) != run_dir):
+        raise ConfigError("--resume continues a run with the config it was started with (RUN_DIR/config.toml); "
+                          "drop --config / --set / --run-dir (only --steps, --gens may change)")
+    for name in ("config.toml", "cluster.json", "secret.key"):
+        if not os.path.exists(os.path.join(run_dir, name)):
+            raise ConfigError(f"--resume {args.resume}: {name} is missing, so this is not a covrl run directory; "
+                              f"give the RUN_DIR a run was started with")
+    overrides = [f"run.steps={args.steps}"] if args.steps is not None else []
+    cfg = load_config(os.path.join(run_dir, "config.toml"), overrides)
+    old = read_cluster(run_dir)
+    learners = old.learners if args.learners is None else args.learners
+    if learners != old.learners:
+        raise ConfigError(f"--learners {learners}: the run's checkpoints are sharded over {old.learners} learner ranks; "
+                          f"resume with --learners {old.learners}")
+    gens = old.generators if args.gens is None else args.gens
+    if gens < 1:
+        raise ConfigError(f"--gens {gens}: need at least one generator")
+    check_remote(args, gens, cfg.transport.host)
+    place_gpus(gpus, learners, gens - args.remote_gens, args.tp)
+    if args.steps is not None:
+        with open(os.path.join(run_dir, "config.toml"), "w") as f:
+            f.write(to_toml(cfg))
+    _check_hub_port(cfg)
+    host = cfg.transport.host
+    info = ClusterInfo(run_id=old.run_id, hub_addr=f"{host}:{cfg.transport.hub_port or free_port(host)}",
+                       weight_addr=f"{host}:{free_port(host)}", generators=gens, learners=learners)
+    write_cluster(run_dir, info)
+    return run_dir, cfg, info
+
+
+def _check_hub_port(cfg) -> None:
+    t = cfg.transport
     if t.hub_port and (why := port_in_use(t.host, t.hub_port)):
         raise ConfigError(f"transport.hub_port {t.hub_port} on {t.host} cannot be bound ({why}); pick another port, "
                           f"or 0 for a free one")
+
+
+def check_remote(args, gens: int, host: str) -> None:
+    if not 0 <= args.remote_gens <= gens:
+        raise ConfigError(f"--remote-gens {args.remote_gens}: must be between 0 and --gens {gens}")
+    if args.remote_gens and host in ("127.0.0.1", "localhost", "::1"):
+        raise ConfigError(f"--remote-gens {args.remote_gens}: the hub binds {host}, which other hosts cannot reach; "
+                          f"add --set transport.host=<this host's address on the cluster network>")
+    if host in ("0.0.0.0", "::", ""):
+        raise ConfigError(f"transport.host {host!r}: generators connect to this address, so give one of this host's "
+                          f"own addresses, not a wildcard")
+
+
+def prepare(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
+    """Check everything, then write the run directory; nothing is written if a check fails."""
+    if args.resume:
+        return prepare_resume(args, gpus)
+    args.gens = 1 if args.gens is None else args.gens
+    args.learners = 1 if args.learners is None else args.learners
+    if args.gens < 1 or args.learners < 1:
+        raise ConfigError(f"--gens {args.gens} --learners {args.learners}: need at least one of each")
+    place_gpus(gpus, args.learners, args.gens - args.remote_gens, args.tp)  # a placement that cannot fit
+    overrides = list(args.set) + ([f"run.steps={args.steps}"] if args.steps is not None else [])
+    cfg = with_absolute_paths(load_config(args.config, overrides), os.getcwd())
+    model_dir(cfg)  # fail now, not in every child, if the model is missing
+    check_remote(args, args.gens, cfg.transport.host)
+    r = cfg.rollout
+    _check_hub_port(cfg)
     per_update = r.groups_per_step * r.group_size // cfg.learner.mini_batches
     if args.learners > per_update:
         raise ConfigError(f"--learners {args.learners}: an optimizer step has only {per_update} samples (groups_per_step "
@@ -120,8 +182,11 @@ def visible_gpus(requested: int | None) -> int:
     return torch.cuda.device_count()
 
 
-def role_specs(run_dir: str, info: ClusterInfo, cfg, gpus: int = 0, tp: int = 1) -> list[RoleSpec]:
-    learner_gpus, gen_gpus = place_gpus(gpus, info.learners, info.generators, tp)
+def role_specs(run_dir: str, info: ClusterInfo, cfg, gpus: int = 0, tp: int = 1, resume: bool = False,
+               remote_gens: int = 0) -> list[RoleSpec]:
+    """The processes this launcher starts: every learner rank, and generators 0 .. gens - remote_gens - 1."""
+    local_gens = info.generators - remote_gens
+    learner_gpus, gen_gpus = place_gpus(gpus, info.learners, local_gens, tp)
     devices = lambda ids: {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}  # noqa: E731  ("" with no GPUs: CPU only)
     all_learner_gpus = [g for ids in learner_gpus for g in ids]
     base = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -129,7 +194,7 @@ def role_specs(run_dir: str, info: ClusterInfo, cfg, gpus: int = 0, tp: int = 1)
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     master_port = str(free_port())
     specs = [
-        RoleSpec(f"learner{r}", [sys.executable, "-m", "learner", "--run-dir", run_dir],
+        RoleSpec(f"learner{r}", [sys.executable, "-m", "learner", "--run-dir", run_dir, *(["--resume"] if resume else [])],
                  {**base, **devices(all_learner_gpus), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(info.learners),
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port}, restartable=False)
         for r in range(info.learners)
@@ -139,7 +204,7 @@ def role_specs(run_dir: str, info: ClusterInfo, cfg, gpus: int = 0, tp: int = 1)
     specs += [
         RoleSpec(f"gen{i}", [sys.executable, "-m", "actors", "--run-dir", run_dir, "--gen-id", str(i)],
                  {**base, **devices(gen_gpus[i])}, restartable=True, max_restarts=3)
-        for i in range(info.generators)
+        for i in range(local_gens)
     ]
     return specs
 
@@ -151,18 +216,32 @@ def spawn(spec: RoleSpec, run_dir: str) -> None:
                                  stdin=subprocess.DEVNULL, start_new_session=True)
 
 
-def stop_all(specs: list[RoleSpec], extra: list[subprocess.Popen]) -> None:
-    """SIGTERM each process group we started, then SIGKILL what is left after a grace period."""
-    procs = [s.proc for s in specs if s.proc is not None] + extra
+def _term_and_wait(procs: list[subprocess.Popen], grace_s: float) -> list[subprocess.Popen]:
+    """SIGTERM each running process's group; wait up to `grace_s` in all. Returns those still running."""
     for p in procs:
         if p.poll() is None:
             _signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_S
+    deadline = time.monotonic() + grace_s
     for p in procs:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
+    return [p for p in procs if p.poll() is None]
+
+
+def drain_learners(specs: list[RoleSpec], grace_s: float) -> None:
+    """Graceful stop: SIGTERM the learner ranks (they finish the step, checkpoint and exit) while the
+    generators keep serving them; wait up to `grace_s`."""
+    for p in _term_and_wait([s.proc for s in specs if not s.restartable and s.proc is not None], grace_s):
+        print(f"learner pid {p.pid} did not finish within run.stop_grace_s={grace_s:.0f}s; stopping it without a "
+              f"final checkpoint", file=sys.stderr)
+
+
+def stop_all(specs: list[RoleSpec], extra: list[subprocess.Popen]) -> None:
+    """SIGTERM each process group we started, then SIGKILL what is left after a grace period."""
+    procs = [s.proc for s in specs if s.proc is not None] + extra
+    _term_and_wait(procs, GRACE_S)
     for p in procs:
         _signal_group(p, signal.SIGKILL)  # also reaps children left in the group
         if p.poll() is None:
@@ -201,8 +280,7 @@ def summary(run_dir: str, cfg, elapsed: float) -> str:
         return f"no steps recorded in {run_dir}/metrics.jsonl"
     q = max(1, len(train) // 4)
     avg = lambda rs, k: sum(r.get(k) or 0.0 for r in rs) / len(rs)  # noqa: E731
-    ckpts = os.path.join(run_dir, "checkpoints")
-    last = sorted(os.listdir(ckpts), key=lambda d: int(d.split("_")[1])) if os.path.isdir(ckpts) else []
+    last = complete_checkpoints(run_dir)
     lines = [
         f"covrl: {len(train)} steps in {elapsed:.0f}s -> {run_dir}",
         f"  reward (critic/score/mean): first quarter {avg(train[:q], 'critic/score/mean'):.3f} -> last quarter {avg(train[-q:], 'critic/score/mean'):.3f}",
@@ -219,7 +297,8 @@ def summary(run_dir: str, cfg, elapsed: float) -> str:
     lines += [
         f"  staleness max {max(r.get('staleness/max') or 0 for r in train):.0f} (bound {cfg.rollout.max_staleness_steps})",
         f"  metrics: {run_dir}/metrics.jsonl  tensorboard: {run_dir}/tb",
-        f"  checkpoint: {os.path.join(ckpts, last[-1]) if last else 'none'}",
+        f"  checkpoint: {last[-1][1] if last else 'none'}" + (f" (continue with --resume {run_dir})" if last and
+                                                               last[-1][0] < cfg.run.steps else ""),
     ]
     return "\n".join(lines)
 
@@ -272,12 +351,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         gpus = visible_gpus(args.gpus)
-        place_gpus(gpus, args.learners, args.gens, args.tp)  # refuse a placement that cannot fit before writing anything
-        run_dir, cfg, info = prepare(args)
+        run_dir, cfg, info = prepare(args, gpus)
     except (ConfigError, FileNotFoundError, PlacementError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    specs = role_specs(run_dir, info, cfg, gpus, args.tp)
+    specs = role_specs(run_dir, info, cfg, gpus, args.tp, resume=bool(args.resume), remote_gens=args.remote_gens)
     extra: list[subprocess.Popen] = []
     if args.tensorboard:
         port = free_port()
@@ -285,7 +363,12 @@ def main(argv=None) -> int:
                                        "--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, start_new_session=True))
         print(f"TensorBoard: http://127.0.0.1:{port}/")
-    print(f"covrl run {info.run_id}: {args.learners} learner rank(s), {args.gens} generator(s), {cfg.run.steps} steps -> {run_dir}")
+    resumed = f", resuming from {ckpt[1]}" if args.resume and (ckpt := latest_checkpoint(run_dir)) else ""
+    print(f"covrl run {info.run_id}: {info.learners} learner rank(s), {info.generators} generator(s), {cfg.run.steps} "
+          f"steps -> {run_dir}{resumed}")
+    for i in range(info.generators - args.remote_gens, info.generators):
+        print(f"  generator {i} is remote: on its host, with {run_dir} there too (config.toml, cluster.json, secret.key):"
+              f" python -m actors --run-dir {run_dir} --gen-id {i}")
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
@@ -297,8 +380,14 @@ def main(argv=None) -> int:
     try:
         code = supervise(specs, run_dir, cfg, args.quiet)
     except KeyboardInterrupt:
-        print("\ninterrupted: stopping every process this run started", file=sys.stderr)
         code = 130
+        print(f"\ninterrupted: the learners finish their step and write a checkpoint (up to {cfg.run.stop_grace_s:.0f}s; "
+              f"Ctrl-C again stops at once)", file=sys.stderr)
+        try:
+            drain_learners(specs, cfg.run.stop_grace_s)
+        except KeyboardInterrupt:
+            print("second interrupt: not waiting for the checkpoint", file=sys.stderr)
+        print("stopping every process this run started", file=sys.stderr)
     finally:
         stop_all(specs, extra)
         for s in specs:

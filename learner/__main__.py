@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 
 import msgspec
@@ -22,10 +24,10 @@ from common import weights as W
 from common.cluster import read_cluster, read_run_config
 from common.config import eval_versions
 from common.data import PromptSource, eval_sets, model_dir
-from common.metrics import MetricsWriter
+from common.metrics import MetricsWriter, keep_metrics
 from common.transport import load_secret
 from learner import batch as B
-from learner.checkpoint import save_checkpoint
+from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.hub import Hub
 from learner.params import full_state_dict, param_buckets
 from learner.publisher import WeightPublisher
@@ -57,10 +59,31 @@ def host_metrics(groups: list, version: int) -> dict[str, float]:
     }
 
 
+def fault_steps() -> set[int]:
+    """COVRL_FAULT_NONFINITE_STEPS="3,5-6": steps whose loss is made NaN (fault-injection tests only)."""
+    out: set[int] = set()
+    for part in filter(None, os.environ.get("COVRL_FAULT_NONFINITE_STEPS", "").split(",")):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def agree(flag: bool) -> bool:
+    """True on every rank if it is true on any."""
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m learner")
     ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in RUN_DIR")
     args = ap.parse_args()
+    # Ctrl-C / SIGTERM (the launcher's graceful stop): finish this step, write a checkpoint, exit.
+    stop_requested = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop_requested.set())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s learner %(levelname)s %(name)s: %(message)s")
     cfg = read_run_config(args.run_dir)
     cluster = read_cluster(args.run_dir)
@@ -69,9 +92,24 @@ def main() -> int:
     rank, world = init_distributed()
     path = model_dir(cfg)
     trainer = Trainer(cfg, path)
+    start, resumed = 0, None
+    if args.resume and (found := latest_checkpoint(args.run_dir)) is not None:
+        start, ckpt = found
+        resumed = load_checkpoint(ckpt, trainer.engine, rank=rank)
+        log.info("resumed from %s (step %d)", ckpt, start)
+    elif args.resume:
+        log.warning("no complete checkpoint in %s/checkpoints: starting from step 0", args.run_dir)
     hub = channel = writer = tokenizer = None
     lay = W.layout(trainer.module)
     zero3 = cfg.learner.zero_stage == 3  # parameters are shards: every rank takes part in each gather
+    par = ParSchedule(cfg.learner.par, cfg.run.steps)
+    # The row of an evaluated version waits for its eval results, so metrics.jsonl keeps one row
+    # per step (step 0: the base model's evaluation) and rows stay in step order.
+    evaluated = set(eval_versions(cfg))
+    held: dict[int, dict[str, float]] = {0: {}} if 0 in evaluated else {}
+    if resumed is not None:
+        par.load_state(resumed["par"])
+        held = {int(k): v for k, v in resumed["held"].items()}
     if rank == 0:
         from transformers import AutoTokenizer
 
@@ -82,16 +120,26 @@ def main() -> int:
         hub = Hub(cfg, run_id=cluster.run_id, key=load_secret(args.run_dir), port=int(port),
                   source=PromptSource(cfg, tokenizer), weight_addr=cluster.weight_addr, n_generators=cluster.generators,
                   eval_prompts=eval_sets(cfg, tokenizer) if cfg.eval.every_steps else None, on_join=channel.join)
+        if args.resume:
+            # Rows the dead run wrote after its checkpoint go; a held row is written again when its eval is in.
+            keep_metrics(args.run_dir, lambda row: row <= start and row not in held)
+        if resumed is not None:
+            hub.restore(resumed["hub"])
+        writer = MetricsWriter(args.run_dir, purge_step=min([start + 1, *held]) if args.resume else None)
+    if resumed is not None:
+        # Generators start from the base model and are sent the latest version when they join.
+        if rank == 0:
+            channel.publish(start, lay, param_buckets(trainer.module, lay, zero3))
+        elif zero3:
+            for _ in param_buckets(trainer.module, lay, zero3):
+                pass
+    if rank == 0:
         hub.start()
-        writer = MetricsWriter(args.run_dir)
         log.info("hub on %s, weight channel with %d generators ready", cluster.hub_addr, cluster.generators)
-    last_tokens, last_t, last_filtered = 0, time.perf_counter(), 0
-    par = ParSchedule(cfg.learner.par, cfg.run.steps)
-    # The row of an evaluated version waits for its eval results, so metrics.jsonl keeps one row
-    # per step (step 0: the base model's evaluation) and rows stay in step order.
-    evaluated = set(eval_versions(cfg))
-    held: dict[int, dict[str, float]] = {0: {}} if 0 in evaluated else {}
+    last_tokens, last_t, last_filtered = 0, time.perf_counter(), hub.filtered if hub else 0
     wait_s = cfg.transport.generator_timeout_s * 5
+    faults = fault_steps()
+    skipped_in_row, exit_code = 0, 0
 
     def finish_version(v: int) -> float:
         """Wait for the generation pinned to version v; write its held row. Returns seconds waited."""
@@ -100,7 +148,18 @@ def main() -> int:
             writer.write(v, {**held.pop(v), **hub.take_eval(v)})
         return waited
 
-    for step in range(1, cfg.run.steps + 1):
+    def checkpoint(step: int) -> None:
+        full = full_state_dict(trainer.module, lay, zero3) if zero3 else None  # a collective under ZeRO-3
+        state = hub_blob = None
+        if rank == 0:
+            state = {"version": step, "par": par.state(), "held": {str(k): v for k, v in held.items()},
+                     "learners": world}
+            hub_blob = hub.snapshot()
+        save_checkpoint(args.run_dir, step, trainer.engine, rank=rank, tokenizer=tokenizer, state=state,
+                        hub_state=hub_blob, state_dict=full, keep_last=cfg.run.keep_checkpoints)
+
+    step = start
+    for step in range(start + 1, cfg.run.steps + 1):
         t0 = time.perf_counter()
         version = step - 1
         groups = extra = batch = None
@@ -110,8 +169,9 @@ def main() -> int:
             batch = B.batch_from_config([r.group for r in groups], cfg, version=version, ranks=world,
                                         par_lambda=par.value(step))
         batch = share_batch(batch, rank)
-        stats = trainer.train_step(batch)
+        stats = trainer.train_step(batch, poison=step in faults)
         metrics = step_metrics(stats)
+        skipped_in_row = skipped_in_row + len(stats.skipped) if all(stats.skipped) else 0
         if rank != 0 and zero3:
             for _ in param_buckets(trainer.module, lay, zero3):
                 pass  # rank 0 sends each gathered bucket to the generators
@@ -146,21 +206,31 @@ def main() -> int:
                 held[step] = metrics
             else:
                 writer.write(step, metrics)
+        stop = agree(stop_requested.is_set())
         every = cfg.run.checkpoint_every_steps
-        if step == cfg.run.steps or (every and step % every == 0):
-            full = full_state_dict(trainer.module, lay, zero3) if zero3 else None  # a collective under ZeRO-3
-            if rank == 0:
-                save_checkpoint(args.run_dir, step, trainer.module, tokenizer,
-                                {"version": step, "hub_slots": hub.slots, "epoch": hub.epoch, "pos": hub.pos,
-                                 "par": par.state()}, state_dict=full)
+        diverged = skipped_in_row >= cfg.learner.max_consecutive_skipped_steps
+        if step == cfg.run.steps or (every and step % every == 0) or stop or diverged:
+            checkpoint(step)
+        if diverged:
+            log.error("stopping: the last %d optimizer steps had a non-finite loss or gradient and were skipped "
+                      "(learner.max_consecutive_skipped_steps=%d); the weights are those of the last good step, saved "
+                      "in %s/checkpoints/step_%d. Lower learner.lr, check the reward and data, or resume with "
+                      "--resume %s", skipped_in_row, cfg.learner.max_consecutive_skipped_steps, args.run_dir, step,
+                      args.run_dir)
+            exit_code = 3
+            break
+        if stop:
+            log.info("stop requested: checkpoint of step %d written; continue with --resume %s", step, args.run_dir)
+            break
     if rank == 0:
-        finish_version(cfg.run.steps)
+        if step == cfg.run.steps and exit_code == 0:
+            finish_version(cfg.run.steps)
         channel.stop()
         hub.stop()
         writer.close()
     dist.barrier()
     dist.destroy_process_group()
-    return 0
+    return exit_code
 
 
 if __name__ == "__main__":

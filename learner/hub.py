@@ -37,6 +37,8 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
+import msgspec
+
 from common import messages as M
 from common.config import Config, eval_versions
 from common.data import Prompt, PromptSource
@@ -89,6 +91,28 @@ class HubStats:
     counters: collections.Counter = field(default_factory=collections.Counter)
     gen_tokens: int = 0
     gen_time_s: float = 0.0
+
+
+class ReadyState(msgspec.Struct, frozen=True):
+    slot: int
+    issue_version: int
+    group: M.RolloutGroup
+
+
+class HubState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a resumed hub needs (saved in every checkpoint, learner/checkpoint.py)."""
+    version: int
+    slots: int
+    filtered: int
+    filtered_this_step: int
+    epoch: int
+    pos: int
+    n_trained: int
+    settled_floor: int
+    settled: list[int]
+    counters: dict[str, float]
+    ready: list[ReadyState]  # generated, not yet trained: kept, so a resume trains on the very same rollouts
+    pending: list[tuple[int, int, int]]  # (slot, prompt_id, epoch) in flight or waiting: re-issued on resume
 
 
 def prompt_seed(run_seed: int, epoch: int, prompt_id: int) -> int:
@@ -195,6 +219,41 @@ class Hub:
     def stop(self) -> None:
         self._stopping.set()
         self._thread.join(timeout=10)
+
+    def snapshot(self) -> bytes:
+        """The hub's state as msgpack bytes, consistent under the lock (the hub thread keeps serving)."""
+        with self.cv:
+            counters = dict(self.stats.counters)
+            for reason, n in self.sock.rejected.items():
+                counters[f"hub/rejected/{reason}"] = counters.get(f"hub/rejected/{reason}", 0) + n
+            pending = sorted({(t.slot, t.prompt_id, t.epoch) for t in [*self.in_flight.values(), *self.reissue]})
+            state = HubState(
+                version=self.version, slots=self.slots, filtered=self.filtered, filtered_this_step=self.filtered_this_step,
+                epoch=self.epoch, pos=self.pos, n_trained=self.n_trained, settled_floor=self.settled_floor,
+                settled=sorted(self.settled), counters={k: float(v) for k, v in counters.items()},
+                ready=[ReadyState(r.slot, r.issue_version, r.group) for _, r in sorted(self.ready.items())],
+                pending=pending,
+            )
+        return msgspec.msgpack.encode(state)
+
+    def restore(self, blob: bytes) -> None:
+        """Continue from `snapshot()` bytes; call before `start`. Work that was in flight is re-issued
+        (same slots, same seeds), and the eval of the restored version is scheduled again."""
+        st = msgspec.msgpack.decode(blob, type=HubState)
+        with self.cv:
+            self.version, self.slots, self.filtered = st.version, st.slots, st.filtered
+            self.filtered_this_step = st.filtered_this_step
+            self.epoch, self.pos, self.n_trained = st.epoch, st.pos, st.n_trained
+            self.order = self.source.order(self.epoch)
+            self.settled_floor, self.settled = st.settled_floor, set(st.settled)
+            self.stats.counters = collections.Counter(st.counters)
+            self.ready = {r.slot: Ready(r.slot, r.issue_version, r.group) for r in st.ready}
+            self.reissue = collections.deque(Ticket(-1, slot, pid, ep, -1, "", -1) for slot, pid, ep in st.pending)
+            if st.pending:
+                self.stats.counters["hub/reissued_prompts"] += len(st.pending)
+            self.eval_pending.clear()
+            self.eval_scores.clear()
+            self._schedule_eval(self.version)
 
     # ---- called with self.cv held ------------------------------------------------
 

@@ -45,3 +45,6 @@ class ParSchedule:
 
     def state(self) -> dict:
         return {"lam": self.lam}
+
+    def load_state(self, state: dict) -> None:
+        self.lam = float(state["lam"])

@@ -62,9 +62,10 @@ SUM_KEYS = (
 @dataclass
 class StepStats:
     sums: torch.Tensor  # float64 [len(SUM_KEYS)], reduced over ranks
-    grad_norm: float
+    grad_norm: float  # mean over the optimizer steps that were applied
     train_s: float
     entropy_delta_logged: bool
+    skipped: list[bool]  # per optimizer step: skipped for a non-finite loss or gradient (same on every rank)
 
 
 def _global_kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -211,12 +212,30 @@ class Trainer:
             return survey[(m, k)]["old"]
         return logp.detach()
 
-    def train_step(self, batch: StepBatch) -> StepStats:
+    def _optimizer_step(self) -> bool:
+        """One optimizer step at a gradient-accumulation boundary; False if it was skipped because the
+        gradient was not finite. ZeRO-1/2/3 find that themselves (the global grad norm is inf or NaN: the
+        gradients are dropped and the step, Adam moments included, is not applied; `engine.skipped_steps`
+        counts it). Without ZeRO (stage 0) we check the all-reduced gradients ourselves (the same on every
+        rank) and drop them without calling the optimizer."""
+        if self.cfg.learner.zero_stage == 0:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+                self.module.zero_grad(set_to_none=True)
+                return False
+            self.engine.step()
+            return True
+        before = self.engine.skipped_steps
+        self.engine.step()
+        return self.engine.skipped_steps == before
+
+    def train_step(self, batch: StepBatch, poison: bool = False) -> StepStats:
+        """`poison`: fault injection for tests (COVRL_FAULT_NONFINITE_STEPS): make this step's loss NaN."""
         t0 = time.perf_counter()
         micro = self._micro(batch)
         survey = self._survey(batch, micro) if self.needs_survey else None
         sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
-        grad_norms = []
+        grad_norms, skipped = [], []
         gen = self._generator(batch)
         self.engine.train()
         n_micro = [len(per_rank[self.rank]) for per_rank in batch.plan]
@@ -235,6 +254,8 @@ class Trainer:
             loss, met = self.objective(t, global_tokens=float(batch.mini_tokens[m]), global_seqs=float(batch.mini_seqs[m]),
                                        par_lambda=batch.par_lambda, generator=gen)
             loss = loss * self.world
+            if poison:
+                loss = loss * float("nan")
             if not idx and self.cfg.learner.zero_stage < 3:
                 # Empty micro-batch: touch every parameter with a zero gradient so ZeRO's reduction hooks
                 # fire on this rank like on the others. (ZeRO-3 shards are empty outside a forward; there
@@ -253,9 +274,10 @@ class Trainer:
                     met.get("kl_ref", torch.zeros(1)).sum(),
                 ]).double()
             if k == n_micro[m] - 1:
-                self.engine.step()
+                applied = self._optimizer_step()
+                skipped.append(not applied)
                 gn = self.engine.get_global_grad_norm()
-                if gn is not None:
+                if applied and gn is not None:
                     grad_norms.append(float(gn))
         logged_after = self.cfg.learner.log_entropy_delta
         if logged_after:
@@ -263,7 +285,7 @@ class Trainer:
         sums[SUM_KEYS.index("ranks")] = 1.0 if sums[SUM_KEYS.index("tokens")] > 0 else 0.0
         dist.all_reduce(sums)
         return StepStats(sums=sums, grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
-                         train_s=time.perf_counter() - t0, entropy_delta_logged=logged_after)
+                         train_s=time.perf_counter() - t0, entropy_delta_logged=logged_after, skipped=skipped)
 
     @torch.no_grad()
     def _entropy_sum(self, micro: list) -> float:
@@ -291,6 +313,7 @@ def step_metrics(stats: StepStats) -> dict[str, float]:
         "actor/pg_clipfrac": s["pg_clipfrac"] / n,
         "actor/ppo_kl": s["ppo_kl"] / n,
         "actor/grad_norm": stats.grad_norm,
+        "actor/skipped_steps": float(sum(stats.skipped)),
         "actor/is_weight_mean": s["is_weight"] / n,
         "actor/is_weight_clipfrac": s["is_weight_clipfrac"] / n,
         "actor/kl_ref": s["kl_ref"] / n,

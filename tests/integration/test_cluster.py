@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
+from common.checkpoints import complete_checkpoints
 from common.metrics import read_metrics
 from tests.conftest import BASE_MODEL, REPO
 
@@ -141,9 +142,14 @@ def test_sigterm_stops_every_process_it_started(tmp_path):
         wait_for_steps(run, 1)
         family = psutil.Process(p.pid).children(recursive=True)
         assert len(family) >= 4  # 2 learners + 2 generators (+ their reward workers)
+        at_signal = len(read_metrics(str(run)))
         p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=60)
+        out, err = p.communicate(timeout=120)
         assert p.returncode == 130 and "stopping every process" in err
+        # Graceful: the learners finished their step and wrote a checkpoint before anything was stopped.
+        (step, path), = complete_checkpoints(str(run))
+        assert step >= at_signal and f"checkpoint of step {step} written" in (run / "logs" / "learner0.log").read_text()
+        assert f"continue with --resume {run}" in out
         gone, alive = psutil.wait_procs(family, timeout=10)
         assert not alive, f"orphans left: {[a.pid for a in alive]}"
         assert bystander.poll() is None  # a process it did not start is untouched

@@ -211,3 +211,41 @@ def test_deterministic_barrier_waits_for_all_training_work_of_the_version(tiny_m
         gen.send(_result(last.items[0]))
         hub.wait_version_done(0, timeout_s=5)
         assert [r.slot for r in batch] == [0, 1]
+
+
+def test_snapshot_and_restore_keep_the_ledger_and_the_stream(hub, tiny_model_dir):
+    """Issue 7 (resume): a restored hub trains the saved rollouts, re-issues what was in flight with the
+    same slots and seeds, and continues the prompt stream where it stopped."""
+    from transformers import AutoTokenizer
+
+    gen = GeneratorSocket(hub.sock.address, KEY)
+    assert isinstance(_hello(gen), M.Welcome)
+    gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=8))
+    first = gen.recv(5.0).items
+    gen.send(_result(first[0]))  # slot 0 ready; slot 1 still in flight at the snapshot
+    time.sleep(0.3)
+    blob = hub.snapshot()
+    gen.close()
+    hub.stop()
+
+    h = Hub(hub.cfg, run_id="run1", key=KEY, port=0, weight_addr="127.0.0.1:1", n_generators=2,
+            source=PromptSource(hub.cfg, AutoTokenizer.from_pretrained(tiny_model_dir)))
+    h.restore(blob)
+    h.start()
+    g = GeneratorSocket(h.sock.address, KEY)
+    try:
+        assert isinstance(_hello(g), M.Welcome)
+        g.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=8))
+        again = g.recv(5.0).items
+        assert [(it.prompt_id, it.seed) for it in again] == [(first[1].prompt_id, first[1].seed)]  # only the lost one
+        g.send(_result(again[0]))
+        batch = h.take_batch(0, timeout_s=5)
+        assert [r.slot for r in batch] == [0, 1] and batch[0].group.prompt_id == first[0].prompt_id
+        assert h.counters()["hub/reissued_prompts"] == 1 and h.counters()["hub/lost_prompts"] == 0
+        h.set_version(1)
+        g.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=8))
+        nxt = g.recv(5.0).items
+        assert [it.prompt_id for it in nxt] == [h.source.order(0)[2], h.source.order(0)[3]]  # the stream goes on
+    finally:
+        g.close()
+        h.stop()
