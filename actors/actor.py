@@ -11,6 +11,7 @@ Three threads, one job each:
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ import time
 import uuid
 
 import torch
+import torch.distributed as dist
 
 from common import messages as M
 from common import weights as W
@@ -32,9 +34,13 @@ log = logging.getLogger("covrl.actor")
 class WeightReceiver(threading.Thread):
     """Receives every published version; hands the newest to the main thread."""
 
-    def __init__(self, welcome: M.Welcome, lay: W.Layout, timeout_s: float, log_path: str | None, prefix: str):
+    def __init__(self, welcome: M.Welcome, lay: W.Layout, timeout_s: float, log_path: str | None, prefix: str,
+                 engine=None):
         super().__init__(name="weights", daemon=True)
         self.welcome, self.lay, self.timeout_s, self.log_path, self.prefix = welcome, lay, timeout_s, log_path, prefix
+        # An engine whose weights go straight from the learner's GPU into its workers (vLLM with the nccl
+        # transport) loads each version itself, from this thread, when its header arrives.
+        self.direct = engine if getattr(engine, "receives_weights_directly", False) else None
         self.cv = threading.Condition()
         self.staged: tuple[int, torch.Tensor] | None = None
         # The engine starts from the base model: version 0, whatever the learner is at. A (re)joining generator
@@ -46,16 +52,29 @@ class WeightReceiver(threading.Thread):
     def run(self) -> None:
         try:
             host, port = self.welcome.weight_addr.rsplit(":", 1)
+            store = None
+            if self.direct is not None:  # announce the NCCL receiver before the rendezvous, so the learner's join sees it
+                store = dist.TCPStore(host, int(port), None, is_master=False,
+                                      timeout=datetime.timedelta(seconds=self.timeout_s))
+                self.direct.announce_receiver(dist.PrefixStore(self.prefix, store))
             ch = W.WeightChannel(host, int(port), self.welcome.weight_rank, self.welcome.weight_world, self.timeout_s,
-                                 prefix=self.prefix)
-            while (got := ch.receive(self.lay)) is not None:
-                version, flat, weights_sum = got
+                                 prefix=self.prefix, store=store)
+            if self.direct is not None:
+                self.direct.join_via_store(dist.PrefixStore(self.prefix, store), self.timeout_s)
+            while (got := ch.receive_header(self.lay)) is not None:
+                version, flags = got
+                if flags & W.FLAG_DIRECT:
+                    self.direct.receive_nccl(version)  # pauses generation, loads, stamps the version, resumes
+                    staged, weights_sum = None, None
+                else:
+                    flat, weights_sum = ch.receive_buckets(self.lay)
+                    staged = (version, flat)
                 if self.log_path:
                     with open(self.log_path, "a") as f:
                         f.write(json.dumps({"version": version, "checksum": weights_sum, "t": time.time(),
-                                            "channel": self.prefix}) + "\n")
+                                            "channel": self.prefix, "direct": staged is None}) + "\n")
                 with self.cv:
-                    self.staged, self.latest = (version, flat), version
+                    self.staged, self.latest = staged, version
                     self.cv.notify_all()
         except BaseException as e:
             log.exception("weight receiver failed")
@@ -122,7 +141,7 @@ def run_actor(cfg: Config, *, engine, tokenizer, hub_addr: str, key: bytes, run_
     if log_path:
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
     receiver = WeightReceiver(welcome, W.layout(engine.model), cfg.transport.weight_sync_timeout_s, log_path,
-                              W.pair_prefix(gen_id, incarnation))
+                              W.pair_prefix(gen_id, incarnation), engine=engine)
     receiver.start()
     beat = Heartbeat(hub_addr, key, gen_id, incarnation, cfg.transport.heartbeat_s, receiver)
     beat.start()

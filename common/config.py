@@ -188,6 +188,10 @@ class LearnerConfig(_Section):
     # in a row stop the run with a checkpoint.
     max_consecutive_skipped_steps: PosInt = 3
     zero_stage: Annotated[int, Meta(ge=0, le=3)] = 1
+    offload_optimizer: bool = False  # ZeRO >= 1: optimizer states and step on the CPU (DeepSpeed offload)
+    gradient_checkpointing: bool = False  # recompute activations in the backward: memory for ~30 % more compute
+    # "auto": flash_attention_2 (varlen over packed rows) with CUDA and flash-attn installed, else sdpa.
+    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
     advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp_baseline"] = "grpo"
     # Optimizer steps per rollout batch; >1 recomputes pi_prox first.
     mini_batches: PosInt = 1
@@ -221,6 +225,23 @@ class TransportConfig(_Section):
     weight_sync_timeout_s: PosFloat = 1800.0
 
 
+class GeneratorConfig(_Section):
+    """The generator's engine (DESIGN.md section 7; actors/vllm_engine.py)."""
+
+    # auto: vLLM when the launcher gave this generator GPUs (--gpus, --tp), else the torch sampler.
+    engine: Literal["auto", "torch", "vllm"] = "auto"
+    # A weight update while requests are in flight: "finish" them on the old weights first, or "keep"
+    # them and continue on the new weights (every token stamped with its version). vLLM only; the torch
+    # sampler always swaps between decode steps.
+    weight_update: Literal["finish", "keep"] = "finish"
+    # rpc: over the CPU weight channel, then into the vLLM workers by RPC (learner and generator may share
+    # a GPU); nccl: learner rank 0's GPU broadcasts straight into the workers (needs GPUs of their own).
+    weight_transport: Literal["rpc", "nccl"] = "rpc"
+    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.85  # of each generator GPU, for vLLM
+    max_num_seqs: PosInt = 256  # requests vLLM batches at once
+    enforce_eager: bool = False  # skip CUDA graphs (faster start, slower decode)
+
+
 class Config(_Section):
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -230,6 +251,7 @@ class Config(_Section):
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+    generator: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
 
 
 class ConfigError(ValueError):
@@ -306,6 +328,8 @@ def check(cfg: Config) -> None:
     imp = cfg.learner.importance
     if imp.lo >= imp.hi or imp.geo_lo >= imp.geo_hi:
         raise ConfigError(f"learner.importance: lo ({imp.lo}) must be below hi ({imp.hi}) and geo_lo ({imp.geo_lo}) below geo_hi ({imp.geo_hi})")
+    if cfg.learner.offload_optimizer and cfg.learner.zero_stage == 0:
+        raise ConfigError("learner.offload_optimizer needs ZeRO: set learner.zero_stage to 1, 2 or 3")
     if cfg.rollout.groups_per_step % cfg.learner.mini_batches:
         raise ConfigError(
             f"learner.mini_batches={cfg.learner.mini_batches} must divide rollout.groups_per_step="

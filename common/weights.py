@@ -28,6 +28,10 @@ import torch
 import torch.distributed as dist
 
 FLAG_STOP = 1
+# The buckets of this version do not follow on this gloo channel: the learner broadcasts them over the
+# generator's own NCCL group straight into its vLLM workers (common/vllm_weights.py); the header still
+# comes here, so versions, layout checks and dead-peer detection stay on one channel.
+FLAG_DIRECT = 2
 BUCKET_NUMEL = 32 << 20  # 128 MiB of fp32 per broadcast call
 
 
@@ -174,8 +178,8 @@ class WeightChannel:
         opts.rootRank = 0
         self.pg.broadcast([t], opts).wait()
 
-    def send_header(self, version: int, lay: Layout) -> None:
-        self._bcast(torch.tensor([version, lay.numel, lay.digest, 0], dtype=torch.int64))
+    def send_header(self, version: int, lay: Layout, flags: int = 0) -> None:
+        self._bcast(torch.tensor([version, lay.numel, lay.digest, flags], dtype=torch.int64))
 
     def publish(self, version: int, lay: Layout, buckets) -> tuple[float, int, float]:
         """Root side: send `buckets` (fp32 tensors following `bucket_plan(lay)`, e.g. `param_buckets`).
@@ -191,8 +195,8 @@ class WeightChannel:
     def stop(self) -> None:
         self._bcast(torch.tensor([-1, 0, 0, FLAG_STOP], dtype=torch.int64))
 
-    def receive(self, lay: Layout) -> tuple[int, torch.Tensor, float] | None:
-        """Receiver side: block for the next version -> (version, flat, checksum); None when the learner says stop."""
+    def receive_header(self, lay: Layout) -> tuple[int, int] | None:
+        """Receiver side: block for the next header -> (version, flags); None when the learner says stop."""
         header = torch.zeros(4, dtype=torch.int64)
         self._bcast(header)
         version, numel, digest, flags = header.tolist()
@@ -204,9 +208,26 @@ class WeightChannel:
                 f"generator holds {lay.numel} (layout {lay.digest:x}); start generators from the learner's model "
                 f"(model.path) so both build the same architecture"
             )
-        flat = torch.empty(numel, dtype=torch.float32)
-        acc = Checksum(numel)
+        return version, flags
+
+    def receive_buckets(self, lay: Layout) -> tuple[torch.Tensor, float]:
+        """Receiver side, after a header without FLAG_DIRECT: the buckets -> (flat, checksum)."""
+        flat = torch.empty(lay.numel, dtype=torch.float32)
+        acc = Checksum(lay.numel)
         for _, _, start, end in bucket_plan(lay):
             self._bcast(flat[start:end])  # a 1-D slice is contiguous
             acc.add(flat[start:end], start)
-        return version, flat, acc.total
+        return flat, acc.total
+
+    def receive(self, lay: Layout) -> tuple[int, torch.Tensor, float] | None:
+        """Receiver side: block for the next version -> (version, flat, checksum); None when the learner says stop."""
+        got = self.receive_header(lay)
+        if got is None:
+            return None
+        version, flags = got
+        if flags & FLAG_DIRECT:
+            raise RuntimeError("weight channel: the learner flagged this version as sent over NCCL into vLLM workers, "
+                               "but this generator announced no NCCL receiver (a learner bug: it must decide per "
+                               "channel from the generator's announcement, common/vllm_weights.py)")
+        flat, total = self.receive_buckets(lay)
+        return version, flat, total

@@ -225,7 +225,8 @@ def clip_cov_keys(candidate: torch.Tensor, generator: torch.Generator | None) ->
     """Uniform random keys for candidates, -1 elsewhere: the k largest are a uniform k-subset."""
     if generator is None:
         raise ValueError("Clip-Cov needs a seeded torch.Generator: the token choice must be reproducible")
-    keys = torch.rand(candidate.shape, generator=generator, device=candidate.device)
+    # Drawn on the host and moved: the same keys on CPU and GPU, from a CPU generator either way.
+    keys = torch.rand(candidate.shape, generator=generator).to(candidate.device)
     return torch.where(candidate, keys, torch.full_like(keys, -1.0))
 
 

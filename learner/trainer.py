@@ -23,6 +23,7 @@ config). We disable the first and pass our own torch AdamW, so nothing compiles.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from learner.batch import StepBatch, pack
 from learner.logprobs import logprobs_and_entropy
 from learner.objective import Objective, Tokens
 
+log = logging.getLogger("covrl.trainer")
+
 
 def _quiet_deepspeed():
     import deepspeed
@@ -46,11 +49,50 @@ def _quiet_deepspeed():
 
 
 def init_distributed() -> tuple[int, int]:
-    """torch.distributed from the standard env (RANK, WORLD_SIZE, MASTER_ADDR/PORT), gloo on CPU."""
+    """torch.distributed from the standard env (RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_RANK).
+
+    CPU: gloo. GPU: NCCL for CUDA tensors (DeepSpeed's gradient and parameter collectives) and gloo
+    for CPU tensors: the step's bookkeeping (batch broadcast, metric sums, global top-k) stays on the
+    host on both paths, so the trainer has one code path and a device, not a GPU branch.
+    """
     deepspeed = _quiet_deepspeed()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     return dist.get_rank(), dist.get_world_size()
+
+
+def attn_implementation(choice: str) -> str:
+    """"auto": flash-attn 2 (varlen over the packed rows) when CUDA and flash_attn are there, else sdpa."""
+    if choice != "auto":
+        return choice
+    import importlib.util
+
+    return "flash_attention_2" if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") else "sdpa"
+
+
+def ds_config(cfg: Config) -> dict:
+    """The DeepSpeed config of the learner (our own torch AdamW is passed in, so nothing compiles on CPU)."""
+    lc = cfg.learner
+    zero: dict = {"stage": lc.zero_stage}
+    if lc.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    out = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": lc.grad_clip,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,  # offload with our torch AdamW, not DeepSpeedCPUAdam (a JIT build)
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if cfg.model.dtype == "bfloat16":
+        out["bf16"] = {"enabled": True}  # bf16 weights and activations; ZeRO keeps fp32 master weights and moments
+    return out
 
 
 SUM_KEYS = (
@@ -85,25 +127,31 @@ class Trainer:
 
         deepspeed = _quiet_deepspeed()
         self.cfg = cfg
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+        if cfg.model.dtype == "bfloat16" and not torch.cuda.is_available():
+            raise RuntimeError("model.dtype = \"bfloat16\" trains with DeepSpeed's bf16 optimizer, which needs a GPU; "
+                               "use model.dtype = \"float32\" on CPU")
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        attn = attn_implementation(cfg.learner.attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
         model.config.use_cache = False
+        if cfg.learner.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         lc = cfg.learner
         self.ref = None
         if lc.kl.coef:
-            self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+            self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
             self.ref.eval().requires_grad_(False)
         opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.999), eps=1e-8)
-        ds_config = {
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": lc.grad_clip,
-            "zero_optimization": {"stage": lc.zero_stage},
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 1 << 30,
-            "wall_clock_breakdown": False,
-        }
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(cfg))
+        self.device = self.engine.device  # cpu here; the rank's GPU on the GPU path
+        if dist.get_rank() == 0:  # what DeepSpeed and transformers actually set up, not what was asked
+            log.info("learner: ZeRO-%d, optimizer offload %s, bf16 %s, attention %s, gradient checkpointing %s, device %s",
+                     self.engine.zero_optimization_stage(), self.engine.zero_cpu_offload(),
+                     self.engine.bfloat16_enabled(), model.config._attn_implementation, model.is_gradient_checkpointing,
+                     self.device)
+        if self.ref is not None:
+            self.ref.to(self.device)
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         self.objective = Objective(lc, cfg.rollout.max_new_tokens)
@@ -129,7 +177,7 @@ class Trainer:
 
         Packed once per step and shared by the survey, the training loop and the entropy-after pass.
         """
-        return [(m, k, idx, pack(batch.samples, idx, self.pad_id))
+        return [(m, k, idx, {name: t.to(self.device) for name, t in pack(batch.samples, idx, self.pad_id).items()})
                 for m, per_rank in enumerate(batch.plan) for k, idx in enumerate(per_rank[self.rank])]
 
     def _generator(self, batch: StepBatch) -> torch.Generator:
@@ -159,7 +207,7 @@ class Trainer:
         sums = torch.zeros(3, dtype=torch.float64)
         for e in per.values():
             m = e["mb"]["mask"]
-            sums += torch.stack([(e["old"] * m).sum(), (e["mb"]["adv"] * m).sum(), m.sum()]).double()
+            sums += torch.stack([(e["old"] * m).sum(), (e["mb"]["adv"] * m).sum(), m.sum()]).double().cpu()
         dist.all_reduce(sums)
         n = sums[2].clamp(min=1.0)
         mean_lp, mean_a = sums[0] / n, sums[1] / n
@@ -178,18 +226,18 @@ class Trainer:
                 # Identical responses give identical scores; a tie at the k-th value would select
                 # every tied token. A tiny deterministic offset by (rank, position) breaks ties
                 # without reordering scores that differ by more than ~1e-12.
-                pos = torch.arange(cov.numel(), dtype=torch.float64).view_as(cov) / (cov.numel() + 1)
+                pos = torch.arange(cov.numel(), dtype=torch.float64, device=cov.device).view_as(cov) / (cov.numel() + 1)
                 tie = 1e-12 * (self.rank + pos) / self.world
                 e["score"] = torch.where(eligible, cov - tie, torch.full_like(cov, float("-inf")))
             scores.append(e["score"][e["score"] > floor])
-        kth = _global_kth_largest(torch.cat(scores) if scores else torch.zeros(0, dtype=torch.float64), k)
+        kth = _global_kth_largest(torch.cat(scores).cpu() if scores else torch.zeros(0, dtype=torch.float64), k)
         for e in per.values():
             e["selected"] = (e["score"] >= kth) & (e["score"] > floor)
 
     def _select_high_entropy(self, per: dict) -> None:
         """Keep the top-rho entropy tokens of the global batch (Wang et al. 2025)."""
         vals = [e["entropy"][e["mb"]["mask"] > 0] for e in per.values()]
-        local = torch.cat(vals) if vals else torch.zeros(0)
+        local = torch.cat(vals).cpu() if vals else torch.zeros(0)
         count = torch.tensor([float(local.numel())], dtype=torch.float64)
         dist.all_reduce(count)
         k = max(1, int(float(count) * self.cfg.learner.high_entropy_fraction + 0.999999))
@@ -266,13 +314,13 @@ class Trainer:
                 mask = t.mask
                 ent0 = e["entropy"] if e else entropy  # entropy of the policy *before* this step's updates
                 lp, a = t.old * mask, t.adv * mask
+                zero = mask.new_zeros(())
                 sums += torch.stack([
                     mask.sum(), (ent0 * mask).sum(), met["pg_loss"].sum(), met["pg_clipfrac"].sum(),
                     met["ppo_kl"].sum(), met["is_weight"].sum(), met["is_weight_clipfrac"].sum(),
-                    lp.sum(), a.sum(), (lp * a).sum(), torch.tensor(float(mb["input_ids"].numel() if idx else 0)),
-                    torch.tensor(0.0), met.get("cov_selected", torch.zeros(1)).sum(), torch.tensor(0.0),
-                    met.get("kl_ref", torch.zeros(1)).sum(),
-                ]).double()
+                    lp.sum(), a.sum(), (lp * a).sum(), zero + float(mb["input_ids"].numel() if idx else 0),
+                    zero, met.get("cov_selected", zero).sum(), zero, met.get("kl_ref", zero).sum(),
+                ]).double().cpu()
             if k == n_micro[m] - 1:
                 applied = self._optimizer_step()
                 skipped.append(not applied)

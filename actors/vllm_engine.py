@@ -1,0 +1,601 @@
+"""vLLM behind the actor's Engine interface: the GPU generator (DESIGN.md section 7).
+
+One `AsyncLLM` per generator process, over every GPU the launcher gave it (tensor parallel size = the
+visible CUDA devices, i.e. `--tp`). It runs on an asyncio loop in a thread of its own. `generate`
+submits every prompt of a Work message at once (one request per prompt, `SamplingParams(n=group size)`),
+so continuous batching sees them all, and blocks the actor until they are back, calling `before_forward`
+meanwhile so the actor can apply staged weights while requests are in flight (as the CPU sampler does
+between decode steps).
+
+Contracts kept from the CPU path, and how:
+- pi_behav: `logprobs_mode="processed_logprobs"` with `logprobs=0` gives the logprob of the sampled token
+  under the distribution actually sampled from (after temperature and top-p). vLLM's default,
+  `raw_logprobs`, is taken before temperature: every importance weight at T != 1 would be biased.
+  `generation_config="vllm"`, so no sampling default from the model directory changes that distribution.
+- Versions per token: the engine core labels each step's output with the weight version set by
+  `finish_weight_update(weight_version=...)` / `update_weight_version`, which change only while
+  generation is paused; `CompletionOutput.weight_versions` spans become one int per token. Exact even
+  when a response spans an update.
+- Seeds: vLLM gives child j of a request seeded s the seed s + j, so prompt seeds are spread first
+  (`request_seed`): neighbouring prompts never share a sample's noise. Samples are reproducible for a
+  given seed and weights, but not equal to the CPU sampler's (another noise source).
+
+A weight update (chosen once, at setup) pauses generation, loads, stamps the version, resumes:
+- `weight_update="finish"`: `pause_generation(mode="wait")`: requests in flight finish on the old
+  weights; new ones wait for the new weights. Every response has one version.
+- `weight_update="keep"`: `pause_generation(mode="keep")`: requests freeze and continue on the new
+  weights (PipelineRL-style). `clear_cache=True` in both modes: the KV of frozen requests is recomputed
+  under the new weights. That departs from the CPU sampler (which keeps the KV of earlier tokens),
+  because vLLM's prefix cache would otherwise hand old-weight KV to new requests.
+Transports:
+- `rpc`: the flat fp32 vector arrives in this process over the gloo weight channel (the CPU protocol,
+  `actors/actor.py` unchanged) and `load_flat` hands it to the workers bucket by bucket through
+  `collective_rpc` into `CovrlWorkerExtension`. Needed when learner and generator share one GPU.
+- `nccl`: learner rank 0 broadcasts each bucket into the vLLM workers (`common/vllm_weights.NcclSender`).
+  The receiving end is vLLM's weight-transfer API (`WeightTransferConfig(backend="nccl")`,
+  init_weight_transfer_engine / start_weight_update / update_weights / finish_weight_update) where the
+  installed vLLM has it, else the worker extension's own NCCL group (`covrl_init_nccl`).
+
+Importing this module imports neither vLLM nor CUDA; `VllmEngine` does, when built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from actors.engine import Completion, _hash32
+from common import vllm_weights as VW
+from common import weights as W
+from common.messages import SamplingParams
+
+PAUSE_MODE = {"finish": "wait", "keep": "keep"}  # our weight_update -> vLLM's pause mode
+TRANSPORTS = ("rpc", "nccl")
+EXTENSION = "actors.vllm_engine.CovrlWorkerExtension"
+MAX_N = 1 << 16  # samples per prompt: request seeds leave this much room for vLLM's seed + j
+
+
+# ---- pure helpers (unit-tested without vLLM) ---------------------------------------------------
+
+
+def choose_engine(requested: str, environ=os.environ) -> str:
+    """"torch" or "vllm". auto: vLLM when this process was given CUDA devices (the launcher sets
+    CUDA_VISIBLE_DEVICES per generator, "" for CPU-only roles), else the torch sampler."""
+    if requested in ("torch", "vllm"):
+        return requested
+    if requested != "auto":
+        raise ValueError(f"generator.engine={requested!r}: use \"auto\", \"torch\" or \"vllm\"")
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return "vllm" if visible.strip() else "torch"
+    import glob
+
+    return "vllm" if glob.glob("/dev/nvidia[0-9]*") else "torch"
+
+
+def visible_device_count(environ=os.environ) -> int:
+    """CUDA devices this process may use, without initialising CUDA (vLLM forks its workers after)."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    return torch.cuda.device_count()
+
+
+def request_seed(seed: int) -> int:
+    """vLLM seed of a prompt: its seed mixed to 32 bits, times MAX_N, so the child seeds
+    [s, s + n) of different prompts never overlap (unless two 32-bit hashes collide)."""
+    return int(_hash32(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64))) * MAX_N
+
+
+def sampling_kwargs(n: int, sampling: SamplingParams, seed: int, stop_ids: Sequence[int]) -> dict:
+    """vllm.SamplingParams arguments for one prompt of a Work or EvalWork message."""
+    if not 1 <= n <= MAX_N:
+        raise ValueError(f"{n} samples per prompt: vLLM requests here take 1..{MAX_N}")
+    greedy = sampling.temperature == 0
+    return dict(
+        n=n,
+        temperature=float(sampling.temperature),
+        top_p=1.0 if greedy else float(sampling.top_p),
+        max_tokens=int(sampling.max_new_tokens),
+        logprobs=0,  # the sampled token's logprob only
+        seed=request_seed(seed),
+        stop_token_ids=[int(t) for t in stop_ids],
+        detokenize=False,  # the actor decodes for scoring; vLLM never needs the text
+        flat_logprobs=True,
+    )
+
+
+def engine_kwargs(model_path: str, settings: "VllmSettings", tp: int, native_nccl: bool) -> dict:
+    """vllm.AsyncEngineArgs arguments. `weight_transfer_config` is given as its fields; the engine
+    builds `WeightTransferConfig(**fields)` from them."""
+    kw = dict(
+        model=model_path,
+        tokenizer=model_path,
+        dtype=settings.dtype,
+        seed=settings.seed,
+        tensor_parallel_size=tp,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        max_num_seqs=settings.max_num_seqs,
+        enforce_eager=settings.enforce_eager,
+        logprobs_mode="processed_logprobs",
+        generation_config="vllm",
+        enable_prefix_caching=True,
+        worker_extension_cls=EXTENSION,
+        disable_log_stats=True,
+    )
+    if settings.max_model_len:
+        kw["max_model_len"] = settings.max_model_len
+    if settings.transport == "nccl" and native_nccl:
+        kw["weight_transfer_config"] = {"backend": "nccl"}
+    return kw
+
+
+def versions_from_spans(spans, num_tokens: int) -> np.ndarray | None:
+    """int32 [num_tokens] policy versions from vLLM's WeightVersionSpan list (version, start, end);
+    None when vLLM reported none (an older vLLM)."""
+    if spans is None:
+        return None
+    out = np.empty(num_tokens, dtype=np.int32)
+    pos = 0
+    for span in spans:
+        if span.start != pos or span.end < span.start:
+            raise RuntimeError(f"vLLM weight-version spans are not contiguous at token {pos}: {list(spans)}")
+        try:
+            out[span.start:span.end] = int(span.version)
+        except ValueError:
+            raise RuntimeError(f"vLLM labelled tokens with weight version {span.version!r}, not a covrl version: "
+                               "was the engine's version set before generating (VllmEngine does it at start)?") from None
+        pos = span.end
+    if pos != num_tokens:
+        raise RuntimeError(f"vLLM weight-version spans cover {pos} of {num_tokens} tokens")
+    return out
+
+
+def sampled_logprobs(token_ids: Sequence[int], logprobs) -> np.ndarray:
+    """float32 [T] logprob of each sampled token, from vLLM's per-position logprobs (FlatLogprobs or
+    a list of {token id: Logprob}); with logprobs=0 each position holds the sampled token only."""
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise RuntimeError(f"vLLM returned {None if logprobs is None else len(logprobs)} logprob positions for "
+                           f"{len(token_ids)} tokens; requests must ask for logprobs=0")
+    flat_ids = getattr(logprobs, "token_ids", None)
+    if flat_ids is not None and len(flat_ids) == len(token_ids) and list(flat_ids) == list(token_ids):
+        return np.asarray(logprobs.logprobs, dtype=np.float32)  # FlatLogprobs, one entry per position
+    return np.asarray([logprobs[t][tok].logprob for t, tok in enumerate(token_ids)], dtype=np.float32)
+
+
+def rpc_bytes(t: torch.Tensor, dtype: torch.dtype) -> bytes:
+    """A tensor as raw bytes for `collective_rpc`: vLLM's frontend -> engine-core channel decodes
+    untyped arguments, so a tensor would arrive as [dtype, shape, buffer index] (the contract test
+    shows it); bytes arrive as bytes."""
+    return t.detach().to("cpu", dtype).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def from_rpc_bytes(data: bytes, dtype_name: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype_name))
+
+
+def finish_reason(reason: str | None) -> str:
+    if reason in ("stop", "length"):
+        return reason
+    raise RuntimeError(f"a vLLM request ended with finish_reason={reason!r}; covrl never aborts requests, so "
+                       "the engine failed or was stopped (see the generator log)")
+
+
+def to_completion(out, fallback_version: int | None) -> Completion:
+    """One vLLM CompletionOutput as the actor's Completion."""
+    tokens = np.asarray(out.token_ids, dtype=np.int32)
+    versions = versions_from_spans(getattr(out, "weight_versions", None), len(tokens))
+    if versions is None:
+        if fallback_version is None:
+            raise RuntimeError("this vLLM reports no per-token weight versions and the weights changed while the "
+                               "request ran; use weight_update=\"finish\" or vLLM >= 0.33")
+        versions = np.full(len(tokens), fallback_version, dtype=np.int32)
+    return Completion(token_ids=tokens, logprobs=sampled_logprobs(out.token_ids, out.logprobs), versions=versions,
+                      finish_reason=finish_reason(out.finish_reason))
+
+
+# ---- settings and the vLLM surface we use ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    weight_update: str = "finish"  # "finish" | "keep": see the module docstring
+    transport: str = "rpc"  # "rpc" | "nccl"
+    tensor_parallel_size: int = 0  # 0: every visible CUDA device
+    dtype: str = "bfloat16"
+    gpu_memory_utilization: float = 0.85
+    max_num_seqs: int = 256
+    max_model_len: int = 0  # 0: the model's
+    enforce_eager: bool = False
+    seed: int = 0
+    poll_s: float = 0.02  # how often `generate` runs the before_forward hook while waiting
+
+    def __post_init__(self):
+        if self.weight_update not in PAUSE_MODE:
+            raise ValueError(f"weight_update={self.weight_update!r}: \"finish\" (in-flight requests finish on the "
+                             "old weights) or \"keep\" (they continue on the new ones, tokens stamped per version)")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"weight transport {self.transport!r}: \"rpc\" (gloo to this process, then into the "
+                             "workers) or \"nccl\" (learner GPU straight into the workers; needs separate GPUs)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} is a fraction in (0, 1]")
+        VW.torch_dtype(self.dtype)
+
+
+def vllm_api():
+    """The vLLM names VllmEngine uses, resolved once (tests pass a fake namespace instead)."""
+    import dataclasses
+
+    import vllm
+    from vllm.exceptions import RetryableRequestError
+    from vllm.outputs import CompletionOutput
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    api = SimpleNamespace(AsyncLLM=AsyncLLM, AsyncEngineArgs=vllm.AsyncEngineArgs, SamplingParams=vllm.SamplingParams,
+                          FINAL_ONLY=RequestOutputKind.FINAL_ONLY, Retryable=RetryableRequestError,
+                          version_spans="weight_versions" in {f.name for f in dataclasses.fields(CompletionOutput)},
+                          native_nccl=False, version=vllm.__version__)
+    try:
+        from vllm.config import WeightTransferConfig
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+    except ImportError:
+        return api  # an older vLLM: the worker extension carries NCCL updates
+    api.WeightTransferConfig, api.InitRequest, api.UpdateRequest = (WeightTransferConfig, WeightTransferInitRequest,
+                                                                    WeightTransferUpdateRequest)
+    api.native_nccl = all(hasattr(AsyncLLM, m) for m in ("init_weight_transfer_engine", "start_weight_update",
+                                                         "update_weights", "finish_weight_update"))
+    return api
+
+
+class _Loop:
+    """An asyncio loop in a daemon thread; the actor's threads submit coroutines to it."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-loop", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro, timeout_s: float | None = None):
+        return self.submit(coro).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def meta_model(model_path: str) -> torch.nn.Module:
+    """The model's architecture on the meta device: names and shapes for `W.layout`, no memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+
+
+# ---- the engine ----------------------------------------------------------------------------
+
+
+class VllmEngine:
+    """The Engine interface (actors/engine.py) over vLLM's AsyncLLM."""
+
+    def __init__(self, model_path: str, *, stop_ids: Sequence[int], settings: VllmSettings = VllmSettings(),
+                 llm=None, api=None):
+        self.settings, self.stop_ids = settings, [int(t) for t in stop_ids]
+        self.model = meta_model(model_path)  # the actor takes W.layout(engine.model) from it
+        self.lay = W.layout(self.model)
+        self.dtype = VW.torch_dtype(settings.dtype)
+        self.api = api if api is not None else vllm_api()
+        if settings.weight_update == "keep" and not self.api.version_spans:
+            raise ValueError(f"weight_update=\"keep\" needs per-token weight versions from vLLM (0.33 has them); "
+                             f"vLLM {self.api.version} has not: use weight_update=\"finish\"")
+        self.version = 0
+        self.tp = settings.tensor_parallel_size or (1 if llm is not None else visible_device_count())
+        self.nccl = None  # "native" | "extension" once joined
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.last_update_s = 0.0
+        self._ids = itertools.count()
+        self._loop = _Loop()
+        try:
+            self.llm = llm if llm is not None else self._loop.run(self._build(model_path))
+            self._open = self._loop.run(self._make_gate())
+            self._loop.run(self.llm.update_weight_version("0"))  # the engine core's label is "default" until set
+        except BaseException:
+            self._loop.close()
+            raise
+
+    @classmethod
+    def from_config(cls, cfg, model_path: str, *, stop_ids: Sequence[int]) -> "VllmEngine":
+        """Settings from the run config: `cfg.generator` (proposed section, see the issue-6 notes), `cfg.model.dtype`."""
+        gen = cfg.generator
+        # An fp32 checkpoint is served in bf16 (vLLM's attention kernels are for 16-bit dtypes); the learner keeps
+        # fp32 master weights and the NCCL/RPC paths cast each bucket to the generator's dtype.
+        settings = VllmSettings(weight_update=gen.weight_update, transport=gen.weight_transport,
+                                dtype="bfloat16" if cfg.model.dtype == "float32" else cfg.model.dtype,
+                                gpu_memory_utilization=gen.gpu_memory_utilization, max_num_seqs=gen.max_num_seqs,
+                                enforce_eager=gen.enforce_eager, seed=cfg.run.seed)
+        return cls(model_path, stop_ids=stop_ids, settings=settings)
+
+    async def _build(self, model_path: str):
+        # vLLM's worker processes import CovrlWorkerExtension by name: make sure they can find this repo.
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        if repo not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
+        tp = self.tp
+        if tp < 1:
+            raise ValueError("the vLLM engine needs a CUDA device and this process sees none "
+                             "(CUDA_VISIBLE_DEVICES is empty); give the generator GPUs (--gpus, --tp) or use the torch engine")
+        kw = engine_kwargs(model_path, self.settings, tp, self.api.native_nccl)
+        if "weight_transfer_config" in kw:
+            kw["weight_transfer_config"] = self.api.WeightTransferConfig(**kw["weight_transfer_config"])
+        return self.api.AsyncLLM.from_engine_args(self.api.AsyncEngineArgs(**kw))
+
+    @staticmethod
+    async def _make_gate() -> asyncio.Event:
+        gate = asyncio.Event()  # closed while a "finish" update runs: paused vLLM rejects new requests then
+        gate.set()
+        return gate
+
+    # ---- generation ----
+
+    def generate(self, prompts, n, sampling, seeds, before_forward: Callable[[], None] | None = None):
+        if len(prompts) != len(seeds):
+            raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt")
+        params = [self.api.SamplingParams(**sampling_kwargs(n, sampling, s, self.stop_ids), output_kind=self.api.FINAL_ONLY)
+                  for s in seeds]
+        fut = self._loop.submit(self._generate_all([list(map(int, p)) for p in prompts], params))
+        hook = before_forward or (lambda: None)
+        try:
+            while True:
+                hook()  # may apply staged weights (load_flat) while requests run
+                try:
+                    finals = fut.result(timeout=self.settings.poll_s)
+                    break
+                except concurrent.futures.TimeoutError:
+                    continue
+        finally:
+            fut.cancel()  # no-op when done; otherwise vLLM aborts the requests
+        groups = []
+        for out, v_submit in finals:
+            comps = sorted(out.outputs, key=lambda c: c.index)
+            if len(comps) != n:
+                raise RuntimeError(f"vLLM returned {len(comps)} completions for a request of n={n}")
+            fallback = v_submit if v_submit == self.version or self.settings.weight_update == "finish" else None
+            groups.append([to_completion(c, fallback) for c in comps])
+        return groups
+
+    async def _generate_all(self, prompts, params):
+        return await asyncio.gather(*(self._one(p, sp) for p, sp in zip(prompts, params)))
+
+    async def _one(self, prompt_ids, params):
+        while True:
+            await self._open.wait()
+            version, rid = self.version, f"covrl-{next(self._ids)}"
+            try:
+                final = None
+                async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, params, rid):
+                    final = out
+                if final is None or not final.finished:
+                    raise RuntimeError(f"vLLM request {rid} ended without a final output")
+                return final, version
+            except self.api.Retryable:  # a pause began between the gate and admission: nothing was generated
+                self.counters["vllm/requests_retried"] += 1
+
+    # ---- weight updates ----
+
+    def _update(self, version: int, load) -> None:
+        """Pause, run `load()` (a coroutine function that loads and labels the version), resume."""
+        t0 = time.perf_counter()
+        self._loop.run(self._paused(version, load))
+        self.last_update_s = time.perf_counter() - t0
+        self.counters["vllm/weight_updates"] += 1
+
+    async def _paused(self, version: int, load) -> None:
+        mode = PAUSE_MODE[self.settings.weight_update]
+        if mode == "wait":
+            self._open.clear()
+        try:
+            await self.llm.pause_generation(mode=mode, clear_cache=True)
+            try:
+                await load()
+                self.version = version  # before resume: requests admitted from here on start at this version
+            finally:
+                await self.llm.resume_generation()
+        finally:
+            self._open.set()
+
+    def load_flat(self, flat: torch.Tensor, version: int) -> None:
+        """The rpc transport: a flat fp32 vector in `layout` order (from the gloo weight channel) into the workers."""
+        if flat.numel() != self.lay.numel:
+            raise ValueError(f"load_flat: {flat.numel()} elements for a model of {self.lay.numel}")
+
+        async def load():
+            for first, end, start, stop in W.bucket_plan(self.lay):
+                meta = VW.bucket_meta(self.lay, first, end, self.dtype)
+                await self.llm.collective_rpc("covrl_load_weights", args=(
+                    meta["names"], meta["shapes"], meta["dtype_names"][0], rpc_bytes(flat[start:stop], self.dtype)))
+            await self.llm.update_weight_version(str(version))
+
+        self._update(version, load)
+
+    def join_nccl(self, host: str, port: int, world_size: int, timeout_s: float = 600) -> None:
+        """The nccl transport, once per generator: join learner rank 0's NCCL group (it calls `NcclSender` at the
+        same time). Workers take ranks 1..tp."""
+        info = dict(master_address=host, master_port=int(port), rank_offset=1, world_size=int(world_size))
+        if self.api.native_nccl:
+            coro = self.llm.init_weight_transfer_engine(self.api.InitRequest(init_info={**info, "packed": False}))
+            self.nccl = "native"
+        else:
+            coro = self.llm.collective_rpc("covrl_init_nccl", kwargs=info)
+            self.nccl = "extension"
+        self._loop.run(coro, timeout_s)
+
+    @property
+    def receives_weights_directly(self) -> bool:
+        """True with the nccl transport: buckets go from the learner's GPU into the workers, not through
+        this process; the actor's weight receiver then calls `receive_nccl` on each header."""
+        return self.settings.transport == "nccl"
+
+    def announce_receiver(self, store) -> None:
+        """Before the pair channel's rendezvous: tell the learner this generator's NCCL group size and dtype."""
+        VW.announce(store, self.tp, self.dtype)
+
+    def join_via_store(self, store, timeout_s: float) -> None:
+        """After the rendezvous: read the learner's NCCL address from the pair channel's store and join."""
+        addr = VW.read_address(store, timeout_s)
+        self.join_nccl(addr["host"], addr["port"], addr["world_size"], timeout_s)
+
+    def receive_nccl(self, version: int) -> None:
+        """The nccl transport, per version: receive every bucket the learner's `NcclSender.send` broadcasts."""
+        if self.nccl is None:
+            raise RuntimeError("receive_nccl before join_nccl: the NCCL group to the learner is not built")
+        metas = [VW.bucket_meta(self.lay, first, end, self.dtype) for first, end, _, _ in W.bucket_plan(self.lay)]
+
+        async def native():
+            await self.llm.start_weight_update()
+            for meta in metas:
+                await self.llm.update_weights(self.api.UpdateRequest(update_info=meta))
+            await self.llm.finish_weight_update(weight_version=str(version))
+
+        async def extension():
+            for meta in metas:
+                await self.llm.collective_rpc("covrl_receive_nccl", args=(meta["names"], meta["dtype_names"], meta["shapes"]))
+            await self.llm.update_weight_version(str(version))
+
+        self._update(version, native if self.nccl == "native" else extension)
+
+    def fingerprint(self, name: str = VW.FINGERPRINT_PARAM) -> list[float]:
+        """`VW.fingerprint` of one (unfused, unsplit) parameter in every worker."""
+        return list(self._loop.run(self.llm.collective_rpc("covrl_fingerprint", args=(name,))))
+
+    def close(self) -> None:
+        shutdown = getattr(self.llm, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        self._loop.close()
+
+
+class CovrlWorkerExtension:
+    """Mixed into vLLM's GPU worker (`worker_extension_cls`); reached through `collective_rpc`.
+
+    Names start with `covrl_` because vLLM refuses an extension attribute that the worker already has.
+    `load_weights` is vLLM's loader for checkpoint tensors: it splits for tensor parallelism and fuses
+    q/k/v and gate/up. It is the plain path for unquantized models (vLLM's native NCCL path also runs
+    the layerwise reload that quantized models need).
+    """
+
+    def _covrl_model(self):
+        return self.model_runner.get_model()
+
+    def covrl_load_weights(self, names: list[str], shapes: list[list[int]], dtype_name: str, data: bytes) -> None:
+        parts = from_rpc_bytes(data, dtype_name).to(self.device).split([math.prod(s) for s in shapes])
+        self._covrl_model().load_weights([(n, p.view(s)) for n, s, p in zip(names, shapes, parts, strict=True)])
+
+    def covrl_init_nccl(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        pg = StatelessProcessGroup.create(host=master_address, port=master_port, rank=rank_offset + self.rank,
+                                          world_size=world_size)
+        self._covrl_nccl = PyNcclCommunicator(pg, device=self.device)
+
+    def covrl_receive_nccl(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> None:
+        model, stream = self._covrl_model(), torch.cuda.current_stream()
+        for name, dtype_name, shape in zip(names, dtype_names, shapes, strict=True):
+            t = torch.empty(shape, dtype=getattr(torch, dtype_name), device=self.device)
+            self._covrl_nccl.broadcast(t, src=0, stream=stream)
+            model.load_weights([(name, t)])
+
+    def covrl_fingerprint(self, name: str) -> float:
+        params = dict(self._covrl_model().named_parameters())
+        if name not in params:
+            raise KeyError(f"vLLM's model has no parameter {name!r} (it fuses q/k/v and gate/up); fingerprint an "
+                           f"unfused one such as {VW.FINGERPRINT_PARAM!r}")
+        return VW.fingerprint(params[name])
+
+
+# ---- the generator role of launch/gpu_check.py -------------------------------------------------
+
+
+def _self_check(argv: list[str] | None = None) -> int:
+    """`python -m actors.vllm_engine --check ...`: one generator for launch/gpu_check.py. Joins the weight
+    channel as rank 1, loads version 1, generates the prompts it is given, writes what it saw as JSON."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m actors.vllm_engine")
+    ap.add_argument("--check", action="store_true", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--weights", required=True, help="host:port of the learner's weight-channel store")
+    ap.add_argument("--transport", choices=TRANSPORTS, required=True)
+    ap.add_argument("--job", required=True, help="JSON: prompts, n, temperature, top_p, max_new_tokens, dtype, max_model_len")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    ap.add_argument("--nccl-extension", action="store_true", help="receive NCCL updates through CovrlWorkerExtension")
+    args = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from actors.engine import stop_token_ids
+
+    with open(args.job) as f:
+        job = json.load(f)
+    stops = stop_token_ids(AutoTokenizer.from_pretrained(args.model), args.model)
+    host, port = args.weights.rsplit(":", 1)
+    ch = W.WeightChannel(host, int(port), 1, 2, timeout_s=600)
+    api = vllm_api()
+    if args.nccl_extension:
+        api.native_nccl = False  # what an older vLLM without the weight-transfer API gets
+    engine = VllmEngine(args.model, stop_ids=stops, api=api,
+                        settings=VllmSettings(transport=args.transport, dtype=job["dtype"], enforce_eager=True,
+                                              gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=job["max_model_len"]))
+    try:
+        if args.transport == "nccl":
+            engine.announce_receiver(ch.store)
+            engine.join_via_store(ch.store, 600)
+            header = torch.zeros(4, dtype=torch.int64)
+            ch._bcast(header)  # [version, numel, layout digest, flags], as WeightChannel.receive reads it
+            version = int(header[0])
+            t0 = time.perf_counter()
+            engine.receive_nccl(version)
+        else:
+            got = ch.receive(engine.lay)
+            if got is None:
+                raise RuntimeError("the learner stopped the weight channel before sending version 1")
+            version, flat, _ = got
+            t0 = time.perf_counter()
+            engine.load_flat(flat, version)
+        load_s = time.perf_counter() - t0
+        fp = engine.fingerprint()
+        sp = SamplingParams(temperature=job["temperature"], top_p=job["top_p"], max_new_tokens=job["max_new_tokens"])
+        t0 = time.perf_counter()
+        groups = engine.generate(job["prompts"], job["n"], sp, list(range(len(job["prompts"]))))
+        gen_s = time.perf_counter() - t0
+        comps = [c for g in groups for c in g]
+        out = {"version": engine.version, "fingerprint": fp, "load_s": load_s, "gen_s": gen_s,
+               "tokens": [c.token_ids.tolist() for c in comps], "logprobs": [c.logprobs.tolist() for c in comps],
+               "versions": [c.versions.tolist() for c in comps]}
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f)
+        os.replace(tmp, args.out)
+    finally:
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_self_check())

@@ -1,0 +1,230 @@
+"""GPU self-check: one vLLM generator and one learner, weights across, logprobs compared.
+
+    python launch/gpu_check.py [--model DIR] [--transport auto|rpc|nccl] [--prompts 16] [--n 4]
+
+- The learner (this process, GPU 0) loads the model in fp32, perturbs every weight (version 1 must differ
+  from the checkpoint the generator starts from) and publishes version 1: over the gloo weight channel then
+  RPC into the vLLM workers (`rpc`: learner and generator share GPU 0; NCCL cannot put two ranks on one
+  GPU), or by NCCL broadcast straight into the workers (`nccl`: the generator on GPU 1; `auto` picks it
+  when two GPUs are visible).
+- The generator (`python -m actors.vllm_engine --check`, a subprocess) loads version 1, fingerprints
+  `model.norm.weight` inside every vLLM worker, samples n responses per prompt at temperature 0.7, and
+  reports tokens, behaviour logprobs and per-token versions.
+- The learner asserts: the weights arrived (the same fingerprint on both sides, after rounding to the
+  generator's dtype), every token is stamped version 1, and behaviour logprobs agree with the learner's
+  recomputation at staleness 0 (mean |dlogp| under --max-dlogp; the learner uses the weights rounded to the
+  generator's dtype, so what remains is bf16 arithmetic). It also prints the gap to untempered logprobs,
+  which is what vLLM's default logprobs_mode would have reported. Then tokens/s and weight-sync time.
+
+Default model: the built-in `assets/arith-base` (Qwen2 architecture, 1 M parameters): nothing is downloaded.
+Exit 0 when every check passes, 1 when one fails, 2 (one line) without CUDA or vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from common import vllm_weights as VW  # noqa: E402
+from common import weights as W  # noqa: E402
+from common.transport import free_port  # noqa: E402
+
+DEFAULT_MODEL = os.path.join(REPO, "assets", "arith-base")
+
+
+def preflight() -> str | None:
+    """None when this machine can run the check, else the one line that says why not and what to do."""
+    try:
+        import torch
+    except ImportError:
+        return "gpu_check: torch is not installed; install the project with its gpu extra"
+    if not torch.cuda.is_available():
+        return ("gpu_check: no CUDA device (torch.cuda.is_available() is False): run it on a machine with an NVIDIA "
+                "GPU and a CUDA build of torch (the gpu extra: vllm==0.33.0 pins torch 2.14.0)")
+    if importlib.util.find_spec("vllm") is None:
+        return "gpu_check: vllm is not importable: pip install vllm==0.33.0 (the gpu extra) in this environment"
+    return None
+
+
+def physical_ids() -> list[str]:
+    """CUDA device ids as the parent sees them, so a child's CUDA_VISIBLE_DEVICES names the same GPUs."""
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else []
+    return ids or [str(i) for i in range(torch.cuda.device_count())]
+
+
+def arith_prompts(tokenizer, count: int) -> list[list[int]]:
+    from common.arith import ArithTask
+    from common.templates import render_prompt
+
+    problems = ArithTask(seed=0, train_size=64, eval_size=max(count, 8)).eval_sets()["arith_easy"][:count]
+    return [tokenizer(render_prompt(p.question), add_special_tokens=False)["input_ids"] for p in problems]
+
+
+def perturbed(model, seed: int = 1, scale: float = 0.02) -> None:
+    """Version 1: every parameter moved by `scale` of its own std (deterministic noise)."""
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=g).to(p.device)
+            p.add_(noise * scale * (p.float().std() if p.numel() > 1 else 1.0))
+
+
+def learner_logprobs(model, prompts, tokens, n: int, temperature: float):
+    """(tempered, untempered) logprobs of each response's tokens under the learner's weights; fp32."""
+    import torch
+
+    tempered, raw = [], []
+    with torch.no_grad():
+        for i, toks in enumerate(tokens):
+            prompt = prompts[i // n]
+            ids = torch.tensor([prompt + toks], device=next(model.parameters()).device)
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1:len(prompt) - 1 + len(toks)].float()
+            target = torch.tensor(toks, device=ids.device)[:, None]
+            tempered.append(torch.log_softmax(logits / temperature, -1).gather(-1, target)[:, 0].cpu())
+            raw.append(torch.log_softmax(logits, -1).gather(-1, target)[:, 0].cpu())
+    return tempered, raw
+
+
+def run(model_dir: str, transport: str, *, prompts: int = 16, n: int = 4, temperature: float = 0.7,
+        max_new_tokens: int = 64, dtype: str = "bfloat16", timeout_s: float = 900,
+        nccl_impl: str = "native", gpu_memory_utilization: float = 0.4, tp: int = 1) -> dict:
+    """Run the check; returns the measurements (`checks` holds name -> (passed, detail))."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = physical_ids()
+    if transport == "auto":
+        transport = "nccl" if len(ids) >= 1 + tp else "rpc"
+    if transport == "nccl" and len(ids) < 1 + tp:
+        raise SystemExit(f"gpu_check: --transport nccl with --tp {tp} needs {1 + tp} visible GPUs (NCCL puts each rank "
+                         f"on its own GPU) and {len(ids)} are visible; lower --tp or use --transport rpc")
+    if transport == "rpc" and len(ids) < tp:
+        raise SystemExit(f"gpu_check: --tp {tp} needs {tp} visible GPUs and {len(ids)} are visible")
+    gen_device = ",".join(ids[1:1 + tp] if transport == "nccl" else ids[:tp])
+    torch.cuda.set_device(0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt_ids = arith_prompts(tokenizer, prompts)
+    wdtype = VW.torch_dtype(dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    perturbed(model)
+    lay = W.layout(model)
+
+    work = tempfile.mkdtemp(prefix="gpu_check_")
+    job, out, log = (os.path.join(work, f) for f in ("job.json", "out.json", "generator.log"))
+    max_len = max(len(p) for p in prompt_ids) + max_new_tokens + 8
+    with open(job, "w") as f:
+        json.dump({"prompts": prompt_ids, "n": n, "temperature": temperature, "top_p": 1.0,
+                   "max_new_tokens": max_new_tokens, "dtype": dtype, "max_model_len": max_len}, f)
+    port = free_port()
+    argv = [sys.executable, "-m", "actors.vllm_engine", "--check", "--model", model_dir, "--weights", f"127.0.0.1:{port}",
+            "--transport", transport, "--job", job, "--out", out, "--gpu-memory-utilization", str(gpu_memory_utilization)]
+    if nccl_impl == "extension":
+        argv.append("--nccl-extension")
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "CUDA_VISIBLE_DEVICES": gen_device, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT)
+    try:
+        ch = W.WeightChannel("127.0.0.1", port, 0, 2, timeout_s)  # waits for the generator to join
+        flat = W.flatten(model)  # fp32, on the learner's GPU
+        buckets = [flat[s:e] for _, _, s, e in W.bucket_plan(lay)]
+        if transport == "nccl":
+            nccl_port = free_port()
+            world, send_dtype = VW.offer_address(ch.store, "127.0.0.1", nccl_port, timeout_s)
+            sender = VW.NcclSender("127.0.0.1", nccl_port, world)
+            ch.send_header(1, lay)
+            sync_s, sent, _ = sender.send(lay, buckets, send_dtype)
+            sender.close()
+        else:
+            sync_s, sent, _ = ch.publish(1, lay, [b.cpu() for b in buckets])
+        proc.wait(timeout_s)
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        raise
+    if proc.returncode != 0 or not os.path.isfile(out):
+        with open(log, errors="replace") as f:
+            tail = "".join(f.readlines()[-30:])
+        raise SystemExit(f"gpu_check: the generator exited with {proc.returncode}; its log ({log}) ends:\n{tail}")
+    with open(out) as f:
+        got = json.load(f)
+
+    # The learner's weights rounded as the generator holds them: what is left of |dlogp| is arithmetic.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(wdtype).float())
+    expect_fp = VW.fingerprint(dict(model.named_parameters())[VW.FINGERPRINT_PARAM], wdtype)
+    tempered, raw = learner_logprobs(model, prompt_ids, got["tokens"], n, temperature)
+    behav = [torch.tensor(lp) for lp in got["logprobs"]]
+    tokens = sum(len(t) for t in got["tokens"])
+    dlogp = float(sum((b - t).abs().sum() for b, t in zip(behav, tempered)) / max(tokens, 1))
+    draw = float(sum((b - r).abs().sum() for b, r in zip(behav, raw)) / max(tokens, 1))
+    versions = {v for vs in got["versions"] for v in vs}
+    return {
+        "transport": transport + ("" if transport == "rpc" else f" ({nccl_impl})") + f", tp {tp}",
+        "tokens": tokens, "tokens_per_s": tokens / max(got["gen_s"], 1e-9),
+        "weight_sync_s": sync_s, "generator_load_s": got["load_s"], "bytes_sent": sent,
+        "fingerprint": {"learner": expect_fp, "generator": got["fingerprint"]},
+        "mean_abs_dlogp": dlogp, "mean_abs_dlogp_untempered": draw, "versions": sorted(versions),
+        "log": log,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python launch/gpu_check.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="local Hugging Face model directory (default: built-in arith-base)")
+    ap.add_argument("--transport", choices=("auto", "rpc", "nccl"), default="auto")
+    ap.add_argument("--nccl-impl", choices=("native", "extension"), default="native",
+                    help="NCCL receiver: vLLM's weight-transfer API, or covrl's worker extension (older vLLM)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs of the generator (after the learner's with nccl)")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    ap.add_argument("--max-dlogp", type=float, default=0.05, help="largest mean |behaviour - learner logprob| accepted")
+    ap.add_argument("--timeout-s", type=float, default=900)
+    args = ap.parse_args(argv)
+    problem = preflight()
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    r = run(args.model, args.transport, prompts=args.prompts, n=args.n, temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens, dtype=args.dtype, timeout_s=args.timeout_s, nccl_impl=args.nccl_impl,
+            tp=args.tp)
+    fp = r["fingerprint"]
+    checks = {
+        "weights arrive": (all(g == fp["learner"] for g in fp["generator"]),
+                           f"fingerprint of {VW.FINGERPRINT_PARAM}: learner {fp['learner']!r}, vLLM workers {fp['generator']!r}"),
+        "versions stamped": (r["versions"] == [1], f"token versions {r['versions']} (expected [1])"),
+        "logprobs agree": (r["mean_abs_dlogp"] <= args.max_dlogp,
+                           f"mean |dlogp| at staleness 0: {r['mean_abs_dlogp']:.5f} over {r['tokens']} tokens "
+                           f"(limit {args.max_dlogp}; vs untempered logprobs: {r['mean_abs_dlogp_untempered']:.4f})"),
+    }
+    for name, (ok, detail) in checks.items():
+        print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}")
+    print(f"transport {r['transport']}: weight sync {r['weight_sync_s'] * 1e3:.1f} ms learner side "
+          f"({r['bytes_sent'] / 2**20:.1f} MiB), {r['generator_load_s'] * 1e3:.1f} ms generator side")
+    print(f"generation: {r['tokens']} tokens at {r['tokens_per_s']:.0f} tokens/s; total {time.perf_counter() - t0:.0f}s; "
+          f"generator log {r['log']}")
+    return 0 if all(ok for ok, _ in checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""The vLLM engine on a real GPU, on the built-in arith-base model (nothing downloaded).
+
+Skipped without CUDA (tests/conftest.py) and without vllm. The learner side is a Hugging Face copy of
+the model in fp32 holding the weights rounded to bf16, as vLLM holds them, so behaviour and learner
+logprobs differ only by bf16 arithmetic."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm is not installed (the gpu extra)")
+
+from actors.engine import stop_token_ids  # noqa: E402
+from actors.vllm_engine import VllmEngine, VllmSettings  # noqa: E402
+from common import vllm_weights as VW  # noqa: E402
+from common import weights as W  # noqa: E402
+from common.messages import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL = os.path.join(REPO, "assets", "arith-base")
+SETTINGS = dict(dtype="bfloat16", gpu_memory_utilization=0.25, enforce_eager=True, max_model_len=256)
+T = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=64)
+MAX_DLOGP = 0.05  # mean |dlogp| allowed between bf16 vLLM and the fp32 recompute on the same weights
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(MODEL)
+
+
+def _prompts(count=8):
+    from launch.gpu_check import arith_prompts
+
+    return arith_prompts(_tokenizer(), count)
+
+
+def _make(**kw):
+    return VllmEngine(MODEL, stop_ids=stop_token_ids(_tokenizer(), MODEL), settings=VllmSettings(**{**SETTINGS, **kw}))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = _make()
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).cuda().eval()
+    _round_to_bf16(model)
+    return model
+
+
+def _round_to_bf16(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+
+
+def _mean_abs_dlogp(hf, prompts, groups, temperature):
+    from launch.gpu_check import learner_logprobs
+
+    comps = [c for g in groups for c in g]
+    tempered, raw = learner_logprobs(hf, prompts, [c.token_ids.tolist() for c in comps], len(groups[0]), temperature)
+    n = sum(len(c.token_ids) for c in comps)
+    d = sum(float((torch.from_numpy(c.logprobs) - t).abs().sum()) for c, t in zip(comps, tempered)) / n
+    d_raw = sum(float((torch.from_numpy(c.logprobs) - r).abs().sum()) for c, r in zip(comps, raw)) / n
+    return d, d_raw
+
+
+def test_generate_groups_with_stops_logprobs_and_versions(engine):
+    prompts = _prompts(4)
+    groups = engine.generate(prompts, 4, T, [0, 1, 2, 3])
+    assert len(groups) == 4 and all(len(g) == 4 for g in groups)
+    for g in groups:
+        for c in g:
+            assert 0 < len(c.token_ids) <= T.max_new_tokens
+            assert c.logprobs.shape == c.token_ids.shape and np.all(c.logprobs <= 0) and np.all(np.isfinite(c.logprobs))
+            assert c.versions.tolist() == [0] * len(c.token_ids)
+            if c.finish_reason == "stop":
+                assert int(c.token_ids[-1]) in engine.stop_ids  # the stop token is kept, as the CPU sampler does
+
+
+def test_behaviour_logprobs_are_of_the_tempered_distribution(engine, hf):
+    prompts = _prompts(8)
+    groups = engine.generate(prompts, 4, T, list(range(8)))
+    d, d_raw = _mean_abs_dlogp(hf, prompts, groups, T.temperature)
+    assert d <= MAX_DLOGP, f"mean |dlogp| {d:.4f} at staleness 0"
+    assert d_raw > 3 * d, f"untempered logprobs are as close ({d_raw:.4f} vs {d:.4f}): is logprobs_mode processed?"
+
+
+def test_same_seed_same_samples(engine):
+    prompts = _prompts(4)
+    a = engine.generate(prompts, 2, T, [5, 6, 7, 8])
+    b = engine.generate(prompts, 2, T, [5, 6, 7, 8])
+    assert [c.token_ids.tolist() for g in a for c in g] == [c.token_ids.tolist() for g in b for c in g]
+    assert a[0][0].token_ids.tolist() != a[0][1].token_ids.tolist() or a[0][0].finish_reason == "stop"
+
+
+def test_rpc_update_arrives_and_later_tokens_carry_its_version(engine, hf):
+    from launch.gpu_check import perturbed
+
+    perturbed(hf)
+    _round_to_bf16(hf)
+    engine.load_flat(W.flatten(hf).cpu(), 1)
+    expect = VW.fingerprint(dict(hf.named_parameters())[VW.FINGERPRINT_PARAM], torch.bfloat16)
+    assert engine.fingerprint() == [expect]
+    prompts = _prompts(8)
+    groups = engine.generate(prompts, 4, T, list(range(8)))
+    assert {v for g in groups for c in g for v in c.versions.tolist()} == {1}
+    d, _ = _mean_abs_dlogp(hf, prompts, groups, T.temperature)
+    assert d <= MAX_DLOGP
+
+
+def test_finish_mode_update_mid_generation_keeps_one_version_per_response(engine):
+    calls = []
+    prompts = _prompts(16)
+    sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=150)
+
+    def hook():
+        calls.append(1)
+        if len(calls) == 3:
+            engine.load_flat(_current_weights(engine), 2)
+
+    groups = engine.generate(prompts, 4, sp, list(range(16)), before_forward=hook)
+    assert engine.version == 2
+    for g in groups:
+        for c in g:
+            assert len(set(c.versions.tolist())) == 1, "a finish-mode update must not split a response"
+
+
+def _current_weights(engine):
+    from transformers import AutoModelForCausalLM
+
+    return W.flatten(AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32))
+
+
+def test_keep_mode_update_mid_generation_stamps_each_token():
+    eng = _make(weight_update="keep", gpu_memory_utilization=0.2)
+    try:
+        new = _current_weights(eng)
+        calls = []
+
+        def hook():
+            calls.append(1)
+            if len(calls) == 3:
+                eng.load_flat(new, 1)
+
+        groups = eng.generate(_prompts(16), 4, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=150),
+                              list(range(16)), before_forward=hook)
+        spanning = 0
+        for g in groups:
+            for c in g:
+                v = c.versions.tolist()
+                assert set(v) <= {0, 1} and v == sorted(v), v
+                spanning += len(set(v)) == 2
+        assert eng.version == 1 and any(1 in c.versions for g in groups for c in g)
+        print(f"{spanning} of {sum(len(g) for g in groups)} responses span the update")
+    finally:
+        eng.close()
+
+
+def test_gpu_check_rpc_on_one_gpu():
+    from launch import gpu_check
+
+    r = gpu_check.run(MODEL, "rpc", prompts=8, n=2, timeout_s=600)
+    assert all(g == r["fingerprint"]["learner"] for g in r["fingerprint"]["generator"])
+    assert r["versions"] == [1] and r["mean_abs_dlogp"] <= MAX_DLOGP

@@ -1,0 +1,193 @@
+"""Contract tests: every vLLM name, argument and config object that actors/vllm_engine.py and
+common/vllm_weights.py use exists in the installed vLLM, with the meaning we rely on. No GPU needed:
+they construct configs and inspect signatures (`make test-gpu-contract` runs them in .venv-gpu).
+Skipped when vllm is not importable (the CPU environment)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vllm is not importable here (CPU env); run `make test-gpu-contract`")
+
+from actors import vllm_engine as VE  # noqa: E402
+from common import vllm_weights as VW  # noqa: E402
+from common import weights as W  # noqa: E402
+from common.messages import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+def _params(fn) -> dict[str, inspect.Parameter]:
+    return dict(inspect.signature(fn).parameters)
+
+
+def test_async_llm_has_the_methods_we_call_with_our_arguments():
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    assert VE.vllm_api().AsyncLLM is AsyncLLM
+    assert inspect.isasyncgenfunction(AsyncLLM.generate)
+    assert {"prompt", "sampling_params", "request_id"} <= set(_params(AsyncLLM.generate))
+    pause = _params(AsyncLLM.pause_generation)
+    assert pause["mode"].kind is inspect.Parameter.KEYWORD_ONLY and "clear_cache" in pause
+    assert {"method", "timeout", "args", "kwargs"} <= set(_params(AsyncLLM.collective_rpc))
+    assert "request" in _params(AsyncLLM.init_weight_transfer_engine)
+    assert "request" in _params(AsyncLLM.update_weights)
+    assert "weight_version" in _params(AsyncLLM.finish_weight_update)
+    assert "new_version" in _params(AsyncLLM.update_weight_version)
+    assert set(_params(AsyncLLM.start_weight_update)) == {"self"}  # 0.33: no arguments
+    for name in ("pause_generation", "resume_generation", "collective_rpc", "init_weight_transfer_engine",
+                 "start_weight_update", "update_weights", "finish_weight_update", "update_weight_version"):
+        assert inspect.iscoroutinefunction(getattr(AsyncLLM, name)), f"AsyncLLM.{name} is awaited by VllmEngine"
+    assert "engine_args" in _params(AsyncLLM.from_engine_args) and callable(AsyncLLM.shutdown)
+    assert VE.vllm_api().native_nccl
+
+
+def test_pause_modes_we_map_to_exist():
+    from vllm.v1.engine import PauseMode
+
+    assert set(VE.PAUSE_MODE.values()) <= set(typing.get_args(PauseMode))
+
+
+def test_engine_args_accept_ours_and_logprobs_mode_means_what_we_need(tiny_model_dir):
+    from vllm.config import WeightTransferConfig
+    from vllm.config.model import LogprobsMode
+
+    kw = VE.engine_kwargs(tiny_model_dir, VE.VllmSettings(transport="nccl", max_model_len=512), 2, native_nccl=True)
+    kw["weight_transfer_config"] = WeightTransferConfig(**kw["weight_transfer_config"])
+    args = vllm.AsyncEngineArgs(**kw)
+    assert args.logprobs_mode == "processed_logprobs" and args.tensor_parallel_size == 2
+    assert args.weight_transfer_config.backend == "nccl" and args.worker_extension_cls == VE.EXTENSION
+    assert "processed_logprobs" in typing.get_args(LogprobsMode)
+    # vLLM's default is before temperature: the reason engine_kwargs sets the mode explicitly.
+    assert vllm.AsyncEngineArgs(model=tiny_model_dir).logprobs_mode == "raw_logprobs"
+    assert "backend" in {f.name for f in dataclasses.fields(WeightTransferConfig)}
+
+
+def test_sampling_params_accept_ours():
+    from vllm.sampling_params import RequestOutputKind
+
+    kw = VE.sampling_kwargs(8, SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=64), 2**31 - 1, [0, 5])
+    sp = vllm.SamplingParams(**kw, output_kind=RequestOutputKind.FINAL_ONLY)
+    assert (sp.n, sp.temperature, sp.top_p, sp.max_tokens, sp.logprobs, sp.seed) == (8, 0.7, 0.95, 64, 0, kw["seed"])
+    assert sp.stop_token_ids == [0, 5] and sp.detokenize is False and sp.flat_logprobs is True
+    assert sp.output_kind == RequestOutputKind.FINAL_ONLY
+    greedy = vllm.SamplingParams(**VE.sampling_kwargs(1, SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=8), 0, [0]))
+    assert greedy.temperature == 0.0
+
+
+def test_child_requests_get_seed_plus_index():
+    """request_seed leaves MAX_N seeds per prompt because vLLM seeds child j of a request with seed + j."""
+    from vllm.v1.engine.parallel_sampling import ParentRequest
+
+    parent = ParentRequest.__new__(ParentRequest)
+    parent.sampling_params = vllm.SamplingParams(n=4, seed=VE.request_seed(3))
+    parent.cached_child_sampling_params = None
+    assert [parent._get_child_sampling_params(j).seed for j in range(4)] == [VE.request_seed(3) + j for j in range(4)]
+
+
+def test_outputs_carry_tokens_logprobs_and_weight_version_spans():
+    from vllm.logprobs import FlatLogprobs, Logprob
+    from vllm.outputs import CompletionOutput, RequestOutput, WeightVersionSpan
+
+    fields = {f.name for f in dataclasses.fields(CompletionOutput)}
+    assert {"index", "token_ids", "logprobs", "finish_reason", "weight_versions"} <= fields
+    assert VE.vllm_api().version_spans
+    assert {"outputs", "finished"} <= set(_params(RequestOutput.__init__))
+    spans = [WeightVersionSpan("0", 0, 2), WeightVersionSpan("1", 2, 3)]
+    assert VE.versions_from_spans(spans, 3).tolist() == [0, 0, 1]
+    flat = FlatLogprobs()
+    for tok, lp in ((7, -0.25), (3, -2.0)):
+        flat.append({tok: Logprob(logprob=lp, rank=1)})
+    assert VE.sampled_logprobs([7, 3], flat).tolist() == [-0.25, -2.0]
+    out = CompletionOutput(index=0, text="", token_ids=[7, 3], cumulative_logprob=-2.25, logprobs=flat,
+                           finish_reason="stop", weight_versions=spans[:1] + [WeightVersionSpan("0", 2, 2)])
+    assert VE.to_completion(out, None).versions.tolist() == [0, 0]
+
+
+def test_paused_rejections_are_the_retryable_error_generate_raises():
+    from vllm.exceptions import GenerationError, RetryableRequestError
+
+    assert VE.vllm_api().Retryable is RetryableRequestError and issubclass(RetryableRequestError, GenerationError)
+    from vllm import TokensPrompt
+
+    assert "prompt_token_ids" in typing.get_type_hints(TokensPrompt)  # we pass {"prompt_token_ids": [...]}
+
+
+def test_weight_transfer_requests_and_nccl_infos_accept_ours():
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    init = dict(master_address="127.0.0.1", master_port=29500, rank_offset=1, world_size=3, packed=False)
+    assert WeightTransferInitRequest(init_info=init).init_info == init
+    info = NCCLWeightTransferEngine.init_info_cls(**init)
+    assert (info.rank_offset, info.world_size, info.packed) == (1, 3, False)
+    lay = W.Layout(("model.norm.weight", "lm_head.weight"), ((8,), (16, 8)))
+    meta = VW.bucket_meta(lay, 0, 2, torch.bfloat16)
+    upd = NCCLWeightTransferEngine.update_info_cls(**meta)
+    assert upd.names == ["model.norm.weight", "lm_head.weight"] and upd.dtype_names == ["bfloat16"] * 2
+    assert getattr(torch, upd.dtype_names[0]) is torch.bfloat16  # how the receiver reads the dtype
+    assert WeightTransferUpdateRequest(update_info=meta).update_info == meta
+
+
+def test_trainer_and_extension_nccl_helpers_exist():
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+    from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+    assert list(_params(trainer_init))[:2] == ["init_info", "rank"]
+    assert {"group", "device"} <= set(_params(PyNcclCommunicator.__init__))
+    assert {"tensor", "src", "stream"} <= set(_params(PyNcclCommunicator.broadcast))
+    assert callable(PyNcclCommunicator.destroy)
+    assert {"host", "port", "rank", "world_size"} <= set(_params(StatelessProcessGroup.create))
+
+
+def test_worker_extension_resolves_and_does_not_clash_with_the_gpu_worker():
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    assert resolve_obj_by_qualname(VE.EXTENSION) is VE.CovrlWorkerExtension
+    ours = [a for a in dir(VE.CovrlWorkerExtension) if not a.startswith("__")]
+    assert ours and not [a for a in ours if hasattr(Worker, a)], "vLLM refuses extension attributes the worker has"
+    assert callable(GPUModelRunner.get_model)
+    src = inspect.getsource(Worker)
+    for attr in ("self.model_runner", "self.device", "self.rank"):
+        assert attr in src or attr in inspect.getsource(Worker.__mro__[1]), f"the extension reads {attr}"
+
+
+def test_name_map_agrees_with_vllms_qwen2_mapper(tiny_model_dir):
+    from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+
+    mapper = Qwen2ForCausalLM.hf_to_vllm_mapper
+    lay = W.layout(VE.meta_model(tiny_model_dir))
+    for name in lay.names:
+        assert mapper._map_name_with_shard(name) == VW.vllm_target(name), name
+
+
+def test_rpc_weight_buckets_survive_vllms_utility_channel():
+    """collective_rpc arguments cross the frontend -> engine-core socket through vLLM's msgpack codec, decoded
+    without a target type: a tensor arrives as [dtype, shape, buffer] (not a tensor), bytes arrive as bytes.
+    So load_flat sends bytes and the worker extension rebuilds the bucket."""
+    from types import SimpleNamespace
+
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    lay = W.Layout(("model.norm.weight", "model.layers.0.mlp.up_proj.weight"), ((64,), (256, 64)))
+    flat = torch.randn(lay.numel, generator=torch.Generator().manual_seed(0))
+    meta = VW.bucket_meta(lay, 0, 2, torch.bfloat16)
+    args = (meta["names"], meta["shapes"], meta["dtype_names"][0], VE.rpc_bytes(flat, torch.bfloat16))
+    enc, dec = MsgpackEncoder(), MsgpackDecoder()
+    got = dec.decode(enc.encode(("covrl_load_weights", None, args, None)))
+    loaded = {}
+    worker = VE.CovrlWorkerExtension()
+    worker.device = torch.device("cpu")
+    worker.model_runner = SimpleNamespace(get_model=lambda: SimpleNamespace(load_weights=lambda pairs: loaded.update(pairs)))
+    worker.covrl_load_weights(*got[2])
+    assert list(loaded) == list(lay.names)
+    assert torch.equal(loaded["model.layers.0.mlp.up_proj.weight"], flat[64:].view(256, 64).to(torch.bfloat16))
+    assert not isinstance(dec.decode(enc.encode((flat.to(torch.bfloat16),)))[0], torch.Tensor)
