@@ -5,6 +5,8 @@ PY      := .venv/bin/python
 STAMP   := .venv/.covrl-deps
 DEPS    := pyproject.toml
 
+BPY     := .venv-bench/bin/python
+BSTAMP  := .venv-bench/.covrl-bench-deps
 GPY     := .venv-gpu/bin/python
 GSTAMP  := .venv-gpu/.covrl-deps
 
@@ -27,8 +29,22 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests/unit tests/integration
 
-bench: $(STAMP)
+# All benchmarks in one go (tests/bench/results.json), then the README table rendered from it.
+bench: $(STAMP) $(BSTAMP)
 	$(PY) -m pytest -q tests/bench -p no:cacheprovider -s
+	$(PY) tests/bench/readme_table.py --write
+
+# Bench-only environment for the TRL comparison (tests/bench/test_bench_trl.py): TRL is not a covrl dependency.
+bench-env: $(BSTAMP)
+
+$(BSTAMP): $(DEPS)
+	test -x $(BPY) || python3 -m venv .venv-bench
+	$(BPY) -m pip install -q --upgrade pip
+	$(BPY) -m pip install -q torch==2.13.0
+	$(BPY) -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+		print("\n".join(p["dependencies"]))' > .venv-bench/requirements.txt
+	$(BPY) -m pip install -q -r .venv-bench/requirements.txt trl==1.16.0
+	touch $(BSTAMP)
 
 # The GPU environment (.venv-gpu): vLLM from the gpu extra with its own torch 2.14.0 (CUDA build, ~9 GB),
 # then covrl's dependencies. vLLM 0.33.0 is installed --no-deps and its declared requirements after it,

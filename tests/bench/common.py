@@ -57,3 +57,4 @@ def verdict(met: bool) -> str:
 
 
 _ = resource  # imported for children that exec this module's helpers
+

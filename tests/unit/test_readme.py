@@ -34,3 +34,16 @@ def test_every_learner_metric_is_documented():
     assert len(metrics) > 20
     missing = sorted(m for m in metrics if m not in README)
     assert not missing, f"README lacks metrics: {missing}"
+
+
+def test_benchmark_table_matches_results_json():
+    """Issue 8: the README's table is what tests/bench/results.json says (make bench renders it)."""
+    import json
+
+    from tests.bench.readme_table import RESULTS, block
+
+    with open(RESULTS) as f:
+        res = json.load(f)
+    assert block(res) in README, "README benchmark table is stale: run `python tests/bench/readme_table.py --write`"
+    verdicts = {k: v["verdict"] for k, v in res.items() if isinstance(v, dict) and "verdict" in v}
+    assert len(verdicts) == 9, sorted(verdicts)  # all eight benchmarks (6 has two parts)

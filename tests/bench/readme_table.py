@@ -1,0 +1,122 @@
+"""The README's benchmark table, rendered from tests/bench/results.json (so the two cannot disagree).
+
+`python tests/bench/readme_table.py --write` replaces the table between the README's markers; `make bench`
+runs it last. tests/unit/test_readme.py checks that the README holds exactly what this renders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results.json")
+README = os.path.join(HERE, "..", "..", "README.md")
+BEGIN, END = "<!-- bench-table:begin -->", "<!-- bench-table:end -->"
+
+
+def _x(v: float) -> str:
+    return f"{v:.2f}x"
+
+
+def _row(name: str, measured: str, r: dict) -> str:
+    return f"| {name} | {measured} | {r['target']} | {r['verdict']} ({r['date']}) |"
+
+
+def rows(res: dict) -> list[str]:
+    out = []
+    if r := res.get("transport"):
+        out.append(_row(
+            "1. transport: 8 x 2048-token rollout groups over loopback TCP vs raw ZeroMQ bytes",
+            f"{r['groups_per_s']['covrl']:.0f} vs {r['groups_per_s']['raw_zmq']:.0f} msgs/s "
+            f"({r['mb_per_s']['covrl']:.0f} vs {r['mb_per_s']['raw_zmq']:.0f} MB/s) = {r['ratio_vs_raw_zmq']:.2f} of raw; "
+            f"per message HMAC-SHA256 {r['cpu_us_per_message']['hmac_sha256']:.0f} us (each side), "
+            f"check {r['cpu_us_per_message']['check_rollout']:.0f} us, raw ZeroMQ {r['raw_us_per_message']:.0f} us", r))
+    if r := res.get("pipeline_overlap"):
+        out.append(_row(
+            "2. pipeline overlap: arith, 1 generator + 1 learner, 1 thread each, async vs synchronous loop",
+            f"{r['async_samples_per_s']:.0f} vs {r['sync_samples_per_s']:.0f} samples/s = {_x(r['speedup'])}; the stages "
+            f"are unequal (generate {r['sync_stage_s']['generate_and_score']:.2f} s, train "
+            f"{r['sync_stage_s']['train_and_load_weights']:.2f} s per step), so overlap can give at most "
+            f"{_x(r['overlap_bound'])}: reached {r['fraction_of_bound']:.0%} of that bound", r))
+    if r := res.get("weight_sync"):
+        out.append(_row(
+            "3. weight sync: 256 MiB over the gloo pair channel vs memcpy",
+            f"{r['gb_per_s']['sync']:.2f} GB/s = {r['ratio_vs_memcpy']:.3f} of memcpy ({r['gb_per_s']['memcpy']:.1f} GB/s); "
+            f"bare gloo broadcast {r['gb_per_s']['bare_gloo']:.2f} GB/s, so ours is {r['ratio_vs_bare_gloo']:.2f} of it; "
+            f"demo model ({r['demo_model']['bytes'] / 2**20:.1f} MiB) {r['demo_model']['seconds_per_sync_min'] * 1e3:.0f} ms "
+            f"per sync", r))
+    if r := res.get("generation"):
+        out.append(_row(
+            "4. generation: CpuEngine vs transformers `generate`, demo model, 4 prompts x 8 samples x 64 tokens",
+            f"{r['tokens_per_s']['engine']:.0f} vs {r['tokens_per_s']['hf_generate']:.0f} tokens/s = "
+            f"{_x(r['speedup_vs_hf_generate'])}; logprobs within {r['engine_logprob_max_abs_err_vs_forward']:.0e} of a "
+            f"fresh forward", r))
+    if r := res.get("learner_packing"):
+        out.append(_row(
+            "5. learner: packed vs padded micro-batches, lognormal lengths up to 512",
+            f"{r['real_tokens_per_s']['packed']:.0f} vs {r['real_tokens_per_s']['padded']:.0f} real tokens/s = "
+            f"{_x(r['ratio_packed_vs_padded'])} ({r['pad_fraction']:.0%} of the padded slots are padding)", r))
+    if r := res.get("losses"):
+        q = r["ratio_vs_ppo"]
+        out.append(_row(
+            "6a. policy losses fwd+bwd at B=64, T=4096 vs `ppo_loss`",
+            f"ppo {r['seconds_fwd_bwd']['ppo'] * 1e3:.1f} ms; clip_cov {_x(q['clip_cov'])}, kl_cov {_x(q['kl_cov'])}, "
+            f"gspo {_x(q['gspo'])}, cispo {_x(q['cispo'])}", r))
+    if r := res.get("chunked_entropy"):
+        out.append(_row(
+            "6b. logprobs + entropy, 8192 tokens x 152064 vocab: peak memory above the inputs",
+            f"chunked {r['peak_extra_mib']['chunked'] / 1024:.2f} GiB vs naive {r['peak_extra_mib']['naive'] / 1024:.1f} GiB "
+            f"(ratio {r['ratio']:.3f}); {r['chunked']['seconds']:.0f} s vs {r['naive']['seconds']:.0f} s", r))
+    if r := res.get("trl_peer"):
+        c, t = r["covrl"], r["trl"]
+        fast = r["covrl_without_entropy_delta_pass"]
+        out.append(_row(
+            f"7. peer: TRL {r['versions_bench_env']['trl']} GRPOTrainer vs covrl, same model, prompts, reward, batch, "
+            f"{r['steps']} steps",
+            f"steady state {c['s_per_sample_steady'] * 1e3:.1f} vs TRL {t['s_per_sample_steady'] * 1e3:.1f} ms per sample "
+            f"(TRL/covrl {r['trl_over_covrl_s_per_sample_steady']:.2f}: TRL wins); covrl without the entropy-after pass "
+            f"(`learner.log_entropy_delta=false`) {fast['s_per_sample_steady'] * 1e3:.1f} ms "
+            f"(TRL/covrl {fast['trl_over_covrl_s_per_sample_steady']:.2f}); reward over the last steps {c['reward_last']:.3f} "
+            f"vs {t['reward_last']:.3f}, per-step difference {r['reward_diff_covrl_minus_trl_per_step']['mean']:+.3f} +- "
+            f"{r['reward_diff_covrl_minus_trl_per_step']['standard_error']:.3f}", r))
+    if r := res.get("simulate"):
+        k = r["speedup_vs_colocated_sync_min_max_by_k"]
+        out.append(_row(
+            "8. simulator: G generators + L learners (16-128 devices), heavy-tailed lengths, staleness k",
+            "predicted speedup over colocated sync: " + ", ".join(f"k={key} {lo:.2f}-{hi:.2f}x" for key, (lo, hi) in
+                                                                 k.items()) + "; reported: AReaL up to 2.77x, PipelineRL "
+            "about 2x", r))
+    return out
+
+
+def table(res: dict) -> str:
+    head = ["| benchmark | measured | target | verdict (date) |", "|---|---|---|---|"]
+    return "\n".join([f"Machine: {res.get('machine', '?')}, no GPU, one torch thread per role.", "", *head, *rows(res)])
+
+
+def block(res: dict) -> str:
+    return f"{BEGIN}\n{table(res)}\n{END}"
+
+
+def main() -> int:
+    with open(RESULTS) as f:
+        res = json.load(f)
+    with open(README) as f:
+        text = f.read()
+    a, b = text.find(BEGIN), text.find(END)
+    if a < 0 or b < 0:
+        print(f"README.md has no {BEGIN} ... {END} markers", file=sys.stderr)
+        return 1
+    new = text[:a] + block(res) + text[b + len(END):]
+    if "--write" in sys.argv:
+        with open(README, "w") as f:
+            f.write(new)
+    else:
+        print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
