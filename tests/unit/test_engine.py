@@ -135,3 +135,22 @@ def test_any_stop_token_ends_a_response(tiny_model_dir, tmp_path):
     engine.model.lm_head = biased
     out = engine.generate([[5, 6]], 1, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4), [1])[0][0]
     assert out.token_ids.tolist() == [9] and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_fast_decode_path_equals_the_transformers_cache_path(engine, monkeypatch, temperature):
+    """The preallocated-KV decode path (_StaticKV) and the generic transformers-cache path (_HfCache) give the
+    same tokens and logprobs, prompts of different lengths left-padded together, n samples per prompt."""
+    import actors.engine as E
+
+    assert E._StaticKV.supports(engine.model), "the tiny model should take the fast path"
+    prompts = [[5, 6, 7], [8], list(range(3, 30))]
+    sp = SamplingParams(temperature=temperature, top_p=0.9 if temperature else 1.0, max_new_tokens=12)
+    fast = engine.generate(prompts, 3, sp, [11, 12, 13])
+    monkeypatch.setattr(E._StaticKV, "supports", classmethod(lambda cls, model: False))
+    slow = engine.generate(prompts, 3, sp, [11, 12, 13])
+    for gf, gs in zip(fast, slow):
+        for a, b in zip(gf, gs):
+            np.testing.assert_array_equal(a.token_ids, b.token_ids)
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=5e-5)
+            assert a.finish_reason == b.finish_reason
