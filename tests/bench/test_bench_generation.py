@@ -19,12 +19,11 @@ import time
 
 import torch
 
-from tests.bench.common import REPO, record, verdict
-
 from actors.engine import CpuEngine
-from common.config import Config  # noqa: E402
-from common.data import PromptSource  # noqa: E402
-from common.messages import SamplingParams  # noqa: E402
+from common.config import Config
+from common.data import PromptSource
+from common.messages import SamplingParams
+from tests.bench.common import REPO, record, verdict
 
 DEMO = os.path.join(REPO, "assets", "arith-base")
 REPEATS = 7

@@ -26,12 +26,11 @@ import time
 import numpy as np
 import torch
 
-from tests.bench.common import REPO, record, verdict
-
 from common import messages as M
-from common.config import Config  # noqa: E402
-from learner.batch import build_step_batch, pack  # noqa: E402
-from learner.logprobs import logprobs_and_entropy  # noqa: E402
+from common.config import Config
+from learner.batch import build_step_batch, pack
+from learner.logprobs import logprobs_and_entropy
+from tests.bench.common import REPO, record, verdict
 
 DEMO = os.path.join(REPO, "assets", "arith-base")
 GROUPS, GROUP_SIZE = 4, 8

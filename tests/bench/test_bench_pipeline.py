@@ -30,8 +30,7 @@ from common.metrics import read_metrics
 from common.transport import free_port
 from tests.bench.common import REPO, record, verdict
 
-# Nothing here imports the project's `common` package: pytest puts tests/bench first on sys.path, where
-# tests/bench/common.py would shadow it. The roles and the reference loop run in their own interpreters.
+# The roles and the reference loop run in their own interpreters; this process only times them.
 
 STEPS, WARMUP = 20, 4
 SAMPLES_PER_STEP = 16 * 8  # rollout.groups_per_step x rollout.group_size (defaults)

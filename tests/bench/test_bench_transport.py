@@ -23,10 +23,9 @@ import msgspec
 import numpy as np
 import zmq
 
-from tests.bench.common import REPO, best_of, record, verdict
-
 from common import messages as M
-from common.transport import HubSocket, _mac  # noqa: E402
+from common.transport import HubSocket, _mac
+from tests.bench.common import REPO, best_of, record, verdict
 
 GROUP_SIZE, TOKENS = 8, 2048
 WARMUP, MESSAGES, ROUNDS = 50, 1000, 5

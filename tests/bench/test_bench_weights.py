@@ -27,12 +27,11 @@ import time
 
 import torch
 
-from tests.bench.common import REPO, best_of, record, verdict
-
 from common import weights as W
-from common.transport import free_port  # noqa: E402
-from learner.params import param_buckets  # noqa: E402
-from learner.publisher import WeightPublisher  # noqa: E402
+from common.transport import free_port
+from learner.params import param_buckets
+from learner.publisher import WeightPublisher
+from tests.bench.common import REPO, best_of, record, verdict
 
 DEMO = os.path.join(REPO, "assets", "arith-base")
 BIG_PARAMS, BIG_SHAPE = 8, (4096, 2048)  # 8 x 8M fp32 = 256 MiB
