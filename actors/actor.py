@@ -43,6 +43,9 @@ class WeightReceiver(threading.Thread):
         self.direct = engine if getattr(engine, "receives_weights_directly", False) else None
         self.cv = threading.Condition()
         self.staged: tuple[int, torch.Tensor] | None = None
+        # A received vector nobody uses any more (applied, or replaced by a newer one before it was): the next
+        # version is received into it instead of into fresh memory.
+        self.spare: torch.Tensor | None = None
         # The engine starts from the base model: version 0, whatever the learner is at. A (re)joining generator
         # is sent the latest version first thing, and work waits for the version it names.
         self.latest = 0
@@ -67,13 +70,17 @@ class WeightReceiver(threading.Thread):
                     self.direct.receive_nccl(version)  # pauses generation, loads, stamps the version, resumes
                     staged, weights_sum = None, None
                 else:
-                    flat, weights_sum = ch.receive_buckets(self.lay)
+                    with self.cv:
+                        buf, self.spare = self.spare, None
+                    flat, weights_sum = ch.receive_buckets(self.lay, out=buf)
                     staged = (version, flat)
                 if self.log_path:
                     with open(self.log_path, "a") as f:
                         f.write(json.dumps({"version": version, "checksum": weights_sum, "t": time.time(),
                                             "channel": self.prefix, "direct": staged is None}) + "\n")
                 with self.cv:
+                    if self.staged is not None and staged is not None:  # never applied: its vector is free
+                        self.spare = self.staged[1]
                     self.staged, self.latest = staged, version
                     self.cv.notify_all()
         except BaseException as e:
@@ -90,6 +97,8 @@ class WeightReceiver(threading.Thread):
             staged, self.staged = self.staged, None
         if staged is not None:
             engine.load_flat(staged[1], staged[0])
+            with self.cv:
+                self.spare = staged[1]  # load_flat copied it into the model (Engine.load_flat keeps no reference)
 
     def wait_for(self, version: int, engine, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -62,7 +62,9 @@ class Engine(Protocol):
         before_forward: Callable[[], None] | None = None,
     ) -> list[list[Completion]]: ...
 
-    def load_flat(self, flat: torch.Tensor, version: int) -> None: ...
+    def load_flat(self, flat: torch.Tensor, version: int) -> None:
+        """Load a flat fp32 parameter vector (layout order) as `version`. Must not keep `flat` after returning:
+        the weight receiver reuses its memory for the next version."""
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:

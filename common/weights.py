@@ -210,16 +210,19 @@ class WeightChannel:
             )
         return version, flags
 
-    def receive_buckets(self, lay: Layout) -> tuple[torch.Tensor, float]:
-        """Receiver side, after a header without FLAG_DIRECT: the buckets -> (flat, checksum)."""
-        flat = torch.empty(lay.numel, dtype=torch.float32)
+    def receive_buckets(self, lay: Layout, out: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+        """Receiver side, after a header without FLAG_DIRECT: the buckets -> (flat, checksum).
+
+        `out`: a free fp32 vector of the model's size to receive into. Reusing one saves a fresh
+        allocation per version, whose page faults cost as much as the copy itself."""
+        flat = out if out is not None and out.numel() == lay.numel else torch.empty(lay.numel, dtype=torch.float32)
         acc = Checksum(lay.numel)
         for _, _, start, end in bucket_plan(lay):
             self._bcast(flat[start:end])  # a 1-D slice is contiguous
             acc.add(flat[start:end], start)
         return flat, acc.total
 
-    def receive(self, lay: Layout) -> tuple[int, torch.Tensor, float] | None:
+    def receive(self, lay: Layout, out: torch.Tensor | None = None) -> tuple[int, torch.Tensor, float] | None:
         """Receiver side: block for the next version -> (version, flat, checksum); None when the learner says stop."""
         got = self.receive_header(lay)
         if got is None:
@@ -229,5 +232,5 @@ class WeightChannel:
             raise RuntimeError("weight channel: the learner flagged this version as sent over NCCL into vLLM workers, "
                                "but this generator announced no NCCL receiver (a learner bug: it must decide per "
                                "channel from the generator's announcement, common/vllm_weights.py)")
-        flat, total = self.receive_buckets(lay)
+        flat, total = self.receive_buckets(lay, out)
         return version, flat, total

@@ -29,7 +29,7 @@ from common.transport import load_secret
 from learner import batch as B
 from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.hub import Hub
-from learner.params import full_state_dict, param_buckets
+from learner.params import full_state_dict, param_buckets, scratch_for
 from learner.publisher import WeightPublisher
 from learner.par import ParSchedule
 from learner.trainer import Trainer, init_distributed, step_metrics, thread_setup
@@ -102,6 +102,7 @@ def main() -> int:
     hub = channel = writer = tokenizer = None
     lay = W.layout(trainer.module)
     zero3 = cfg.learner.zero_stage == 3  # parameters are shards: every rank takes part in each gather
+    scratch = scratch_for(lay)  # one bucket's worth, reused by every publish
     par = ParSchedule(cfg.learner.par, cfg.run.steps)
     # The row of an evaluated version waits for its eval results, so metrics.jsonl keeps one row
     # per step (step 0: the base model's evaluation) and rows stay in step order.
@@ -129,9 +130,9 @@ def main() -> int:
     if resumed is not None:
         # Generators start from the base model and are sent the latest version when they join.
         if rank == 0:
-            channel.publish(start, lay, param_buckets(trainer.module, lay, zero3))
+            channel.publish(start, lay, param_buckets(trainer.module, lay, zero3, scratch))
         elif zero3:
-            for _ in param_buckets(trainer.module, lay, zero3):
+            for _ in param_buckets(trainer.module, lay, zero3, scratch):
                 pass
     if rank == 0:
         hub.start()
@@ -173,14 +174,14 @@ def main() -> int:
         metrics = step_metrics(stats)
         skipped_in_row = skipped_in_row + len(stats.skipped) if all(stats.skipped) else 0
         if rank != 0 and zero3:
-            for _ in param_buckets(trainer.module, lay, zero3):
+            for _ in param_buckets(trainer.module, lay, zero3, scratch):
                 pass  # rank 0 sends each gathered bucket to the generators
         if rank == 0:
             publish_wait_s = finish_version(version)
             # The hub moves first: a token stamped `step` may reach it the moment the broadcast
             # lands, and work issued for `step` just waits in the generator for these weights.
             hub.set_version(step)
-            sync_s, nbytes, weights_sum = channel.publish(step, lay, param_buckets(trainer.module, lay, zero3))
+            sync_s, nbytes, weights_sum = channel.publish(step, lay, param_buckets(trainer.module, lay, zero3, scratch))
             now = time.perf_counter()
             gen_tokens = hub.stats.gen_tokens
             adv = np.array([s.advantage for s in batch.samples])

@@ -28,13 +28,24 @@ def _gathered(params: list[torch.nn.Parameter], zero3: bool):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
-def param_buckets(module: torch.nn.Module, lay: W.Layout, zero3: bool) -> Iterator[torch.Tensor]:
-    """fp32 flat buckets in `W.bucket_plan(lay)` order (the weight channel's wire order)."""
+def scratch_for(lay: W.Layout) -> torch.Tensor:
+    """A buffer for `param_buckets(..., scratch=)`: the size of the largest bucket."""
+    return torch.empty(max(end - start for _, _, start, end in W.bucket_plan(lay)), dtype=torch.float32)
+
+
+def param_buckets(module: torch.nn.Module, lay: W.Layout, zero3: bool,
+                  scratch: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+    """fp32 flat buckets in `W.bucket_plan(lay)` order (the weight channel's wire order).
+
+    A bucket is a copy (under ZeRO-3 the gather is freed on exit). With `scratch` (`scratch_for(lay)`)
+    every bucket is written into that one buffer, so a bucket is valid only until the next is asked for;
+    a fresh 128 MiB tensor per bucket costs as much in page faults as the copy itself."""
     params = [p for _, p in module.named_parameters()]
-    for first, end, _, _ in W.bucket_plan(lay):
+    for first, end, start, stop in W.bucket_plan(lay):
         group = params[first:end]
         with torch.no_grad(), _gathered(group, zero3):
-            bucket = torch.cat([p.detach().reshape(-1).float() for p in group])  # a copy: the gather is freed on exit
+            parts = [p.detach().reshape(-1).float() for p in group]
+            bucket = torch.cat(parts) if scratch is None else torch.cat(parts, out=scratch[: stop - start])
         yield bucket
 
 

@@ -29,7 +29,7 @@ import torch
 
 from common import weights as W
 from common.transport import free_port
-from learner.params import param_buckets
+from learner.params import param_buckets, scratch_for
 from learner.publisher import WeightPublisher
 from tests.bench.common import REPO, best_of, record, verdict
 
@@ -61,7 +61,8 @@ if mode == "raw":  # the bare collective: the same buckets into one reused buffe
             ch._bcast(flat[start:end])
         ch.store.set(f"bench/got/{v}", "0")
 else:
-    while (got := ch.receive(lay)) is not None:
+    flat = None  # each version into the last one's vector, as the actor does once a version is applied
+    while (got := ch.receive(lay, out=flat)) is not None:
         version, flat, total = got
         ch.store.set(f"bench/got/{version}", repr(total))
 # Destroy the process group before interpreter teardown: left to the exit, ProcessGroupGloo aborts the
@@ -94,6 +95,7 @@ def _sync_seconds(module: torch.nn.Module, spec: str, versions: int, raw: bool =
     """Seconds of each sync after the first (publish start -> the generator has it); the learner runs here,
     the generator in a subprocess. `raw`: broadcast ready buckets on the same channel instead (gloo alone)."""
     lay = W.layout(module)
+    scratch = scratch_for(lay)  # the learner's one reused bucket buffer
     port = free_port()
     pub = WeightPublisher("127.0.0.1", port, TIMEOUT_S)
     args = [sys.executable, "-c", RECEIVER, "127.0.0.1", str(port), spec, "raw" if raw else "publish", str(versions),
@@ -115,7 +117,7 @@ def _sync_seconds(module: torch.nn.Module, spec: str, versions: int, raw: bool =
                 for b in ready:
                     channel._bcast(b)
             else:
-                _, nbytes, sent_sum = pub.publish(v, lay, param_buckets(module, lay, False))
+                _, nbytes, sent_sum = pub.publish(v, lay, param_buckets(module, lay, False, scratch))
             pub.store.wait([f"bench/got/{v}"])
             times.append(time.perf_counter() - t0)
             got_sum = float(pub.store.get(f"bench/got/{v}").decode())
@@ -148,7 +150,8 @@ def test_weight_sync_vs_memcpy():
     dst = torch.empty_like(src)
     memcpy_s = best_of(lambda: dst.copy_(src), repeats=5)
     del src, dst
-    gather_s = best_of(lambda: [None for _ in param_buckets(big, lay, False)], repeats=3)  # the bucket copies alone
+    scratch = scratch_for(lay)
+    gather_s = best_of(lambda: [None for _ in param_buckets(big, lay, False, scratch)], repeats=3)  # the bucket copies alone
     del big
     demo = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32)
     demo_bytes = W.layout(demo).numel * 4

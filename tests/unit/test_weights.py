@@ -50,10 +50,16 @@ def test_broadcast_to_two_receivers_then_stop(monkeypatch):
     lay = W.layout(src)
     got = {1: [], 2: []}
 
+    reused = []
+
     def receiver(rank):
         ch = W.WeightChannel("127.0.0.1", port, rank, 3, 30)
-        while (r := ch.receive(lay)) is not None:
-            got[rank].append(r)
+        buf = None  # rank 2 receives each version into the previous one's vector, as the actor does once applied
+        while (r := ch.receive(lay, out=buf)) is not None:
+            got[rank].append((r[0], r[1].clone(), r[2]))
+            if rank == 2:
+                reused.append(buf is not None and r[1].data_ptr() == buf.data_ptr())
+                buf = r[1]
 
     threads = [threading.Thread(target=receiver, args=(r,)) for r in (1, 2)]
     for t in threads:
@@ -74,6 +80,7 @@ def test_broadcast_to_two_receivers_then_stop(monkeypatch):
     root.stop()
     for t in threads:
         t.join(10)
+    assert reused == [False, True]
     for rank in (1, 2):
         assert [v for v, _, _ in got[rank]] == [1, 2]
         for (_, flat, total), ref, sent_sum in zip(got[rank], sent, sums):
@@ -105,3 +112,19 @@ def test_layout_mismatch_is_a_clear_error():
     t.join(10)
     assert errors and "sends a model of 67 parameters" in errors[0]
     assert "start generators from the learner's model" in errors[0]
+
+
+def test_param_buckets_into_one_scratch_buffer_equal_fresh_buckets(monkeypatch):
+    from learner.params import param_buckets, scratch_for
+
+    monkeypatch.setattr(W, "BUCKET_NUMEL", 16)  # several buckets of different sizes
+    model = _model(3)
+    lay = W.layout(model)
+    scratch = scratch_for(lay)
+    fresh = [b.clone() for b in param_buckets(model, lay, False)]
+    pointers = set()
+    for want, got in zip(fresh, param_buckets(model, lay, False, scratch), strict=True):
+        assert torch.equal(got, want)
+        pointers.add(got.data_ptr())
+    assert pointers == {scratch.data_ptr()} and len(fresh) > 2
+    assert torch.equal(torch.cat(fresh), W.flatten(model))
