@@ -45,7 +45,6 @@ import asyncio
 import collections
 import concurrent.futures
 import itertools
-import math
 import os
 import threading
 import time
@@ -502,8 +501,8 @@ class CovrlWorkerExtension:
         return self.model_runner.get_model()
 
     def covrl_load_weights(self, names: list[str], shapes: list[list[int]], dtype_name: str, data: bytes) -> None:
-        parts = from_rpc_bytes(data, dtype_name).to(self.device).split([math.prod(s) for s in shapes])
-        self._covrl_model().load_weights([(n, p.view(s)) for n, s, p in zip(names, shapes, parts, strict=True)])
+        parts = W.shaped(from_rpc_bytes(data, dtype_name).to(self.device), [tuple(s) for s in shapes])
+        self._covrl_model().load_weights(list(zip(names, parts, strict=True)))
 
     def covrl_init_nccl(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator

@@ -23,7 +23,6 @@ build an `NcclSender`.
 from __future__ import annotations
 
 import json
-import math
 import time
 
 import torch
@@ -78,9 +77,7 @@ def bucket_meta(lay: W.Layout, first: int, end: int, dtype: torch.dtype) -> dict
 
 def bucket_tensors(lay: W.Layout, first: int, end: int, bucket: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """(vLLM name, view shaped as the parameter) for each parameter of a flat bucket."""
-    shapes = lay.shapes[first:end]
-    parts = bucket.split([math.prod(s) for s in shapes])
-    return [(vllm_name(n), p.view(s)) for n, s, p in zip(lay.names[first:end], shapes, parts, strict=True)]
+    return [(vllm_name(n), p) for n, p in W.bucket_views(lay, first, end, bucket)]
 
 
 def fingerprint(t: torch.Tensor, dtype: torch.dtype | None = None) -> float:

@@ -80,6 +80,16 @@ def bucket_plan(lay: Layout, bucket_numel: int = 0) -> list[tuple[int, int, int,
     return plan
 
 
+def shaped(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
+    """Consecutive views of a flat vector, one per shape."""
+    return [part.view(s) for part, s in zip(flat.split([_prod(s) for s in shapes]), shapes, strict=True)]
+
+
+def bucket_views(lay: Layout, first: int, end: int, bucket: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """(name, view shaped as the parameter) for parameters first..end-1 of a flat bucket."""
+    return list(zip(lay.names[first:end], shaped(bucket, lay.shapes[first:end]), strict=True))
+
+
 def flatten(model: torch.nn.Module) -> torch.Tensor:
     with torch.no_grad():
         return torch.cat([p.detach().reshape(-1).float() for _, p in model.named_parameters()])

@@ -99,11 +99,18 @@ def prepare_resume(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
         with open(os.path.join(run_dir, "config.toml"), "w") as f:
             f.write(to_toml(cfg))
     _check_hub_port(cfg)
+    info = write_addresses(run_dir, cfg, old.run_id, gens, learners)
+    return run_dir, cfg, info
+
+
+def write_addresses(run_dir: str, cfg, run_id: str, gens: int, learners: int) -> ClusterInfo:
+    """cluster.json with this launch's addresses: the hub's (transport.hub_port, or a free port) and the weight
+    channel's store (a free port), both on transport.host."""
     host = cfg.transport.host
-    info = ClusterInfo(run_id=old.run_id, hub_addr=f"{host}:{cfg.transport.hub_port or free_port(host)}",
+    info = ClusterInfo(run_id=run_id, hub_addr=f"{host}:{cfg.transport.hub_port or free_port(host)}",
                        weight_addr=f"{host}:{free_port(host)}", generators=gens, learners=learners)
     write_cluster(run_dir, info)
-    return run_dir, cfg, info
+    return info
 
 
 def _check_hub_port(cfg) -> None:
@@ -156,15 +163,7 @@ def prepare(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
     with open(os.path.join(run_dir, "config.toml"), "w") as f:
         f.write(to_toml(cfg))
     create_secret(run_dir)
-    host = cfg.transport.host
-    info = ClusterInfo(
-        run_id=uuid.uuid4().hex[:12],
-        hub_addr=f"{host}:{cfg.transport.hub_port or free_port(host)}",
-        weight_addr=f"{host}:{free_port(host)}",
-        generators=args.gens,
-        learners=args.learners,
-    )
-    write_cluster(run_dir, info)
+    info = write_addresses(run_dir, cfg, uuid.uuid4().hex[:12], args.gens, args.learners)
     return run_dir, cfg, info
 
 

@@ -127,13 +127,19 @@ def main() -> int:
         if resumed is not None:
             hub.restore(resumed["hub"])
         writer = MetricsWriter(args.run_dir, purge_step=min([start + 1, *held]) if args.resume else None)
-    if resumed is not None:
-        # Generators start from the base model and are sent the latest version when they join.
+
+    def publish(version: int):
+        """Rank 0 sends the weights to the generators: (seconds, bytes, checksum). Under ZeRO-3 every rank
+        takes part in each bucket's gather, so the other ranks walk the buckets too (and get None)."""
         if rank == 0:
-            channel.publish(start, lay, param_buckets(trainer.module, lay, zero3, scratch))
-        elif zero3:
+            return channel.publish(version, lay, param_buckets(trainer.module, lay, zero3, scratch))
+        if zero3:
             for _ in param_buckets(trainer.module, lay, zero3, scratch):
                 pass
+        return None
+
+    if resumed is not None:
+        publish(start)  # generators start from the base model and are sent the latest version when they join
     if rank == 0:
         hub.start()
         log.info("hub on %s, weight channel with %d generators ready", cluster.hub_addr, cluster.generators)
@@ -173,15 +179,14 @@ def main() -> int:
         stats = trainer.train_step(batch, poison=step in faults)
         metrics = step_metrics(stats)
         skipped_in_row = skipped_in_row + len(stats.skipped) if all(stats.skipped) else 0
-        if rank != 0 and zero3:
-            for _ in param_buckets(trainer.module, lay, zero3, scratch):
-                pass  # rank 0 sends each gathered bucket to the generators
+        if rank != 0:
+            publish(step)  # rank 0 publishes below, once this version's generation is in
         if rank == 0:
             publish_wait_s = finish_version(version)
             # The hub moves first: a token stamped `step` may reach it the moment the broadcast
             # lands, and work issued for `step` just waits in the generator for these weights.
             hub.set_version(step)
-            sync_s, nbytes, weights_sum = channel.publish(step, lay, param_buckets(trainer.module, lay, zero3, scratch))
+            sync_s, nbytes, weights_sum = publish(step)
             now = time.perf_counter()
             gen_tokens = hub.stats.gen_tokens
             adv = np.array([s.advantage for s in batch.samples])

@@ -90,6 +90,12 @@ def save_checkpoint(run_dir: str, step: int, engine, *, rank: int, tokenizer=Non
 def load_checkpoint(path: str, engine, *, rank: int) -> dict:
     """Restore this rank's engine (parameters, optimizer, step counts) and RNG states; returns the
     run state (`covrl_state.json`) and, on rank 0, the hub state bytes under "hub"."""
+    with open(os.path.join(path, STATE_FILE)) as f:
+        state = json.load(f)
+    world = dist.get_world_size()
+    if state["learners"] != world:
+        raise RuntimeError(f"{path} was written by {state['learners']} learner ranks and this run has {world}: "
+                           f"the optimizer state is sharded per rank; resume with --learners {state['learners']}")
     load_path, _ = engine.load_checkpoint(path, tag=DS_TAG, load_module_strict=True, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
     if load_path is None:
@@ -97,11 +103,9 @@ def load_checkpoint(path: str, engine, *, rank: int) -> dict:
                            f"delete {path} to resume from the one before it")
     rng = os.path.join(path, "rng", f"rank_{rank}.pt")
     if not os.path.exists(rng):
-        raise RuntimeError(f"{rng} is missing: the checkpoint was written by fewer learner ranks; resume with the "
-                           f"same --learners as the run that wrote it")
+        raise RuntimeError(f"{rng} is missing: the checkpoint is damaged; delete {path} to resume from the one "
+                           f"before it")
     set_rng_state(torch.load(rng, weights_only=False))  # our own file: numpy's state is a tuple with an array
-    with open(os.path.join(path, STATE_FILE)) as f:
-        state = json.load(f)
     if rank == 0:
         with open(os.path.join(path, HUB_FILE), "rb") as f:
             state["hub"] = f.read()

@@ -59,6 +59,11 @@ class Ticket:
     incarnation: str
     issue_version: int
 
+    @classmethod
+    def waiting(cls, slot: int, prompt_id: int, epoch: int) -> "Ticket":
+        """A slot waiting for re-issue: no ticket number, generator or issue version yet."""
+        return cls(-1, slot, prompt_id, epoch, -1, "", -1)
+
 
 @dataclass
 class EvalTicket:
@@ -223,9 +228,7 @@ class Hub:
     def snapshot(self) -> bytes:
         """The hub's state as msgpack bytes, consistent under the lock (the hub thread keeps serving)."""
         with self.cv:
-            counters = dict(self.stats.counters)
-            for reason, n in self.sock.rejected.items():
-                counters[f"hub/rejected/{reason}"] = counters.get(f"hub/rejected/{reason}", 0) + n
+            counters = self._counted()
             pending = sorted({(t.slot, t.prompt_id, t.epoch) for t in [*self.in_flight.values(), *self.reissue]})
             state = HubState(
                 version=self.version, slots=self.slots, filtered=self.filtered, filtered_this_step=self.filtered_this_step,
@@ -248,7 +251,7 @@ class Hub:
             self.settled_floor, self.settled = st.settled_floor, set(st.settled)
             self.stats.counters = collections.Counter(st.counters)
             self.ready = {r.slot: Ready(r.slot, r.issue_version, r.group) for r in st.ready}
-            self.reissue = collections.deque(Ticket(-1, slot, pid, ep, -1, "", -1) for slot, pid, ep in st.pending)
+            self.reissue = collections.deque(Ticket.waiting(*p) for p in st.pending)
             if st.pending:
                 self.stats.counters["hub/reissued_prompts"] += len(st.pending)
             self.eval_pending.clear()
@@ -287,7 +290,7 @@ class Hub:
             if oldest < floor:
                 del self.ready[slot]
                 self.stats.counters["hub/stale_dropped_groups"] += 1
-                self.reissue.append(Ticket(-1, slot, r.group.prompt_id, r.group.epoch, -1, "", -1))
+                self.reissue.append(Ticket.waiting(slot, r.group.prompt_id, r.group.epoch))
         if len(self.ready) < self.gps:
             return None
         slots = sorted(self.ready)[: self.gps]
@@ -522,8 +525,12 @@ class Hub:
             # Every issued slot is trained, ready, in flight, waiting for re-issue or filtered; anything else is lost.
             accounted = (self.n_trained + self.filtered + len(self.ready) + len(self.reissue)
                          + len({t.slot for t in self.in_flight.values()}))
-            out = {**self.stats.counters, "hub/filtered_groups": self.filtered,
-                   "hub/lost_prompts": float(self.slots - accounted)}
-            for reason, n in self.sock.rejected.items():
-                out[f"hub/rejected/{reason}"] = out.get(f"hub/rejected/{reason}", 0) + n
-            return out
+            return {**self._counted(), "hub/filtered_groups": self.filtered,
+                    "hub/lost_prompts": float(self.slots - accounted)}
+
+    def _counted(self) -> dict[str, float]:
+        """The hub's counters plus the socket's rejections (lock held)."""
+        out = dict(self.stats.counters)
+        for reason, n in self.sock.rejected.items():
+            out[f"hub/rejected/{reason}"] = out.get(f"hub/rejected/{reason}", 0) + n
+        return out

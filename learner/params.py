@@ -12,7 +12,6 @@ same order; without ZeRO-3 only rank 0 calls them.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 
 import torch
@@ -53,7 +52,6 @@ def full_state_dict(module: torch.nn.Module, lay: W.Layout, zero3: bool) -> dict
     """name -> full fp32 tensor (tied weights once, as in `named_parameters`); a collective under ZeRO-3."""
     out: dict[str, torch.Tensor] = {}
     for (first, end, _, _), bucket in zip(W.bucket_plan(lay), param_buckets(module, lay, zero3), strict=True):
-        shapes = lay.shapes[first:end]
-        for name, shape, part in zip(lay.names[first:end], shapes, bucket.split([math.prod(s) for s in shapes])):
-            out[name] = part.view(shape).clone()
+        for name, part in W.bucket_views(lay, first, end, bucket):
+            out[name] = part.clone()
     return out
