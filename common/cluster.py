@@ -1,13 +1,15 @@
-"""RUN_DIR/cluster.json: where the roles of one run find each other.
+"""Where the roles of one run live: RUN_DIR/cluster.json (addresses) and the GPU placement on a node.
 
-Written once by the launcher before any role starts; read by learners and
-generators. Remote generators need only this file and the secret.
+cluster.json is written once by the launcher before any role starts; read by learners and
+generators. Remote generators need only this file and the secret. `place_gpus` decides which
+GPUs each role sees (apart, or colocated when learner and generator must share GPUs).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import msgspec
 
@@ -24,19 +26,89 @@ class PlacementError(ValueError):
     """More GPUs asked for than the node has; the message says how to fit."""
 
 
-def place_gpus(gpus: int, learners: int, gens: int, tp: int) -> tuple[list[list[int]], list[list[int]]]:
-    """GPU indices of each learner rank and each generator on one node: learners take the first `learners`
-    GPUs (one each), then each generator takes `tp` consecutive GPUs (its tensor-parallel group).
-    No GPUs (`gpus == 0`): every role runs on the CPU and every list is empty."""
+# Colocated roles: the learner rank's share of its GPU is what the generator leaves, less this margin for the
+# CUDA contexts and communication buffers that no allocator cap counts (vLLM refuses to start when less than
+# gpu_memory_utilization x total is free).
+COLOCATION_MARGIN = 0.05
+MAX_COLOCATED_GENERATOR_SHARE = 0.9
+MEMORY_FRACTION_ENV = "COVRL_GPU_MEMORY_FRACTION"
+
+
+@dataclass(frozen=True)
+class Placement:
+    learners: list[list[int]]  # GPU indices of each learner rank (one each)
+    generators: list[list[int]]  # GPU indices of each generator (its tensor-parallel group)
+    colocated: bool = False  # generators share their GPUs with learner ranks
+
+
+def place_gpus(gpus: int, learners: int, gens: int, tp: int) -> Placement:
+    """GPU indices of each learner rank and each generator on one node.
+
+    Apart, when the node has enough GPUs: learners take the first `learners` GPUs (one each), then each generator
+    takes `tp` consecutive GPUs (its tensor-parallel group). Colocated, when it has not but the roles fit by
+    sharing: learners on GPUs 0.., generators on GPUs 0.. again, so each GPU holds at most one learner rank and one
+    generator (the generator takes `generator.gpu_memory_utilization` of it, the learner the rest; see
+    `check_colocation`). This is how one or two GPUs run both roles. No GPUs (`gpus == 0`): every role runs on
+    the CPU and every list is empty."""
     if gpus == 0:
-        return [[] for _ in range(learners)], [[] for _ in range(gens)]
+        return Placement([[] for _ in range(learners)], [[] for _ in range(gens)])
     if tp < 1:
         raise PlacementError(f"--tp {tp}: each generator needs at least one GPU")
     need = learners + gens * tp
-    if need > gpus:
-        raise PlacementError(f"{learners} learner rank(s) + {gens} generator(s) x {tp} GPU(s) need {need} GPUs and "
-                             f"this node has {gpus}; lower --learners, --gens or --tp")
-    return [[r] for r in range(learners)], [list(range(learners + g * tp, learners + (g + 1) * tp)) for g in range(gens)]
+    if need <= gpus:
+        return Placement([[r] for r in range(learners)],
+                         [list(range(learners + g * tp, learners + (g + 1) * tp)) for g in range(gens)])
+    if learners <= gpus and gens * tp <= gpus:
+        return Placement([[r] for r in range(learners)], [list(range(g * tp, (g + 1) * tp)) for g in range(gens)],
+                         colocated=True)
+    raise PlacementError(f"{learners} learner rank(s) + {gens} generator(s) x {tp} GPU(s) need {need} GPUs apart, or, "
+                         f"sharing GPUs (colocated: at most one learner rank and one generator per GPU), at most {gpus} "
+                         f"learner ranks and {gpus} generator GPUs; this node has {gpus}: lower --learners, --gens or --tp")
+
+
+def colocated_memory_fractions(generator_share: float) -> tuple[float, float]:
+    """(learner, generator) shares of a GPU that both roles use: the generator's is `generator.gpu_memory_utilization`;
+    the learner gets the rest less COLOCATION_MARGIN. Each role caps its own allocator at its share
+    (`apply_memory_fraction`), so one cannot starve the other."""
+    return round(1.0 - generator_share - COLOCATION_MARGIN, 4), generator_share
+
+
+def check_colocation(placement: Placement, gen_cfg) -> None:
+    """The rules a colocated run must meet (`gen_cfg`: the config's `generator` section); ValueError naming the fix."""
+    if not placement.colocated:
+        return
+    if gen_cfg.weight_transport == "nccl":
+        raise PlacementError("learner and generator share GPUs here (colocated), and NCCL cannot put two ranks of one "
+                             "group on one GPU: set generator.weight_transport = \"rpc\", or give every role GPUs of its "
+                             "own (more --gpus, fewer --gens)")
+    share = gen_cfg.gpu_memory_utilization
+    if share > MAX_COLOCATED_GENERATOR_SHARE:
+        raise PlacementError(f"learner and generator share GPUs here (colocated) and generator.gpu_memory_utilization="
+                             f"{share} leaves the learner {1 - share - COLOCATION_MARGIN:.0%} of its GPU; set it to at most "
+                             f"{MAX_COLOCATED_GENERATOR_SHARE} (e.g. 0.35 for a 1.5B model on 80 GB), or give every role "
+                             f"GPUs of its own")
+
+
+def apply_memory_fraction(device, environ=os.environ) -> float | None:
+    """Cap this process's CUDA allocator at its share of a colocated GPU (`COVRL_GPU_MEMORY_FRACTION`, set by the
+    launcher only for colocated roles). A no-op on the CPU or without the variable. Returns the fraction applied."""
+    text = environ.get(MEMORY_FRACTION_ENV)
+    if not text:
+        return None
+    try:
+        fraction = float(text)
+    except ValueError:
+        fraction = -1.0
+    if not 0 < fraction <= 1:
+        raise ValueError(f"{MEMORY_FRACTION_ENV}={text!r}: a fraction of the GPU's memory in (0, 1] (the launcher sets it "
+                         f"for roles that share a GPU); unset it or give e.g. 0.5")
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
 
 
 def write_cluster(run_dir: str, info: ClusterInfo) -> None:

@@ -77,6 +77,7 @@ class RolloutConfig(_Section):
     groups_per_step: PosInt = 16  # prompts per learner step
     max_new_tokens: PosInt = 64
     temperature: PosFloat = 1.0
+    # Must stay 1 for training (`check` says why); evaluation has its own eval.top_p.
     top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
     max_staleness_steps: NonNegInt = 1
     # Work items a generator asks for at once; it generates them as one batch.
@@ -320,6 +321,15 @@ def check(cfg: Config) -> None:
     for path in d.train_files + d.eval_files:
         if not os.path.isfile(path):
             raise ConfigError(f"data file {path!r} does not exist (paths are relative to the directory you launch from)")
+    if cfg.rollout.top_p < 1:
+        # Decided for issue 13: the learner does not re-derive the nucleus. Both engines report pi_behav under the
+        # nucleus they sampled from (renormalised over the top-p tokens; vLLM's processed_logprobs), the learner
+        # scores pi_prox and pi_theta under the full tempered softmax, so every ratio would carry the nucleus mass.
+        raise ConfigError(
+            f"rollout.top_p={cfg.rollout.top_p}: generators report each token's logprob under the top-p nucleus they "
+            f"sampled from, but the learner scores the full tempered softmax, so every importance weight pi_prox/pi_behav "
+            f"would be scaled by the nucleus mass (below 1 even at staleness 0; learner.importance mis and geo_mask would "
+            f"drop tokens) and the update biased. Train with rollout.top_p = 1 (the paper recipes do); eval.top_p may be < 1")
     loss = cfg.learner.loss
     if isinstance(loss, PPOLoss) and 0 < loss.dual_clip_c <= 1:
         raise ConfigError(f"learner.loss.dual_clip_c={loss.dual_clip_c} must be > 1 (published 3) or 0 to turn dual-clip off")

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common.cluster import ClusterInfo, PlacementError, place_gpus, read_cluster, write_cluster  # noqa: E402
+from common.cluster import (MEMORY_FRACTION_ENV, ClusterInfo, PlacementError, check_colocation,  # noqa: E402
+                            colocated_memory_fractions, place_gpus, read_cluster, write_cluster)
 from common.config import ConfigError, load_config, to_toml, with_absolute_paths  # noqa: E402
 from common.data import REPO_ROOT, model_dir  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
@@ -94,7 +95,7 @@ def prepare_resume(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
     if gens < 1:
         raise ConfigError(f"--gens {gens}: need at least one generator")
     check_remote(args, gens, cfg.transport.host)
-    place_gpus(gpus, learners, gens - args.remote_gens, args.tp)
+    check_colocation(place_gpus(gpus, learners, gens - args.remote_gens, args.tp), cfg.generator)
     if args.steps is not None:
         with open(os.path.join(run_dir, "config.toml"), "w") as f:
             f.write(to_toml(cfg))
@@ -139,9 +140,10 @@ def prepare(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
     args.learners = 1 if args.learners is None else args.learners
     if args.gens < 1 or args.learners < 1:
         raise ConfigError(f"--gens {args.gens} --learners {args.learners}: need at least one of each")
-    place_gpus(gpus, args.learners, args.gens - args.remote_gens, args.tp)  # a placement that cannot fit
+    placement = place_gpus(gpus, args.learners, args.gens - args.remote_gens, args.tp)  # a placement that cannot fit
     overrides = list(args.set) + ([f"run.steps={args.steps}"] if args.steps is not None else [])
     cfg = with_absolute_paths(load_config(args.config, overrides), os.getcwd())
+    check_colocation(placement, cfg.generator)
     model_dir(cfg)  # fail now, not in every child, if the model is missing
     check_remote(args, args.gens, cfg.transport.host)
     r = cfg.rollout
@@ -185,16 +187,20 @@ def role_specs(run_dir: str, info: ClusterInfo, cfg, gpus: int = 0, tp: int = 1,
                remote_gens: int = 0) -> list[RoleSpec]:
     """The processes this launcher starts: every learner rank, and generators 0 .. gens - remote_gens - 1."""
     local_gens = info.generators - remote_gens
-    learner_gpus, gen_gpus = place_gpus(gpus, info.learners, local_gens, tp)
+    placement = place_gpus(gpus, info.learners, local_gens, tp)
     devices = lambda ids: {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}  # noqa: E731  ("" with no GPUs: CPU only)
-    all_learner_gpus = [g for ids in learner_gpus for g in ids]
+    all_learner_gpus = [g for ids in placement.learners for g in ids]
+    # Colocated roles cap their own CUDA allocators at their share of the GPU they share.
+    learner_share, gen_share = colocated_memory_fractions(cfg.generator.gpu_memory_utilization)
+    learner_mem = {MEMORY_FRACTION_ENV: str(learner_share)} if placement.colocated else {}
+    gen_mem = {MEMORY_FRACTION_ENV: str(gen_share)} if placement.colocated else {}
     base = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
             "OMP_NUM_THREADS": str(cfg.run.torch_threads), "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     master_port = str(free_port())
     specs = [
         RoleSpec(f"learner{r}", [sys.executable, "-m", "learner", "--run-dir", run_dir, *(["--resume"] if resume else [])],
-                 {**base, **devices(all_learner_gpus), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(info.learners),
+                 {**base, **devices(all_learner_gpus), **learner_mem, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(info.learners),
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port}, restartable=False)
         for r in range(info.learners)
     ]
@@ -202,10 +208,20 @@ def role_specs(run_dir: str, info: ClusterInfo, cfg, gpus: int = 0, tp: int = 1,
     # is sent the latest version before it generates; the hub re-issues the prompts it held.
     specs += [
         RoleSpec(f"gen{i}", [sys.executable, "-m", "actors", "--run-dir", run_dir, "--gen-id", str(i)],
-                 {**base, **devices(gen_gpus[i])}, restartable=True, max_restarts=3)
+                 {**base, **devices(placement.generators[i]), **gen_mem}, restartable=True, max_restarts=3)
         for i in range(local_gens)
     ]
     return specs
+
+
+def placement_line(placement, cfg) -> str:
+    """One line of the start banner: which GPUs each role got, and how colocated roles split their memory."""
+    line = f"GPUs: learner ranks on {placement.learners}, generators on {placement.generators}"
+    if placement.colocated:
+        learner_share, gen_share = colocated_memory_fractions(cfg.generator.gpu_memory_utilization)
+        line += (f" (colocated: each generator takes {gen_share:.0%} of its GPUs' memory, "
+                 f"generator.gpu_memory_utilization; a learner rank at most {learner_share:.0%}; weights over rpc)")
+    return line
 
 
 def spawn(spec: RoleSpec, run_dir: str) -> None:
@@ -365,6 +381,8 @@ def main(argv=None) -> int:
     resumed = f", resuming from {ckpt[1]}" if args.resume and (ckpt := latest_checkpoint(run_dir)) else ""
     print(f"covrl run {info.run_id}: {info.learners} learner rank(s), {info.generators} generator(s), {cfg.run.steps} "
           f"steps -> {run_dir}{resumed}")
+    if gpus:
+        print("  " + placement_line(place_gpus(gpus, info.learners, info.generators - args.remote_gens, args.tp), cfg))
     for i in range(info.generators - args.remote_gens, info.generators):
         print(f"  generator {i} is remote: on its host, with {run_dir} there too (config.toml, cluster.json, secret.key):"
               f" python -m actors --run-dir {run_dir} --gen-id {i}")

@@ -102,7 +102,7 @@ def main() -> int:
     hub = channel = writer = tokenizer = None
     lay = W.layout(trainer.module)
     zero3 = cfg.learner.zero_stage == 3  # parameters are shards: every rank takes part in each gather
-    scratch = scratch_for(lay)  # one bucket's worth, reused by every publish
+    scratch = scratch_for(trainer.module, lay)  # one bucket's worth on the learner's device, reused by every publish
     par = ParSchedule(cfg.learner.par, cfg.run.steps)
     # The row of an evaluated version waits for its eval results, so metrics.jsonl keeps one row
     # per step (step 0: the base model's evaluation) and rows stay in step order.
@@ -117,7 +117,7 @@ def main() -> int:
         tokenizer = AutoTokenizer.from_pretrained(path)
         host, port = cluster.hub_addr.rsplit(":", 1)
         whost, wport = cluster.weight_addr.rsplit(":", 1)
-        channel = WeightPublisher(whost, int(wport), cfg.transport.weight_sync_timeout_s)
+        channel = WeightPublisher(whost, int(wport), cfg.transport.weight_sync_timeout_s, device=trainer.device)
         hub = Hub(cfg, run_id=cluster.run_id, key=load_secret(args.run_dir), port=int(port),
                   source=PromptSource(cfg, tokenizer), weight_addr=cluster.weight_addr, n_generators=cluster.generators,
                   eval_prompts=eval_sets(cfg, tokenizer) if cfg.eval.every_steps else None, on_join=channel.join)

@@ -27,17 +27,27 @@ def _gathered(params: list[torch.nn.Parameter], zero3: bool):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
-def scratch_for(lay: W.Layout) -> torch.Tensor:
-    """A buffer for `param_buckets(..., scratch=)`: the size of the largest bucket."""
-    return torch.empty(max(end - start for _, _, start, end in W.bucket_plan(lay)), dtype=torch.float32)
+def params_device(module: torch.nn.Module) -> torch.device:
+    """Where the module's parameters live (under ZeRO-3 the shards, and every gathered bucket, are there too)."""
+    return next(module.parameters()).device
+
+
+def scratch_for(module: torch.nn.Module, lay: W.Layout) -> torch.Tensor:
+    """A buffer for `param_buckets(..., scratch=)`: the size of the largest bucket, on the parameters' device.
+
+    A bucket is assembled where the parameters are (`torch.cat(..., out=)` cannot cross devices); the
+    publisher copies each bucket into its own host vector before anything goes over gloo."""
+    numel = max(end - start for _, _, start, end in W.bucket_plan(lay))
+    return torch.empty(numel, dtype=torch.float32, device=params_device(module))
 
 
 def param_buckets(module: torch.nn.Module, lay: W.Layout, zero3: bool,
                   scratch: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
-    """fp32 flat buckets in `W.bucket_plan(lay)` order (the weight channel's wire order).
+    """fp32 flat buckets in `W.bucket_plan(lay)` order (the weight channel's wire order), on the parameters'
+    device (a CUDA learner's buckets are on its GPU).
 
-    A bucket is a copy (under ZeRO-3 the gather is freed on exit). With `scratch` (`scratch_for(lay)`)
-    every bucket is written into that one buffer, so a bucket is valid only until the next is asked for;
+    A bucket is a copy (under ZeRO-3 the gather is freed on exit). With `scratch` (`scratch_for(module, lay)`)
+    every bucket is written into that one buffer (which must be on the parameters' device), so a bucket is valid only until the next is asked for;
     a fresh 128 MiB tensor per bucket costs as much in page faults as the copy itself."""
     params = [p for _, p in module.named_parameters()]
     for first, end, start, stop in W.bucket_plan(lay):

@@ -9,11 +9,17 @@ live channel and keeps a CPU copy of the latest version for late joiners (the mo
 memory on rank 0). A channel whose peer is gone fails fast (its TCP connection is closed) and is dropped
 (`weights/dropped_channels`); the hub re-issues that generator's work.
 
+Every bucket is copied into `latest` (a host vector, pinned on a CUDA learner) and the gloo channels send
+that copy, never the caller's tensor: a CUDA learner's buckets are on its GPU, and the caller reuses one
+bucket buffer for the next bucket as soon as it is asked for.
+
 A vLLM generator with the nccl transport announces its NCCL receiver in the pair channel's store before the
-rendezvous (`common/vllm_weights.py`). Its channel then also gets an NCCL group (this rank's GPU + its tp
-workers): headers still go over gloo, flagged `W.FLAG_DIRECT`, and each bucket is broadcast over NCCL in
-the generator's dtype straight into its workers. NCCL has no timeout here: a generator that dies between
-a header and its last bucket can hang the publish (gloo detects a peer dead before the header).
+rendezvous (`common/vllm_weights.py`). Its join thread only records that; the NCCL group itself (this rank's GPU
++ the generator's tp workers) is built by the trainer thread at the start of the next `publish`, on the
+learner's device and between train steps, so it never races DeepSpeed's own collectives. Headers still go over
+gloo, flagged `W.FLAG_DIRECT`, and each bucket is broadcast over NCCL in the generator's dtype straight into its
+workers, on the sender's own stream and with a deadline (`NcclSender`): a generator that dies mid-transfer
+is dropped after `transport.weight_sync_timeout_s` instead of hanging the learner.
 """
 
 from __future__ import annotations
@@ -35,13 +41,16 @@ log = logging.getLogger("covrl.publisher")
 
 
 class WeightPublisher:
-    def __init__(self, host: str, port: int, timeout_s: float):
-        self.host, self.port, self.timeout_s = host, port, timeout_s
+    def __init__(self, host: str, port: int, timeout_s: float, device: torch.device | str = "cpu"):
+        """`device`: the learner's (rank 0's) device; NCCL senders to vLLM generators are built on it."""
+        self.host, self.port, self.timeout_s, self.device = host, port, timeout_s, torch.device(device)
         self.store = dist.TCPStore(host, port, None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
                                    wait_for_workers=False)
         self.lock = threading.Lock()  # channels, latest copy, and every send
         # gen_id -> (incarnation, gloo channel, (NCCL sender, dtype) for a direct vLLM receiver or None)
         self.channels: dict[int, tuple[str, W.WeightChannel, tuple[VW.NcclSender, torch.dtype] | None]] = {}
+        # Direct (NCCL) receivers whose gloo rendezvous is done; the trainer thread builds their NCCL group.
+        self.pending_direct: list[tuple[int, str, W.WeightChannel, dist.Store]] = []
         self.latest: torch.Tensor | None = None
         self.latest_version = 0
         self.lay: W.Layout | None = None
@@ -58,7 +67,9 @@ class WeightPublisher:
         try:
             prefix = W.pair_prefix(gen_id, incarnation)
             ch = W.WeightChannel(self.host, self.port, 0, 2, self.timeout_s, prefix=prefix, store=self.store)
-            direct = self._direct_receiver(dist.PrefixStore(prefix, self.store))
+            store = dist.PrefixStore(prefix, self.store)
+            # The announcement precedes the gloo rendezvous that just completed, so `check` cannot miss it.
+            direct = store.check([VW.ANNOUNCE_KEY])
         except Exception:  # noqa: BLE001 - a generator that died before its rendezvous: count, log, carry on
             log.exception("generator %d (%s) never completed its weight-channel rendezvous", gen_id, incarnation)
             with self.lock:
@@ -68,17 +79,40 @@ class WeightPublisher:
             if self._stopped:
                 self._try(ch.stop)
                 return
-            if self.latest is not None:  # catch up: the version everyone else holds
-                try:
-                    self._send_latest(ch, direct)
-                except RuntimeError:
-                    log.warning("generator %d (%s) left during its catch-up", gen_id, incarnation)
-                    self.counters["weights/dropped_channels"] += 1
-                    return
-            self.channels[gen_id] = (incarnation, ch, direct)
-            self.counters["weights/direct_channels"] += direct is not None
-            self.counters["weights/joins"] += 1
+            if direct:
+                self.pending_direct.append((gen_id, incarnation, ch, store))
+                log.info("generator %d (%s) announced an NCCL receiver: its group is built at the next publish",
+                         gen_id, incarnation)
+                return
+            self._admit(gen_id, incarnation, ch, None)
+
+    def _admit(self, gen_id: int, incarnation: str, ch: W.WeightChannel, direct) -> None:
+        """Catch a new channel up on the latest version and add it to the broadcast list (lock held)."""
+        if self.latest is not None:  # catch up: the version everyone else holds
+            try:
+                self._send_latest(ch, direct)
+            except RuntimeError:
+                log.warning("generator %d (%s) left during its catch-up", gen_id, incarnation)
+                self.counters["weights/dropped_channels"] += 1
+                return
+        self.channels[gen_id] = (incarnation, ch, direct)
+        self.counters["weights/direct_channels"] += direct is not None
+        self.counters["weights/joins"] += 1
         log.info("generator %d (%s) joined the weight channels at version %d", gen_id, incarnation, self.latest_version)
+
+    def _connect_direct(self) -> None:
+        """Build the NCCL group of every generator that announced one (trainer thread, lock held)."""
+        pending, self.pending_direct = self.pending_direct, []
+        for gen_id, incarnation, ch, store in pending:
+            try:
+                port = free_port(self.host)
+                world, dtype = VW.offer_address(store, self.host, port, self.timeout_s)
+                sender = VW.NcclSender(self.host, port, world, self.device, self.timeout_s)  # waits for the workers
+            except Exception:  # noqa: BLE001 - a generator that died before its NCCL rendezvous: count, log, carry on
+                log.exception("generator %d (%s) never completed its NCCL rendezvous", gen_id, incarnation)
+                self.counters["weights/join_failures"] += 1
+                continue
+            self._admit(gen_id, incarnation, ch, (sender, dtype))
 
     # ---- called from the trainer (main) thread ------------------------------------------
 
@@ -87,20 +121,22 @@ class WeightPublisher:
         t0 = time.perf_counter()
         acc = W.Checksum(lay.numel)
         with self.lock:
-            if self.latest is None:
-                self.latest, self.lay = torch.empty(lay.numel, dtype=torch.float32), lay
+            self._connect_direct()  # before `latest` exists on the first publish: nothing to catch up on yet
+            if self.latest is None:  # pinned on a CUDA learner: device-to-host copies run at full speed
+                self.latest = torch.empty(lay.numel, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+                self.lay = lay
             live = dict(self.channels)
             # Headers first, so a dead peer is found before the buckets.
             dead = {g for g, (_, ch, direct) in live.items()
                     if not self._try(lambda: ch.send_header(version, lay, W.FLAG_DIRECT if direct else 0))}
             for (first, end, _, _), (start, bucket) in zip(W.bucket_plan(lay), W.checked_buckets(lay, buckets)):
-                self.latest[start:start + bucket.numel()].copy_(bucket)
-                acc.add(bucket, start)
+                host = self.latest[start:start + bucket.numel()]
+                host.copy_(bucket)  # from the learner's device; gloo sends this host copy
+                acc.add(host, start)
                 for gen_id, (_, ch, direct) in live.items():
-                    if gen_id not in dead and not self._try(lambda: self._send_bucket(ch, direct, lay, first, end, bucket)):
+                    source = host if direct is None else bucket  # NCCL sends straight from the learner's GPU
+                    if gen_id not in dead and not self._try(lambda: self._send_bucket(ch, direct, lay, first, end, source)):
                         dead.add(gen_id)
-            if any(direct for g, (_, _, direct) in live.items() if g not in dead):
-                torch.cuda.current_stream().synchronize()  # every NCCL broadcast of this version has landed
             for gen_id in dead:
                 if self.channels.get(gen_id) == live[gen_id]:
                     del self.channels[gen_id]
@@ -117,6 +153,9 @@ class WeightPublisher:
                 if direct is not None:
                     self._try(direct[0].close)
             self.channels.clear()
+            for _, _, ch, _ in self.pending_direct:
+                self._try(ch.stop)
+            self.pending_direct.clear()
 
     def counter_values(self) -> dict[str, float]:
         """A copy of the counters (the join threads update them)."""
@@ -124,15 +163,6 @@ class WeightPublisher:
             return dict(self.counters)
 
     # ---- helpers (lock held) -----------------------------------------------------------------
-
-    def _direct_receiver(self, store: dist.Store) -> tuple[VW.NcclSender, torch.dtype] | None:
-        """The NCCL group to a generator that announced a direct (vLLM, nccl transport) receiver, else None.
-        The announcement precedes the gloo rendezvous that just completed, so `check` cannot miss it."""
-        if not store.check([VW.ANNOUNCE_KEY]):
-            return None
-        port = free_port(self.host)
-        world, dtype = VW.offer_address(store, self.host, port, self.timeout_s)
-        return VW.NcclSender(self.host, port, world), dtype  # blocks until the generator's workers join
 
     @staticmethod
     def _send_bucket(ch: W.WeightChannel, direct, lay: W.Layout, first: int, end: int, bucket: torch.Tensor) -> None:
@@ -145,13 +175,11 @@ class WeightPublisher:
         ch.send_header(self.latest_version, self.lay, W.FLAG_DIRECT if direct else 0)
         for first, end, start, stop in W.bucket_plan(self.lay):
             self._send_bucket(ch, direct, self.lay, first, end, self.latest[start:stop])
-        if direct is not None:
-            torch.cuda.current_stream().synchronize()
 
     @staticmethod
     def _try(op) -> bool:
         try:
             op()
             return True
-        except RuntimeError:  # gloo: the peer closed the connection
+        except RuntimeError:  # gloo: the peer closed the connection; NCCL: VW.NcclTimeout
             return False

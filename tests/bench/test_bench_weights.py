@@ -95,7 +95,7 @@ def _sync_seconds(module: torch.nn.Module, spec: str, versions: int, raw: bool =
     """Seconds of each sync after the first (publish start -> the generator has it); the learner runs here,
     the generator in a subprocess. `raw`: broadcast ready buckets on the same channel instead (gloo alone)."""
     lay = W.layout(module)
-    scratch = scratch_for(lay)  # the learner's one reused bucket buffer
+    scratch = scratch_for(module, lay)  # the learner's one reused bucket buffer
     port = free_port()
     pub = WeightPublisher("127.0.0.1", port, TIMEOUT_S)
     args = [sys.executable, "-c", RECEIVER, "127.0.0.1", str(port), spec, "raw" if raw else "publish", str(versions),
@@ -150,7 +150,7 @@ def test_weight_sync_vs_memcpy():
     dst = torch.empty_like(src)
     memcpy_s = best_of(lambda: dst.copy_(src), repeats=5)
     del src, dst
-    scratch = scratch_for(lay)
+    scratch = scratch_for(big, lay)
     gather_s = best_of(lambda: [None for _ in param_buckets(big, lay, False, scratch)], repeats=3)  # the bucket copies alone
     del big
     demo = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32)

@@ -18,6 +18,7 @@ def test_defaults_roundtrip_through_toml(tmp_path):
     ("rollout.group_sizee=4", "unknown field `group_sizee` - at `rollout`"),
     ("rollout.group_size=1", "at `rollout.group_size`"),
     ("rollout.top_p=1.5", "at `rollout.top_p`"),
+    ("rollout.top_p=0.9", "rollout.top_p=0.9: generators report each token's logprob under the top-p nucleus"),
     ("learner.loss.dual_clip_c=0.5", "dual_clip_c"),
     ("learner.mini_batches=3", "must divide rollout.groups_per_step"),
     ("rollout", "expected key.path=value"),
@@ -40,3 +41,11 @@ def test_missing_and_invalid_files(tmp_path):
     bad.write_text("[rollout\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(str(bad))
+
+
+def test_top_p_below_one_is_refused_for_training_only():
+    """Issue 13 point 4: the learner scores the full tempered softmax, so a training nucleus would bias every
+    importance weight by its mass; evaluation never reaches the learner and may sample a nucleus."""
+    with pytest.raises(ConfigError, match="Train with rollout.top_p = 1 .*eval.top_p may be < 1"):
+        load_config(None, ["rollout.top_p=0.95"])
+    assert load_config(None, ["eval.top_p=0.9"]).eval.top_p == 0.9

@@ -2,26 +2,57 @@
 
 import pytest
 
-from common.cluster import ClusterInfo, PlacementError, place_gpus
-from common.config import Config
+from common.cluster import (MEMORY_FRACTION_ENV, ClusterInfo, Placement, PlacementError, apply_memory_fraction,
+                            check_colocation, colocated_memory_fractions, place_gpus)
+from common.config import Config, GeneratorConfig
 
 
 def test_eight_gpus_four_learners_four_generators():
-    learners, gens = place_gpus(8, 4, 4, 1)
-    assert learners == [[0], [1], [2], [3]] and gens == [[4], [5], [6], [7]]
+    p = place_gpus(8, 4, 4, 1)
+    assert p.learners == [[0], [1], [2], [3]] and p.generators == [[4], [5], [6], [7]] and not p.colocated
 
 
 def test_tensor_parallel_generators_get_consecutive_gpus():
-    learners, gens = place_gpus(8, 2, 3, 2)
-    assert learners == [[0], [1]] and gens == [[2, 3], [4, 5], [6, 7]]
+    p = place_gpus(8, 2, 3, 2)
+    assert p.learners == [[0], [1]] and p.generators == [[2, 3], [4, 5], [6, 7]] and not p.colocated
+
+
+def test_one_gpu_colocates_a_learner_and_a_generator():
+    p = place_gpus(1, 1, 1, 1)
+    assert p.learners == [[0]] and p.generators == [[0]] and p.colocated
+    p = place_gpus(8, 4, 3, 2)  # 10 GPUs apart; sharing, every GPU holds at most one of each
+    assert p.learners == [[0], [1], [2], [3]] and p.generators == [[0, 1], [2, 3], [4, 5]] and p.colocated
 
 
 def test_cpu_only_and_too_many():
-    assert place_gpus(0, 4, 4, 1) == ([[]] * 4, [[]] * 4)
-    with pytest.raises(PlacementError, match="need 10 GPUs and this node has 8; lower --learners, --gens or --tp"):
-        place_gpus(8, 4, 3, 2)
+    assert place_gpus(0, 4, 4, 1) == Placement([[]] * 4, [[]] * 4)
+    with pytest.raises(PlacementError, match="need 10 GPUs apart, or, sharing GPUs .* at most 4 learner ranks and 4 "
+                                             "generator GPUs; this node has 4: lower --learners, --gens or --tp"):
+        place_gpus(4, 4, 3, 2)
+    with pytest.raises(PlacementError, match="at most 2 learner ranks"):
+        place_gpus(2, 3, 1, 1)
     with pytest.raises(PlacementError, match="--tp 0"):
         place_gpus(8, 1, 1, 0)
+
+
+def test_colocation_rules_name_the_fix():
+    one = place_gpus(1, 1, 1, 1)
+    check_colocation(one, GeneratorConfig(gpu_memory_utilization=0.35))
+    check_colocation(place_gpus(2, 1, 1, 1), GeneratorConfig(weight_transport="nccl"))  # apart: NCCL is fine
+    with pytest.raises(PlacementError, match="NCCL cannot put two ranks of one group on one GPU: set "
+                                             "generator.weight_transport = \"rpc\""):
+        check_colocation(one, GeneratorConfig(weight_transport="nccl", gpu_memory_utilization=0.35))
+    with pytest.raises(PlacementError, match="gpu_memory_utilization=0.95 leaves the learner 0% of its GPU; set it to at most 0.9"):
+        check_colocation(one, GeneratorConfig(gpu_memory_utilization=0.95))
+    assert colocated_memory_fractions(0.35) == (0.6, 0.35)
+
+
+def test_memory_fraction_is_read_checked_and_skipped_on_cpu():
+    assert apply_memory_fraction("cpu", {}) is None
+    assert apply_memory_fraction("cpu", {MEMORY_FRACTION_ENV: "0.5"}) is None  # no CUDA allocator to cap
+    for bad in ("1.5", "0", "half"):
+        with pytest.raises(ValueError, match=f"{MEMORY_FRACTION_ENV}='{bad}': a fraction of the GPU's memory in \\(0, 1\\]"):
+            apply_memory_fraction("cpu", {MEMORY_FRACTION_ENV: bad})
 
 
 def test_role_environment_carries_the_placement(tmp_path):
@@ -33,3 +64,37 @@ def test_role_environment_carries_the_placement(tmp_path):
     assert specs["gen0"]["CUDA_VISIBLE_DEVICES"] == "2,3" and specs["gen1"]["CUDA_VISIBLE_DEVICES"] == "4,5"
     cpu = {s.name: s.env for s in role_specs(str(tmp_path), info, Config())}
     assert all(env["CUDA_VISIBLE_DEVICES"] == "" for env in cpu.values())  # --gpus 0: no role sees a GPU
+
+
+def test_colocated_roles_share_one_gpu_and_split_its_memory(tmp_path):
+    from launch.cluster import placement_line, role_specs
+
+    info = ClusterInfo(run_id="r", hub_addr="127.0.0.1:1", weight_addr="127.0.0.1:2", generators=1, learners=1)
+    cfg = Config(generator=GeneratorConfig(gpu_memory_utilization=0.35))
+    specs = {s.name: s.env for s in role_specs(str(tmp_path), info, cfg, gpus=1)}
+    assert specs["learner0"]["CUDA_VISIBLE_DEVICES"] == specs["gen0"]["CUDA_VISIBLE_DEVICES"] == "0"
+    assert specs["learner0"][MEMORY_FRACTION_ENV] == "0.6" and specs["gen0"][MEMORY_FRACTION_ENV] == "0.35"
+    apart = {s.name: s.env for s in role_specs(str(tmp_path), info, cfg, gpus=2)}
+    assert MEMORY_FRACTION_ENV not in apart["learner0"] and MEMORY_FRACTION_ENV not in apart["gen0"]
+    line = placement_line(place_gpus(1, 1, 1, 1), cfg)
+    assert "learner ranks on [[0]], generators on [[0]] (colocated: each generator takes 35%" in line
+
+
+def test_the_one_gpu_recipe_is_accepted_on_one_gpu(tmp_path):
+    """`--gens 1 --learners 1 --gpus 1` with the 1-GPU recipe passes every launcher check (colocated)."""
+    import os
+
+    from launch import cluster
+
+    recipe = os.path.join(os.path.dirname(__file__), "..", "..", "launch", "recipes", "qwen2.5-1.5b-1gpu-kl-cov.toml")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    args = cluster.parse_args(["--gens", "1", "--learners", "1", "--gpus", "1", "--config", recipe, "--run-dir",
+                               str(tmp_path / "run"), "--set", f'model.path="{model}"', "--set",
+                               f'data.train_files=["{data}"]', "--set", "data.eval_files=[]"])
+    run_dir, cfg, info = cluster.prepare(args, gpus=1)
+    assert place_gpus(1, info.learners, info.generators, 1).colocated
+    assert cfg.generator.weight_transport == "rpc" and cfg.generator.gpu_memory_utilization <= 0.9

@@ -1,4 +1,5 @@
 import threading
+import time
 
 import pytest
 import torch
@@ -120,7 +121,7 @@ def test_param_buckets_into_one_scratch_buffer_equal_fresh_buckets(monkeypatch):
     monkeypatch.setattr(W, "BUCKET_NUMEL", 16)  # several buckets of different sizes
     model = _model(3)
     lay = W.layout(model)
-    scratch = scratch_for(lay)
+    scratch = scratch_for(model, lay)
     fresh = [b.clone() for b in param_buckets(model, lay, False)]
     pointers = set()
     for want, got in zip(fresh, param_buckets(model, lay, False, scratch), strict=True):
@@ -128,3 +129,140 @@ def test_param_buckets_into_one_scratch_buffer_equal_fresh_buckets(monkeypatch):
         pointers.add(got.data_ptr())
     assert pointers == {scratch.data_ptr()} and len(fresh) > 2
     assert torch.equal(torch.cat(fresh), W.flatten(model))
+
+
+def test_buckets_are_assembled_on_the_parameters_device(monkeypatch):
+    """A CUDA learner's first publish once crashed: the scratch was on the CPU and `torch.cat(cuda_parts, out=)`
+    cannot cross devices. The meta device stands in for CUDA here (the same cross-device rule): the scratch and
+    every bucket must follow the parameters."""
+    from learner.params import param_buckets, scratch_for
+
+    monkeypatch.setattr(W, "BUCKET_NUMEL", 16)
+    model = _model(3).to("meta")
+    lay = W.layout(model)
+    scratch = scratch_for(model, lay)
+    assert scratch.device.type == "meta" and scratch.numel() == max(e - s for _, _, s, e in W.bucket_plan(lay))
+    buckets = list(param_buckets(model, lay, False, scratch))
+    assert len(buckets) > 2 and all(b.device.type == "meta" and b.dtype == torch.float32 for b in buckets)
+
+
+def test_publisher_sends_its_own_host_copy_of_each_bucket():
+    """The publisher stages every bucket into its host vector (`latest`) and sends that over gloo, so the caller's
+    bucket may live on any device and may be overwritten as soon as the next one is asked for."""
+    from learner.publisher import WeightPublisher
+
+    model = _model(5)
+    lay = W.layout(model)
+    port = free_port()
+    pub = WeightPublisher("127.0.0.1", port, 30)
+    got = []
+
+    def generator():
+        ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=W.pair_prefix(0, "a"))
+        got.append(ch.receive(lay))
+
+    t = threading.Thread(target=generator)
+    t.start()
+    pub.join(0, "a")
+    deadline = time.monotonic() + 30
+    while not pub.channels and time.monotonic() < deadline:
+        time.sleep(0.01)
+    flat = W.flatten(model)
+    scratch = torch.empty(flat.numel())
+
+    def reused():  # one buffer for every bucket, poisoned as soon as the publisher moves on
+        for _, _, start, end in W.bucket_plan(lay):
+            scratch[: end - start].copy_(flat[start:end])
+            yield scratch[: end - start]
+            scratch.fill_(float("nan"))
+
+    _, _, total = pub.publish(1, lay, reused())
+    t.join(30)
+    pub.stop()
+    version, received, received_sum = got[0]
+    assert version == 1 and torch.equal(received, flat) and received_sum == total == W.checksum(flat, lay)
+    assert torch.equal(pub.latest, flat)
+
+
+class _RecordingSender:
+    """Stands in for `VW.NcclSender` (NCCL needs GPUs): records where and how it was built and what it sent."""
+
+    built: list = []
+
+    def __init__(self, host, port, world_size, device, timeout_s, fail_after: int | None = None):
+        self.device, self.thread, self.sent = device, threading.current_thread().name, []
+        type(self).built.append(self)
+
+    def send_bucket(self, lay, first, end, bucket, dtype):
+        if getattr(type(self), "fail", False):
+            from common import vllm_weights as VW
+
+            raise VW.NcclTimeout("stand-in: the generator died mid-transfer")
+        self.sent.append((first, end, bucket.clone()))
+        return bucket.numel() * 2
+
+    def close(self):
+        pass
+
+
+def test_nccl_groups_are_built_by_the_publishing_thread_on_the_learners_device(monkeypatch):
+    """The join thread only records an NCCL receiver; the trainer thread builds its group at the next publish, on
+    the device the learner gave the publisher (a join thread's current device would be cuda:0), and a sender
+    that times out mid-transfer drops that generator instead of hanging the publish."""
+    from common import vllm_weights as VW
+    from learner.publisher import WeightPublisher
+
+    monkeypatch.setattr(VW, "NcclSender", _RecordingSender)
+    _RecordingSender.built = []
+    model = _model(7)
+    lay = W.layout(model)
+    port = free_port()
+    pub = WeightPublisher("127.0.0.1", port, 30, device="meta")  # any device the learner names
+    headers = []
+
+    def generator():
+        import datetime
+
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=datetime.timedelta(seconds=30))
+        pair = dist.PrefixStore(W.pair_prefix(0, "d"), store)
+        VW.announce(pair, tp=1, dtype=torch.bfloat16)
+        ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=W.pair_prefix(0, "d"), store=store)
+        headers.append(VW.read_address(pair, 30))
+        try:
+            while (got := ch.receive_header(lay)) is not None:
+                headers.append(got)
+        except RuntimeError:  # the learner dropped this channel (the stand-in timed out)
+            headers.append("dropped")
+
+    t = threading.Thread(target=generator, daemon=True)
+    t.start()
+    pub.join(0, "d")
+    deadline = time.monotonic() + 30
+    while not pub.pending_direct and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pub.pending_direct and not pub.channels and not _RecordingSender.built  # nothing NCCL in the join thread
+    flat = W.flatten(model)
+    pub.publish(1, lay, (flat[s:e] for _, _, s, e in W.bucket_plan(lay)))
+    (sender,) = _RecordingSender.built
+    assert sender.thread == threading.current_thread().name and sender.device == torch.device("meta")
+    assert torch.equal(torch.cat([b for _, _, b in sender.sent]), flat)
+    _RecordingSender.fail = True
+    try:
+        pub.publish(2, lay, (flat[s:e] for _, _, s, e in W.bucket_plan(lay)))
+    finally:
+        _RecordingSender.fail = False
+    assert not pub.channels and pub.counter_values()["weights/dropped_channels"] == 1
+    pub.stop()
+    assert headers[0]["world_size"] == 2 and headers[1] == (1, W.FLAG_DIRECT) and headers[2] == (2, W.FLAG_DIRECT)
+    t.join(30)
+
+
+def test_wait_until_gives_up_at_its_deadline():
+    from common.vllm_weights import wait_until
+
+    t0 = time.monotonic()
+    assert not wait_until(lambda: False, 0.05) and time.monotonic() - t0 >= 0.05
+    flips = iter([False, False, True])
+    assert wait_until(lambda: next(flips), 1.0)
