@@ -16,9 +16,15 @@ Contracts kept from the CPU path, and how:
   `finish_weight_update(weight_version=...)` / `update_weight_version`, which change only while
   generation is paused; `CompletionOutput.weight_versions` spans become one int per token. Exact even
   when a response spans an update.
-- Seeds: vLLM gives child j of a request seeded s the seed s + j, so prompt seeds are spread first
-  (`request_seed`): neighbouring prompts never share a sample's noise. Samples are reproducible for a
-  given seed and weights, but not equal to the CPU sampler's (another noise source).
+- Seeds (`generator.seed_requests`, off by default): a request with its own seed is sampled with a torch.Generator
+  of its own, vLLM's slower per-request path, so by default requests carry no seed and vLLM samples from its
+  engine-wide stream (seeded by run.seed; samples then depend on what is batched together, as they do anyway
+  in vLLM's batch-variant kernels). On: vLLM gives child j of a request seeded s the seed s + j, so prompt
+  seeds are spread first (`request_seed`) and neighbouring prompts never share a sample's noise; a re-issued
+  prompt then reproduces its samples under the same weights (not equal to the torch sampler's: another noise source).
+- Processes: the engine core and its workers are started with `spawn` (VLLM_WORKER_MULTIPROC_METHOD), never
+  forked: this process already runs threads (the asyncio loop, the weight receiver, gloo) when the engine is
+  built, and vLLM documents spawn for that case.
 
 A weight update (chosen once, at setup) pauses generation, loads, stamps the version, resumes:
 - `weight_update="finish"`: `pause_generation(mode="wait")`: requests in flight finish on the old
@@ -98,22 +104,35 @@ def request_seed(seed: int) -> int:
     return int(_hash32(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64))) * MAX_N
 
 
-def sampling_kwargs(n: int, sampling: SamplingParams, seed: int, stop_ids: Sequence[int]) -> dict:
-    """vllm.SamplingParams arguments for one prompt of a Work or EvalWork message."""
+def sampling_kwargs(n: int, sampling: SamplingParams, seed: int, stop_ids: Sequence[int], seeded: bool = False) -> dict:
+    """vllm.SamplingParams arguments for one prompt of a Work or EvalWork message; `seeded`: give the request
+    the prompt's own seed (reproducible samples, vLLM's slower per-request-generator path)."""
     if not 1 <= n <= MAX_N:
         raise ValueError(f"{n} samples per prompt: vLLM requests here take 1..{MAX_N}")
     greedy = sampling.temperature == 0
-    return dict(
+    kw = dict(
         n=n,
         temperature=float(sampling.temperature),
         top_p=1.0 if greedy else float(sampling.top_p),
         max_tokens=int(sampling.max_new_tokens),
         logprobs=0,  # the sampled token's logprob only
-        seed=request_seed(seed),
         stop_token_ids=[int(t) for t in stop_ids],
         detokenize=False,  # the actor decodes for scoring; vLLM never needs the text
         flat_logprobs=True,
     )
+    if seeded:
+        kw["seed"] = request_seed(seed)
+    return kw
+
+
+SPAWN_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+
+
+def use_spawn(environ=os.environ) -> None:
+    """Start vLLM's engine core and workers with spawn, not fork (this process runs threads); a value the user
+    set explicitly is kept."""
+    for key, value in SPAWN_ENV.items():
+        environ.setdefault(key, value)
 
 
 def engine_kwargs(model_path: str, settings: "VllmSettings", tp: int, native_nccl: bool) -> dict:
@@ -219,6 +238,7 @@ class VllmSettings:
     max_model_len: int = 0  # 0: the model's
     enforce_eager: bool = False
     seed: int = 0
+    seed_requests: bool = False  # per-request seeds: reproducible samples, vLLM's slower per-request sampling path
     poll_s: float = 0.02  # how often `generate` runs the before_forward hook while waiting
 
     def __post_init__(self):
@@ -326,10 +346,11 @@ class VllmEngine:
         settings = VllmSettings(weight_update=gen.weight_update, transport=gen.weight_transport,
                                 dtype="bfloat16" if cfg.model.dtype == "float32" else cfg.model.dtype,
                                 gpu_memory_utilization=gen.gpu_memory_utilization, max_num_seqs=gen.max_num_seqs,
-                                enforce_eager=gen.enforce_eager, seed=cfg.run.seed)
+                                enforce_eager=gen.enforce_eager, seed=cfg.run.seed, seed_requests=gen.seed_requests)
         return cls(model_path, stop_ids=stop_ids, settings=settings)
 
     async def _build(self, model_path: str):
+        use_spawn()  # before vLLM creates any process
         # vLLM's worker processes import CovrlWorkerExtension by name: make sure they can find this repo.
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         if repo not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
@@ -354,8 +375,8 @@ class VllmEngine:
     def generate(self, prompts, n, sampling, seeds, before_forward: Callable[[], None] | None = None):
         if len(prompts) != len(seeds):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt")
-        params = [self.api.SamplingParams(**sampling_kwargs(n, sampling, s, self.stop_ids), output_kind=self.api.FINAL_ONLY)
-                  for s in seeds]
+        params = [self.api.SamplingParams(**sampling_kwargs(n, sampling, s, self.stop_ids, self.settings.seed_requests),
+                                          output_kind=self.api.FINAL_ONLY) for s in seeds]
         fut = self._loop.submit(self._generate_all([list(map(int, p)) for p in prompts], params))
         hook = before_forward or (lambda: None)
         try:

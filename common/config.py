@@ -241,6 +241,10 @@ class GeneratorConfig(_Section):
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.85  # of each generator GPU, for vLLM
     max_num_seqs: PosInt = 256  # requests vLLM batches at once
     enforce_eager: bool = False  # skip CUDA graphs (faster start, slower decode)
+    # vLLM: give each request its prompt's seed, so a re-issued prompt reproduces its samples under the same
+    # weights. Off by default: vLLM samples a seeded request with its own torch.Generator, a slower path. (The
+    # torch engine always seeds per prompt, at no cost.)
+    seed_requests: bool = False
 
 
 class Config(_Section):
@@ -330,6 +334,15 @@ def check(cfg: Config) -> None:
             f"sampled from, but the learner scores the full tempered softmax, so every importance weight pi_prox/pi_behav "
             f"would be scaled by the nucleus mass (below 1 even at staleness 0; learner.importance mis and geo_mask would "
             f"drop tokens) and the update biased. Train with rollout.top_p = 1 (the paper recipes do); eval.top_p may be < 1")
+    g = cfg.generator
+    if g.weight_transport == "nccl" and g.weight_update == "finish" and not cfg.run.deterministic:
+        raise ConfigError(
+            "generator.weight_transport = \"nccl\" with weight_update = \"finish\" and run.deterministic = false: a vLLM "
+            "generator can take NCCL weights only after its in-flight requests finish, so learner rank 0 would wait for "
+            "the longest response in flight at every publish. Use weight_update = \"keep\" (requests continue on the new "
+            "weights, every token stamped with its version), weight_transport = \"rpc\" (weights staged in the "
+            "generator's host memory; the learner never waits), or run.deterministic = true (nothing is in flight when "
+            "a version is published)")
     loss = cfg.learner.loss
     if isinstance(loss, PPOLoss) and 0 < loss.dual_clip_c <= 1:
         raise ConfigError(f"learner.loss.dual_clip_c={loss.dual_clip_c} must be > 1 (published 3) or 0 to turn dual-clip off")

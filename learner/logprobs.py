@@ -9,9 +9,15 @@ the values are the same as the naive computation (tested).
 
 The head is called as a module (not by reading its weight), so ZeRO-3's
 parameter-gathering hooks still fire per call.
+
+`install_token_forward` makes this the forward of the learner's model itself, so the trainer calls the
+root module: DeepSpeed hooks the root's forward (ZeRO-3 resets its parameter-fetch trace there at the
+start of every forward; without it the trace never completes and nothing is prefetched).
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -53,3 +59,20 @@ def logprobs_and_entropy(
 def naive_logprobs_and_entropy(head, hidden, targets, *, temperature: float = 1.0):
     """The reference: all logits at once (what chunking must reproduce)."""
     return _chunk_stats(head, hidden, targets, temperature)
+
+
+def _token_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor, *,
+                   temperature: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids, position_ids, targets [1, N] (one packed row) -> ([1, N-1] log pi(target), [1, N-1] entropy)."""
+    hidden = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    logp, ent = logprobs_and_entropy(self.lm_head, hidden[0, :-1], targets[0], temperature=temperature, chunk=chunk)
+    return logp[None], ent[None]
+
+
+def install_token_forward(model: torch.nn.Module) -> torch.nn.Module:
+    """Give a Hugging Face causal LM (`.model` body, `.lm_head`) the learner's forward as its own:
+    `model(input_ids=, position_ids=, targets=, temperature=, chunk=)` -> (log pi(target), entropy), with the head
+    in chunks. An instance attribute: the class's forward is untouched for every other model. Calling the root
+    module (not `model.model` and `model.lm_head` one by one) is what lets DeepSpeed's root hooks run."""
+    model.forward = types.MethodType(_token_forward, model)
+    return model

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from common.cluster import apply_memory_fraction
 from common.config import ClipCovLoss, Config, KLCovLoss
 from learner import losses as L
 from learner.batch import StepBatch, pack
-from learner.logprobs import logprobs_and_entropy
+from learner.logprobs import install_token_forward
 from learner.objective import Objective, Tokens
 
 log = logging.getLogger("covrl.trainer")
@@ -57,7 +58,9 @@ def init_distributed() -> tuple[int, int]:
     """
     deepspeed = _quiet_deepspeed()
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        apply_memory_fraction(device)  # colocated with a generator: stay inside the learner's share of the GPU
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
@@ -134,13 +137,15 @@ class Trainer:
         attn = attn_implementation(cfg.learner.attn_implementation)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
         model.config.use_cache = False
+        install_token_forward(model)  # the root module computes what the objective needs: ZeRO-3's hooks see it
         if cfg.learner.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         lc = cfg.learner
         self.ref = None
         if lc.kl.coef:
-            self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
+            self.ref = install_token_forward(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
+                                                                                  attn_implementation=attn))
             self.ref.eval().requires_grad_(False)
         opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.999), eps=1e-8)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(cfg))
@@ -165,12 +170,11 @@ class Trainer:
         return self.engine.module
 
     def _logp_entropy(self, model, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[1, N-1] log pi(target) and full-vocabulary entropy, the lm head run in chunks."""
-        hidden = model.model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).last_hidden_state
-        logp, ent = logprobs_and_entropy(model.lm_head, hidden[0, :-1], mb["targets"][0],
-                                         temperature=self.cfg.rollout.temperature,
-                                         chunk=self.cfg.learner.logprob_chunk_tokens)
-        return logp[None], ent[None]
+        """[1, N-1] log pi(target) and full-vocabulary entropy, the lm head run in chunks. `model` is called as the
+        root module (`install_token_forward`), so under ZeRO-3 each call resets DeepSpeed's fetch trace and the
+        parameters are prefetched in the recorded order."""
+        return model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], targets=mb["targets"],
+                     temperature=self.cfg.rollout.temperature, chunk=self.cfg.learner.logprob_chunk_tokens)
 
     def _micro(self, batch: StepBatch) -> list[tuple[int, int, list[int], dict]]:
         """(mini index, micro index, sample indices, packed tensors) for this rank, in training order.
@@ -289,9 +293,9 @@ class Trainer:
         n_micro = [len(per_rank[self.rank]) for per_rank in batch.plan]
         for m, k, idx, mb in micro:
             self.engine.set_gradient_accumulation_boundary(k == n_micro[m] - 1)
-            # We call the module's parts, not engine.forward, so do what engine.forward does first: ZeRO-3
-            # counts micro-steps there, and with the count stuck at 0 each backward overwrites the gradient
-            # shards instead of accumulating them.
+            # We call the module, not engine.forward (which would also hook our outputs for loss scaling), so do
+            # what engine.forward does first: ZeRO-3 counts micro-steps there, and with the count stuck at 0 each
+            # backward overwrites the gradient shards instead of accumulating them.
             if hasattr(self.engine.optimizer, "clear_backward_seen_flag"):
                 self.engine.optimizer.clear_backward_seen_flag()
             logp, entropy = self._logp_entropy(self.module, mb)

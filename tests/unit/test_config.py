@@ -49,3 +49,16 @@ def test_top_p_below_one_is_refused_for_training_only():
     with pytest.raises(ConfigError, match="Train with rollout.top_p = 1 .*eval.top_p may be < 1"):
         load_config(None, ["rollout.top_p=0.95"])
     assert load_config(None, ["eval.top_p=0.9"]).eval.top_p == 0.9
+
+
+def test_nccl_finish_updates_that_would_hold_the_learner_are_refused():
+    """Issue 13 point 3: with NCCL a generator receives only once paused; "finish" pauses after every in-flight
+    request ends, so without the deterministic barrier (nothing in flight at a publish) the learner would wait for
+    the longest response at every step."""
+    nccl = ["generator.weight_transport=nccl", "run.deterministic=false"]
+    with pytest.raises(ConfigError, match="would wait for the longest response in flight at every publish. Use "
+                                          "weight_update = \"keep\""):
+        load_config(None, nccl)
+    assert load_config(None, [*nccl, "generator.weight_update=keep"]).generator.weight_update == "keep"
+    assert load_config(None, ["generator.weight_transport=nccl"]).run.deterministic  # the barrier: nothing in flight
+    assert load_config(None, ["run.deterministic=false"]).generator.weight_transport == "rpc"

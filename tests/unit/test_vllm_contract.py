@@ -71,13 +71,13 @@ def test_engine_args_accept_ours_and_logprobs_mode_means_what_we_need(tiny_model
 def test_sampling_params_accept_ours():
     from vllm.sampling_params import RequestOutputKind
 
-    kw = VE.sampling_kwargs(8, SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=64), 2**31 - 1, [0, 5])
+    kw = VE.sampling_kwargs(8, SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=64), 2**31 - 1, [0, 5], seeded=True)
     sp = vllm.SamplingParams(**kw, output_kind=RequestOutputKind.FINAL_ONLY)
     assert (sp.n, sp.temperature, sp.top_p, sp.max_tokens, sp.logprobs, sp.seed) == (8, 0.7, 0.95, 64, 0, kw["seed"])
     assert sp.stop_token_ids == [0, 5] and sp.detokenize is False and sp.flat_logprobs is True
     assert sp.output_kind == RequestOutputKind.FINAL_ONLY
     greedy = vllm.SamplingParams(**VE.sampling_kwargs(1, SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=8), 0, [0]))
-    assert greedy.temperature == 0.0
+    assert greedy.temperature == 0.0 and greedy.seed is None  # unseeded by default: vLLM's batched sampling path
 
 
 def test_child_requests_get_seed_plus_index():

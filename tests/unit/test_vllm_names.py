@@ -118,8 +118,10 @@ def test_request_seeds_leave_room_for_vllms_child_seeds():
 
 def test_sampling_kwargs_ask_for_the_sampled_tokens_logprob():
     kw = VE.sampling_kwargs(8, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=64), 5, [0, 3])
-    assert kw == dict(n=8, temperature=0.7, top_p=0.9, max_tokens=64, logprobs=0, seed=VE.request_seed(5),
-                      stop_token_ids=[0, 3], detokenize=False, flat_logprobs=True)
+    assert kw == dict(n=8, temperature=0.7, top_p=0.9, max_tokens=64, logprobs=0,
+                      stop_token_ids=[0, 3], detokenize=False, flat_logprobs=True)  # no seed: vLLM's batched path
+    seeded = VE.sampling_kwargs(8, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=64), 5, [0, 3], True)
+    assert seeded == {**kw, "seed": VE.request_seed(5)}
     greedy = VE.sampling_kwargs(1, SamplingParams(temperature=0.0, top_p=0.5, max_new_tokens=4), 0, [0])
     assert greedy["temperature"] == 0.0 and greedy["top_p"] == 1.0
     with pytest.raises(ValueError, match="samples per prompt"):
@@ -265,7 +267,7 @@ class FakeLLM:
                 while self.paused and self.mode == "keep":
                     await asyncio.sleep(0.001)
                 for j, (toks, lps, labels) in enumerate(rows):
-                    toks.append((prompt["prompt_token_ids"][-1] + params.seed // VE.MAX_N + j + t) % 97 + 1)
+                    toks.append((prompt["prompt_token_ids"][-1] + (getattr(params, "seed", None) or 0) // VE.MAX_N + j + t) % 97 + 1)
                     lps.append(-0.01 * (t + 1))
                     labels.append(self.label)
                 self.ticks += 1
@@ -346,7 +348,7 @@ def test_generate_submits_one_request_per_prompt_and_returns_groups(make_engine)
     groups = eng.generate([[1, 2], [3], [4, 5, 6]], 4, SP, [10, 11, 12])
     assert len(groups) == 3 and all(len(g) == 4 for g in groups)
     assert [p.n for p in llm.seen_params] == [4, 4, 4] and all(p.logprobs == 0 for p in llm.seen_params)
-    assert [p.seed for p in llm.seen_params] == [VE.request_seed(s) for s in (10, 11, 12)]
+    assert not any(hasattr(p, "seed") for p in llm.seen_params)  # generator.seed_requests is off by default
     assert all(p.output_kind == "final_only" for p in llm.seen_params)
     for g in groups:
         for j, c in enumerate(g):
@@ -491,3 +493,23 @@ def test_direct_receiver_helpers_announce_and_join(make_engine):
     store[VW.ADDR_KEY] = '{"host": "h", "port": 7, "world_size": 2}'
     eng.join_via_store(fake_store, 5)
     assert llm.calls[-1][0] == "init" and llm.calls[-1][1]["world_size"] == 2 and eng.nccl == "native"
+
+
+def test_the_engine_core_is_spawned_not_forked(make_engine, monkeypatch):
+    """Issue 13 point 6: the generator runs threads (asyncio loop, weight receiver, gloo) before vLLM starts its
+    engine core, so vLLM must spawn it; a method the user set explicitly is kept."""
+    env = {}
+    VE.use_spawn(env)
+    assert env == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    env = {"VLLM_WORKER_MULTIPROC_METHOD": "forkserver"}
+    VE.use_spawn(env)
+    assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "forkserver"
+
+
+def test_requests_carry_seeds_only_when_asked(make_engine):
+    eng, llm = make_engine("finish")
+    eng.generate([[1, 2]], 2, SP, [9])
+    assert getattr(llm.seen_params[-1], "seed", None) is None
+    eng.settings = VE.VllmSettings(seed_requests=True, poll_s=0.002)
+    eng.generate([[1, 2]], 2, SP, [9])
+    assert llm.seen_params[-1].seed == VE.request_seed(9)

@@ -1,0 +1,56 @@
+"""One learner rank with ZeRO-3 on the CPU: train a few steps and print DeepSpeed's parameter-fetch trace state.
+
+Run by tests/integration/test_zero3_trace.py in its own process (torch.distributed is set up once per process):
+    python tests/integration/zero3_trace.py MODEL_DIR
+Prints one JSON line: {"complete": [bool after each step], "prefetch_bucket": int}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import numpy as np  # noqa: E402
+
+from common import messages as M  # noqa: E402
+from common.config import load_config  # noqa: E402
+from learner.batch import batch_from_config  # noqa: E402
+from learner.trainer import Trainer, init_distributed, thread_setup  # noqa: E402
+
+
+def groups(rng: np.random.Generator, n: int) -> list[M.RolloutGroup]:
+    out = []
+    for g in range(n):
+        samples = []
+        for j in range(4):
+            toks = rng.integers(3, 60, size=12)
+            samples.append(M.Sample(token_ids=M.to_bytes(toks, M.TOKEN_DTYPE),
+                                    logprobs=M.to_bytes(np.full(12, -1.0), M.LOGPROB_DTYPE),
+                                    versions=M.to_bytes(np.zeros(12), M.VERSION_DTYPE), reward=float(j % 2),
+                                    finish_reason="stop", score_status="ok"))
+        out.append(M.RolloutGroup(gen_id=0, incarnation="z3", ticket=g, prompt_id=g, epoch=0,
+                                  prompt_ids=M.to_bytes(rng.integers(3, 60, size=6), M.TOKEN_DTYPE), samples=samples,
+                                  gen_time_s=0.0))
+    return out
+
+
+def main(model_dir: str) -> None:
+    cfg = load_config(None, ["learner.zero_stage=3", "rollout.groups_per_step=4", "rollout.group_size=4",
+                             "learner.micro_batch_tokens=64", "learner.log_entropy_delta=false"])
+    thread_setup(cfg)
+    init_distributed()
+    trainer = Trainer(cfg, model_dir)
+    coordinator = trainer.engine.optimizer.parameter_offload.get_param_coordinator()
+    rng = np.random.default_rng(0)
+    complete = []
+    for step in range(3):
+        trainer.train_step(batch_from_config(groups(rng, 4), cfg, version=step, ranks=1))
+        complete.append(coordinator.is_complete_trace())
+    print(json.dumps({"complete": complete}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
