@@ -145,7 +145,7 @@ def run(model_dir: str, transport: str, *, prompts: int = 16, n: int = 4, temper
         if transport == "nccl":
             nccl_port = free_port()
             world, send_dtype = VW.offer_address(ch.store, "127.0.0.1", nccl_port, timeout_s)
-            sender = VW.NcclSender("127.0.0.1", nccl_port, world)
+            sender = VW.NcclSender("127.0.0.1", nccl_port, world, torch.device("cuda", 0), timeout_s)
             ch.send_header(1, lay)
             sync_s, sent, _ = sender.send(lay, buckets, send_dtype)
             sender.close()
