@@ -10,12 +10,22 @@ every model call so an actor can swap in new weights mid-generation; tokens
 after the swap carry the new version (PipelineRL-style in-flight updates; the
 KV cache of earlier tokens is kept, as there).
 
-`CpuEngine` is a torch sampler with a KV cache over a transformers causal LM.
+`TorchEngine` (also importable as `CpuEngine`, its former name) is a torch sampler with a KV cache over a
+transformers causal LM, on the CPU or on one CUDA device (`device=`; `load_engine` picks this process's GPU when
+the launcher gave it one). vLLM (actors/vllm_engine.py) is the fast GPU engine; the torch engine is the
+reference, the CPU engine, and the GPU fallback where vLLM cannot be installed (`generator.engine = "torch"`).
+Every tensor of a generation lives on the model's device; the completions are copied to the host once, at the
+end of `generate`.
+
 Sampling is Gumbel-max with counter-based noise keyed on (row seed, step,
 token id), so a row's sample depends on its seed and logits only - not on the
-other rows of the batch or on a global RNG. That makes a re-issued prompt
+other rows of the batch, on a global RNG or on the device. That makes a re-issued prompt
 reproduce its sample under the same weights, and makes the staleness-0 run
-match the synchronous reference loop exactly. (The GPU path uses vLLM.)
+match the synchronous reference loop exactly. The noise is integer hashing (bit-identical on every
+device) followed by two float64 logarithms (each within about an ulp on CPU and CUDA), so CPU and CUDA noise
+agree to ~1e-15 and draw the same samples from the same logits; what differs between devices is the logits
+themselves (float32 kernels reduce in different orders, ~1e-6; TF32 matmuls, if a process enables them, ~1e-3),
+which flips a sample only when two perturbed scores tie that closely.
 
 For Llama-style decoders (Qwen2, Llama: the demo model and the usual RL bases) the
 engine runs the model's own modules through `_StaticKV`: each prompt is prefilled
@@ -30,6 +40,8 @@ logprobs to float rounding (fp32: within 2e-5, same tokens).
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -37,9 +49,11 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from common.cluster import apply_memory_fraction
 from common.messages import SamplingParams
 
 _M32 = 0xFFFFFFFF
+log = logging.getLogger("covrl.engine")
 
 
 @dataclass
@@ -67,8 +81,8 @@ class Engine(Protocol):
         the weight receiver reuses its memory for the next version."""
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mixer on int64 tensors (products stay below 2**63)."""
+def _hash32(x):
+    """A 32-bit integer mixer on int64 tensors, or on Python ints (the same values; products stay below 2**63)."""
     x = x & _M32
     x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
     x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
@@ -84,9 +98,13 @@ def _hash32_(x: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_noise(row_seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
-    """[B, V] standard Gumbel noise, a pure function of (row seed, step, token id)."""
-    base = _hash32(_hash32(row_seeds) ^ _hash32(torch.tensor(step + 0x632BE5AB)))  # [B]
-    cols = torch.arange(vocab, dtype=torch.int64) * 0x9E3779B1
+    """[B, V] standard Gumbel noise, a pure function of (row seed, step, token id), on `row_seeds`' device.
+
+    Integer hashing in int64 (exact on every device), then float64 `log` twice: CPU and CUDA agree to an ulp or
+    two, so logits + noise have the same argmax. The step's hash is a Python int: no host tensor
+    per decode step."""
+    base = _hash32(_hash32(row_seeds) ^ _hash32(step + 0x632BE5AB))  # [B]
+    cols = torch.arange(vocab, dtype=torch.int64, device=row_seeds.device) * 0x9E3779B1
     u = _hash32_(base[:, None] + cols[None, :]).double().add_(0.5).mul_(2.0**-32)  # (0, 1); 2**-32 is exact
     return u.log_().neg_().log_().neg_()
 
@@ -103,23 +121,36 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
     return torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
 
 
-def row_seeds(seeds: Sequence[int], n: int) -> torch.Tensor:
-    """Seed of sample j of prompt i: mixes the prompt seed with j."""
-    base = torch.tensor(list(seeds), dtype=torch.int64).repeat_interleave(n)
-    j = torch.arange(n, dtype=torch.int64).repeat(len(seeds))
+def row_seeds(seeds: Sequence[int], n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Seed of sample j of prompt i: mixes the prompt seed with j. [len(seeds) * n] int64 on `device`."""
+    base = torch.tensor(list(seeds), dtype=torch.int64, device=device).repeat_interleave(n)
+    j = torch.arange(n, dtype=torch.int64, device=device).repeat(len(seeds))
     return _hash32(_hash32(base) + j * 0x27D4EB2F)
 
 
-class CpuEngine:
-    def __init__(self, model_path: str, eos_token_id: int | Sequence[int], pad_token_id: int, dtype=torch.float32):
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
-        self.model.eval().requires_grad_(False)
+class TorchEngine:
+    """The torch sampler on `device` ("cpu", "cuda", "cuda:1", ...), the model's weights in `dtype`.
+
+    The model is loaded on the host, then moved to `device`; `self.device` is where its parameters ended up
+    (e.g. cuda:0 for "cuda"), and every tensor of a generation is made there."""
+
+    def __init__(self, model_path: str, eos_token_id: int | Sequence[int], pad_token_id: int, dtype=torch.float32,
+                 device: torch.device | str = "cpu"):
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+        self.model = model.to(device).eval().requires_grad_(False)
+        self.device = next(self.model.parameters()).device
         # Every token that ends a response (a chat model's end-of-turn and its end-of-text).
-        self.stop_ids = torch.tensor(sorted({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)))
+        stops = sorted({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
+        self.stop_ids = torch.tensor(stops, dtype=torch.long, device=self.device)
         self.pad = pad_token_id
         self.version = 0
 
     def load_flat(self, flat: torch.Tensor, version: int) -> None:
+        """`flat`: the host fp32 vector of the weight receiver. Each parameter's slice is copied into the model by
+        `Tensor.copy_`, which moves it to the parameter's device and rounds it to the parameter's dtype (bf16). A
+        blocking copy (copy_'s default) returns only once the data has arrived, so `flat` is free to reuse on
+        return; on CUDA it is also ordered after the kernels already queued on the current stream (a swap between
+        forwards never races the step before it). One host-to-device copy per parameter."""
         from common.weights import load_flat
 
         load_flat(self.model, flat)
@@ -129,25 +160,28 @@ class CpuEngine:
     def generate(self, prompts, n, sampling, seeds, before_forward=None):
         if len(prompts) != len(seeds):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt")
-        hook = before_forward or (lambda: None)
+        hook, dev, T = before_forward or (lambda: None), self.device, sampling.max_new_tokens
         N, P = len(prompts), max(len(p) for p in prompts)
         # One left-padded row per prompt, so every prompt's next token sits in the last column. The n samples
         # of a prompt share its prefill: the stepper copies its KV rows n times instead of recomputing them.
-        ids = torch.full((N, P), self.pad, dtype=torch.long)
-        mask = torch.zeros((N, P), dtype=torch.long)
+        # Built on the host, then moved in one copy each (not one small copy per prompt).
+        ids = torch.full((N, P), self.pad, dtype=torch.long, device="cpu")
+        mask = torch.zeros((N, P), dtype=torch.long, device="cpu")
         for i, p in enumerate(prompts):
-            ids[i, P - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+            ids[i, P - len(p) :] = torch.tensor(list(p), dtype=torch.long, device="cpu")
             mask[i, P - len(p) :] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
         B = N * n  # row i * n + j: sample j of prompt i
-        rseeds = row_seeds(seeds, n)
+        rseeds = row_seeds(seeds, n, dev)
         stepper = _StaticKV if _StaticKV.supports(self.model) else _HfCache
-        step = stepper(self.model, ids, mask, n, sampling.max_new_tokens)
-        out_tok = torch.full((B, sampling.max_new_tokens), self.pad, dtype=torch.long)
-        out_lp = torch.zeros((B, sampling.max_new_tokens), dtype=torch.float32)
-        out_ver = torch.zeros((B, sampling.max_new_tokens), dtype=torch.int32)
-        lengths = torch.full((B,), sampling.max_new_tokens, dtype=torch.long)
-        done = torch.zeros(B, dtype=torch.bool)
-        for t in range(sampling.max_new_tokens):
+        step = stepper(self.model, ids, mask, n, T)
+        out_tok = torch.full((B, T), self.pad, dtype=torch.long, device=dev)
+        out_lp = torch.zeros((B, T), dtype=torch.float32, device=dev)
+        out_ver = torch.zeros((B, T), dtype=torch.int32, device=dev)
+        lengths = torch.full((B,), T, dtype=torch.long, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        steps = 0  # columns of the output buffers written
+        for t in range(T):
             hook()
             logits = step(out_tok[:, t - 1 : t] if t else None)  # [B, V]: after the prompts, then after token t-1
             if sampling.temperature > 0:
@@ -162,27 +196,39 @@ class CpuEngine:
             finished_now = torch.isin(tok, self.stop_ids) & ~done
             lengths.masked_fill_(finished_now, t + 1)
             done |= finished_now
+            steps = t + 1
+            # The one host sync of a decode step (on CUDA the host waits here for the step's kernels, so the next
+            # step's launches do not overlap this one's tail: tens of microseconds a token). Kept because stopping
+            # as soon as every row has finished saves whole forwards, and `before_forward` must run exactly once
+            # per forward (it may swap weights).
             if bool(done.all()):
                 break
+        # To the host once per generation: the written columns of each buffer (a no-op on the CPU).
+        tok_h, lp_h = out_tok[:, :steps].cpu().numpy(), out_lp[:, :steps].cpu().numpy()
+        ver_h, len_h, done_h = out_ver[:, :steps].cpu().numpy(), lengths.cpu().tolist(), done.cpu().tolist()
         result: list[list[Completion]] = []
         for i in range(len(prompts)):
             group = []
             for j in range(n):
-                r, L = i * n + j, int(lengths[i * n + j])
+                r = i * n + j
+                L = len_h[r]
                 group.append(
                     Completion(
-                        token_ids=out_tok[r, :L].numpy().astype(np.int32),
-                        logprobs=out_lp[r, :L].numpy().copy(),
-                        versions=out_ver[r, :L].numpy().copy(),
-                        finish_reason="stop" if bool(done[r]) else "length",
+                        token_ids=tok_h[r, :L].astype(np.int32),
+                        logprobs=lp_h[r, :L].copy(),
+                        versions=ver_h[r, :L].copy(),
+                        finish_reason="stop" if done_h[r] else "length",
                     )
                 )
             result.append(group)
         return result
 
 
+CpuEngine = TorchEngine  # its former name, still imported by tests and benchmarks
+
+
 class _HfCache:
-    """Any causal LM: `model(...)` with a DynamicCache and a growing 2-D attention mask."""
+    """Any causal LM: `model(...)` with a DynamicCache and a growing 2-D attention mask (all on ids' device)."""
 
     def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, n: int, max_new_tokens: int):
         self.model = model  # ids, mask: [N, P] one left-padded row per prompt, each sampled n times
@@ -226,18 +272,21 @@ class _StaticKV:
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = self.body.layers[0].self_attn.head_dim
         dtype = self.body.embed_tokens.weight.dtype
-        L = P + max_new_tokens
+        L, dev = P + max_new_tokens, ids.device  # everything on the model's device, as ids and mask are
         # Keys are stored transposed, [B * kv, d, L]: q @ K^T is then a plain batched GEMM on a slice of the
         # cache (2x faster on CPU than multiplying by a transposed [B, kv, L, d] slice).
-        self.keys_t = [torch.empty((B * self.kv_heads, self.head_dim, L), dtype=dtype) for _ in self.body.layers]
-        self.values = [torch.empty((B * self.kv_heads, L, self.head_dim), dtype=dtype) for _ in self.body.layers]
-        valid = torch.cat([mask.bool().repeat_interleave(n, 0), torch.ones((B, max_new_tokens), dtype=torch.bool)], 1)
+        self.keys_t = [torch.empty((B * self.kv_heads, self.head_dim, L), dtype=dtype, device=dev)
+                       for _ in self.body.layers]
+        self.values = [torch.empty((B * self.kv_heads, L, self.head_dim), dtype=dtype, device=dev)
+                       for _ in self.body.layers]
+        valid = torch.cat([mask.bool().repeat_interleave(n, 0),
+                           torch.ones((B, max_new_tokens), dtype=torch.bool, device=dev)], 1)
         # Additive key mask of a decode step, [B, 1, L]: prompt padding gets -inf, generated tokens are valid.
-        self.key_bias = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, float("-inf"))[:, None, :]
+        self.key_bias = torch.zeros(valid.shape, dtype=dtype, device=dev).masked_fill_(~valid, float("-inf"))[:, None]
         # Prefill mask [N, 1, P, P]: causal over valid keys; a padding query sees itself, so no row is empty
         # (an all-masked softmax row is NaN, and NaN values would leak through 0-weights into real rows).
-        causal = torch.ones((P, P), dtype=torch.bool).tril_()
-        self.prefill_mask = ((causal & mask.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool))[:, None]
+        causal = torch.ones((P, P), dtype=torch.bool, device=dev).tril_()
+        self.prefill_mask = ((causal & mask.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev))[:, None]
         self.prompt_ids, self.n = ids, n
         self.prompt_pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, P]
         self.pos = self.prompt_pos[:, -1:].repeat_interleave(n, 0)  # [B, 1] position of each row's latest token
@@ -332,4 +381,13 @@ def load_engine(cfg, model_path: str):
         return VllmEngine.from_config(cfg, model_path, stop_ids=stops), tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
-    return CpuEngine(model_path, eos_token_id=stops, pad_token_id=pad, dtype=dtype), tokenizer
+    # This process's GPU when the launcher gave it one (CUDA_VISIBLE_DEVICES per generator; "" hides them all),
+    # else the CPU, in model.dtype on either (bf16 on the CPU too, as before).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fraction = apply_memory_fraction(device)  # before the model takes any GPU memory
+    log.info("generator engine: torch on %s, %s%s", device, str(dtype).removeprefix("torch."),
+             f", allocator capped at {fraction:g} of the GPU" if fraction else "")
+    if device == "cuda" and torch.cuda.device_count() > 1:
+        log.warning("the torch engine runs on one GPU (cuda:0) of the %d this generator was given; the others stay "
+                    "idle (use vLLM for tensor parallelism, or --tp 1)", torch.cuda.device_count())
+    return TorchEngine(model_path, eos_token_id=stops, pad_token_id=pad, dtype=dtype, device=device), tokenizer

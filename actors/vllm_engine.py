@@ -16,12 +16,13 @@ Contracts kept from the CPU path, and how:
   `finish_weight_update(weight_version=...)` / `update_weight_version`, which change only while
   generation is paused; `CompletionOutput.weight_versions` spans become one int per token. Exact even
   when a response spans an update.
-- Seeds (`generator.seed_requests`, off by default): a request with its own seed is sampled with a torch.Generator
-  of its own, vLLM's slower per-request path, so by default requests carry no seed and vLLM samples from its
-  engine-wide stream (seeded by run.seed; samples then depend on what is batched together, as they do anyway
-  in vLLM's batch-variant kernels). On: vLLM gives child j of a request seeded s the seed s + j, so prompt
-  seeds are spread first (`request_seed`) and neighbouring prompts never share a sample's noise; a re-issued
-  prompt then reproduces its samples under the same weights (not equal to the torch sampler's: another noise source).
+- Seeds (`generator.seed_requests`, on by default): every request carries its prompt's seed. vLLM 0.33's default
+  model runner (V2) samples with Gumbel noise keyed on (seed, position, token), so a seeded request costs nothing
+  and its samples do not depend on what is batched with it; the legacy runner (VLLM_USE_V2_MODEL_RUNNER=0) samples
+  each seeded request with its own torch.Generator, one by one (slow): turn seeds off there, and vLLM samples from
+  its engine-wide stream (seeded by run.seed). vLLM gives child j of a request seeded s the seed s + j, so prompt
+  seeds are spread first (`request_seed`) and neighbouring prompts never share a sample's noise; a re-issued prompt
+  reproduces its samples under the same weights (not equal to the torch sampler's: another noise source).
 - Processes: the engine core and its workers are started with `spawn` (VLLM_WORKER_MULTIPROC_METHOD), never
   forked: this process already runs threads (the asyncio loop, the weight receiver, gloo) when the engine is
   built, and vLLM documents spawn for that case.
@@ -106,7 +107,7 @@ def request_seed(seed: int) -> int:
 
 def sampling_kwargs(n: int, sampling: SamplingParams, seed: int, stop_ids: Sequence[int], seeded: bool = False) -> dict:
     """vllm.SamplingParams arguments for one prompt of a Work or EvalWork message; `seeded`: give the request
-    the prompt's own seed (reproducible samples, vLLM's slower per-request-generator path)."""
+    the prompt's own seed (`generator.seed_requests`)."""
     if not 1 <= n <= MAX_N:
         raise ValueError(f"{n} samples per prompt: vLLM requests here take 1..{MAX_N}")
     greedy = sampling.temperature == 0
@@ -238,7 +239,7 @@ class VllmSettings:
     max_model_len: int = 0  # 0: the model's
     enforce_eager: bool = False
     seed: int = 0
-    seed_requests: bool = False  # per-request seeds: reproducible samples, vLLM's slower per-request sampling path
+    seed_requests: bool = True  # per-request seeds: free on vLLM's V2 model runner, a slow per-request path on V1
     poll_s: float = 0.02  # how often `generate` runs the before_forward hook while waiting
 
     def __post_init__(self):

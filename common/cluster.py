@@ -107,8 +107,33 @@ def apply_memory_fraction(device, environ=os.environ) -> float | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
+    if device.index is None:  # "cuda": the current device (torch's cap wants an index)
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction
+
+
+READY_FILE = "learners.ready"
+
+
+def mark_learners_ready(run_dir: str) -> None:
+    """Learner rank 0, once every rank has built its engine (its GPU memory is allocated and stays cached)."""
+    path = os.path.join(run_dir, READY_FILE)
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
+
+
+def learners_ready(run_dir: str) -> bool:
+    return os.path.exists(os.path.join(run_dir, READY_FILE))
+
+
+def clear_learners_ready(run_dir: str) -> None:
+    """The launcher, before it starts a run (or resumes one): a marker from an earlier launch means nothing."""
+    try:
+        os.remove(os.path.join(run_dir, READY_FILE))
+    except FileNotFoundError:
+        pass
 
 
 def write_cluster(run_dir: str, info: ClusterInfo) -> None:

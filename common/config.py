@@ -242,9 +242,10 @@ class GeneratorConfig(_Section):
     max_num_seqs: PosInt = 256  # requests vLLM batches at once
     enforce_eager: bool = False  # skip CUDA graphs (faster start, slower decode)
     # vLLM: give each request its prompt's seed, so a re-issued prompt reproduces its samples under the same
-    # weights. Off by default: vLLM samples a seeded request with its own torch.Generator, a slower path. (The
-    # torch engine always seeds per prompt, at no cost.)
-    seed_requests: bool = False
+    # weights, whatever else is batched with it. Free on vLLM 0.33's default model runner (V2: Gumbel noise keyed
+    # on seed, position and token); the legacy runner (VLLM_USE_V2_MODEL_RUNNER=0) samples each seeded request
+    # with a torch.Generator of its own, one by one: turn this off there. (The torch engine always seeds.)
+    seed_requests: bool = True
 
 
 class Config(_Section):

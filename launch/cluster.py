@@ -29,7 +29,8 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.cluster import (MEMORY_FRACTION_ENV, ClusterInfo, PlacementError, check_colocation,  # noqa: E402
-                            colocated_memory_fractions, place_gpus, read_cluster, write_cluster)
+                            clear_learners_ready, colocated_memory_fractions, learners_ready, place_gpus, read_cluster,
+                            write_cluster)
 from common.config import ConfigError, load_config, to_toml, with_absolute_paths  # noqa: E402
 from common.data import REPO_ROOT, model_dir  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
@@ -51,6 +52,15 @@ class RoleSpec:
     log: object = None
     next_start: float = 0.0
     done: bool = False
+    # Start only once the learner ranks are built (RUN_DIR/learners.ready): a generator that shares a GPU with a
+    # learner rank. vLLM measures the GPU's free memory as it starts and fails if another process frees some
+    # meanwhile, which a learner does while it loads the model and builds its DeepSpeed engine.
+    after_learners: bool = False
+
+
+def due(spec: RoleSpec, run_dir: str) -> bool:
+    """Whether a role that is not running should be started now."""
+    return time.monotonic() >= spec.next_start and (not spec.after_learners or learners_ready(run_dir))
 
 
 def parse_args(argv=None):
@@ -208,7 +218,8 @@ def role_specs(run_dir: str, info: ClusterInfo, cfg, gpus: int = 0, tp: int = 1,
     # is sent the latest version before it generates; the hub re-issues the prompts it held.
     specs += [
         RoleSpec(f"gen{i}", [sys.executable, "-m", "actors", "--run-dir", run_dir, "--gen-id", str(i)],
-                 {**base, **devices(placement.generators[i]), **gen_mem}, restartable=True, max_restarts=3)
+                 {**base, **devices(placement.generators[i]), **gen_mem}, restartable=True, max_restarts=3,
+                 after_learners=placement.colocated)
         for i in range(local_gens)
     ]
     return specs
@@ -326,7 +337,7 @@ def supervise(specs: list[RoleSpec], run_dir: str, cfg, quiet: bool) -> int:
             if s.done:
                 continue
             if s.proc is None:
-                if time.monotonic() >= s.next_start:
+                if due(s, run_dir):
                     spawn(s, run_dir)
                 continue
             code = s.proc.poll()
@@ -392,8 +403,10 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     t0 = time.monotonic()
+    clear_learners_ready(run_dir)
     for s in specs:
-        spawn(s, run_dir)
+        if due(s, run_dir):
+            spawn(s, run_dir)  # the others start from the supervision loop once due
     try:
         code = supervise(specs, run_dir, cfg, args.quiet)
     except KeyboardInterrupt:

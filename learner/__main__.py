@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from common import messages as M
 from common import weights as W
-from common.cluster import read_cluster, read_run_config
+from common.cluster import mark_learners_ready, read_cluster, read_run_config
 from common.config import eval_versions
 from common.data import PromptSource, eval_sets, model_dir
 from common.metrics import MetricsWriter, keep_metrics
@@ -140,8 +140,10 @@ def main() -> int:
 
     if resumed is not None:
         publish(start)  # generators start from the base model and are sent the latest version when they join
+    dist.barrier()  # every rank's engine is built: its GPU memory is allocated (colocated generators start now)
     if rank == 0:
         hub.start()
+        mark_learners_ready(args.run_dir)
         log.info("hub on %s, weight channel with %d generators ready", cluster.hub_addr, cluster.generators)
     last_tokens, last_t, last_filtered = 0, time.perf_counter(), hub.filtered if hub else 0
     wait_s = cfg.transport.generator_timeout_s * 5

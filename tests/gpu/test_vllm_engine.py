@@ -99,14 +99,10 @@ def test_behaviour_logprobs_are_of_the_tempered_distribution(engine, hf):
     assert d_raw > 3 * d, f"untempered logprobs are as close ({d_raw:.4f} vs {d:.4f}): is logprobs_mode processed?"
 
 
-def test_same_seed_same_samples_with_seeded_requests():
-    eng = _make(seed_requests=True)
-    try:
-        prompts = _prompts(4)
-        a = eng.generate(prompts, 2, T, [5, 6, 7, 8])
-        b = eng.generate(prompts, 2, T, [5, 6, 7, 8])
-    finally:
-        eng.close()
+def test_same_seed_same_samples(engine):
+    prompts = _prompts(4)
+    a = engine.generate(prompts, 2, T, [5, 6, 7, 8])
+    b = engine.generate(prompts, 2, T, [5, 6, 7, 8])
     assert [c.token_ids.tolist() for g in a for c in g] == [c.token_ids.tolist() for g in b for c in g]
     assert a[0][0].token_ids.tolist() != a[0][1].token_ids.tolist() or a[0][0].finish_reason == "stop"
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from actors.engine import CpuEngine, gumbel_noise, sampling_logprobs
+from actors.engine import CpuEngine, TorchEngine, gumbel_noise, row_seeds, sampling_logprobs
 from common.messages import SamplingParams
 from common.weights import flatten
 
@@ -154,3 +154,101 @@ def test_fast_decode_path_equals_the_transformers_cache_path(engine, monkeypatch
             np.testing.assert_array_equal(a.token_ids, b.token_ids)
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=5e-5)
             assert a.finish_reason == b.finish_reason
+
+
+# Recorded with CpuEngine before it became TorchEngine(device=...) (tests/conftest.py tiny model; prompts [5, 6, 7]
+# and [8, 9, 10, 11, 12], seeds 3 and 4, n = 2, 10 tokens): the token ids and each completion's logprob sum.
+# Re-record only if the tiny model itself changes (a transformers upgrade that initialises Qwen2 differently).
+RECORDED = {
+    0.0: ([[[7] * 10, [7] * 10], [[12] * 10, [12] * 10]], [[-52.84216, -52.84216], [-51.53921, -51.53921]]),
+    1.0: ([[[259, 228, 82, 313, 254, 101, 6, 279, 208, 19], [179, 6, 147, 8, 237, 180, 98, 91, 76, 270]],
+           [[120, 107, 97, 310, 73, 313, 43, 217, 231, 65], [149, 57, 166, 67, 234, 212, 235, 64, 34, 176]]],
+          [[-57.63232, -57.15683], [-57.49318, -57.87101]]),
+}
+
+
+def _tiny_engine(tiny_model_dir, **kw):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    return TorchEngine(tiny_model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kw)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_torch_engine_on_cpu_reproduces_the_recorded_cpu_engine_samples(tiny_model_dir, temperature):
+    assert CpuEngine is TorchEngine  # the old name stays importable
+    engine = _tiny_engine(tiny_model_dir, device="cpu")
+    assert engine.device == torch.device("cpu") and engine.stop_ids.device == engine.device
+    sp = SamplingParams(temperature=temperature, top_p=1.0, max_new_tokens=10)
+    out = engine.generate([[5, 6, 7], [8, 9, 10, 11, 12]], 2, sp, [3, 4])
+    tokens, sums = RECORDED[temperature]
+    assert [[c.token_ids.tolist() for c in g] for g in out] == tokens
+    np.testing.assert_allclose([[float(c.logprobs.sum()) for c in g] for g in out], sums, atol=1e-4)
+    for c in (c for g in out for c in g):
+        assert c.token_ids.dtype == np.int32 and c.logprobs.dtype == np.float32 and c.versions.dtype == np.int32
+        assert c.finish_reason == "length"
+
+
+def test_noise_is_the_recorded_pure_function():
+    """Row seeds and Gumbel noise as recorded before the device argument (int64 hashing, float64 logs)."""
+    seeds = row_seeds([3, 2**40 + 5], 2)
+    assert seeds.tolist() == [4084703050, 1209985876, 1660730884, 3445672355]
+    assert torch.equal(row_seeds([3, 2**40 + 5], 2, "cpu"), seeds)
+    g = gumbel_noise(seeds, 7, 1000)
+    assert g.dtype == torch.float64 and g.shape == (4, 1000)
+    expected = torch.tensor([[0.86015255937096546, 0.44710425634866818, 0.07233498013191464],
+                             [1.12666880890915455, 0.68935683191267050, 0.81893964000118880],
+                             [0.44508673348927258, 2.23356791113573649, -0.74405453472366490],
+                             [0.77542826730940473, -0.47408278285366523, 0.43934519076121609]], dtype=torch.float64)
+    assert_close(g[:, :3], expected, rtol=1e-14, atol=0)
+    assert g.argmax(-1).tolist() == [458, 91, 69, 243]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_generation_makes_every_tensor_on_the_engine_device(engine, monkeypatch, fast):
+    """With torch's default device set to "meta", a tensor made without naming its device would be a meta tensor
+    and fail to mix with the CPU model's: this is how a CPU run catches what would put a tensor on the host
+    while the model is on a GPU (both decode paths; greedy, and tempered with top-p)."""
+    import actors.engine as E
+
+    if not fast:
+        monkeypatch.setattr(E._StaticKV, "supports", classmethod(lambda cls, model: False))
+    for sp in (SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=5),
+               SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=5)):
+        expected = engine.generate([[5, 6, 7], [8]], 2, sp, [3, 4])
+        torch.set_default_device("meta")
+        try:
+            out = engine.generate([[5, 6, 7], [8]], 2, sp, [3, 4])
+        finally:
+            torch.set_default_device(None)
+        for ge, go in zip(expected, out):
+            for a, b in zip(ge, go):
+                np.testing.assert_array_equal(a.token_ids, b.token_ids)
+
+
+def test_load_engine_picks_cuda_when_visible_and_caps_memory_before_loading(tiny_model_dir, monkeypatch, caplog):
+    import logging
+
+    import msgspec
+
+    import actors.engine as E
+    from common.config import Config
+
+    cfg = Config()
+    cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, dtype="bfloat16"),
+                                  generator=msgspec.structs.replace(cfg.generator, engine="torch"))
+    with caplog.at_level(logging.INFO, logger="covrl.engine"):  # this machine: no CUDA -> today's CPU engine, bf16
+        engine, _ = E.load_engine(cfg, tiny_model_dir)
+    assert engine.device == torch.device("cpu") and engine.model.dtype == torch.bfloat16
+    assert "generator engine: torch on cpu, bfloat16" in caplog.text
+    assert len(engine.generate([[5, 6]], 1, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=3), [1])[0]) == 1
+
+    events = []  # a GPU process (faked): device "cuda", the allocator capped before the model is built
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(E, "apply_memory_fraction", lambda device: events.append(("cap", device)) or 0.35)
+    monkeypatch.setattr(E, "TorchEngine", lambda path, **kw: events.append(("engine", kw["device"], kw["dtype"])))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="covrl.engine"):
+        E.load_engine(cfg, tiny_model_dir)
+    assert events == [("cap", "cuda"), ("engine", "cuda", torch.bfloat16)]
+    assert "generator engine: torch on cuda, bfloat16, allocator capped at 0.35 of the GPU" in caplog.text

@@ -47,12 +47,22 @@ def test_colocation_rules_name_the_fix():
     assert colocated_memory_fractions(0.35) == (0.6, 0.35)
 
 
-def test_memory_fraction_is_read_checked_and_skipped_on_cpu():
+def test_memory_fraction_is_read_checked_and_skipped_on_cpu(monkeypatch):
+    import torch
+
     assert apply_memory_fraction("cpu", {}) is None
     assert apply_memory_fraction("cpu", {MEMORY_FRACTION_ENV: "0.5"}) is None  # no CUDA allocator to cap
-    for bad in ("1.5", "0", "half"):
-        with pytest.raises(ValueError, match=f"{MEMORY_FRACTION_ENV}='{bad}': a fraction of the GPU's memory in \\(0, 1\\]"):
+    for bad in ("1.5", "0", "half", "-0.2"):
+        with pytest.raises(ValueError, match=f"{MEMORY_FRACTION_ENV}='{bad}': a fraction of the GPU's memory in "
+                                             "\\(0, 1\\].*unset it or give e.g. 0.5"):
             apply_memory_fraction("cpu", {MEMORY_FRACTION_ENV: bad})
+    calls = []  # a CUDA process (faked): the cap goes to torch for the right device
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append((f, d)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert apply_memory_fraction("cuda", {}) is None and calls == []  # no variable: not colocated, nothing capped
+    assert apply_memory_fraction("cuda", {MEMORY_FRACTION_ENV: "0.35"}) == 0.35  # index-less: the current device
+    assert apply_memory_fraction("cuda:1", {MEMORY_FRACTION_ENV: "0.5"}) == 0.5
+    assert calls == [(0.35, torch.device("cuda", 0)), (0.5, torch.device("cuda", 1))]
 
 
 def test_role_environment_carries_the_placement(tmp_path):
@@ -98,3 +108,22 @@ def test_the_one_gpu_recipe_is_accepted_on_one_gpu(tmp_path):
     run_dir, cfg, info = cluster.prepare(args, gpus=1)
     assert place_gpus(1, info.learners, info.generators, 1).colocated
     assert cfg.generator.weight_transport == "rpc" and cfg.generator.gpu_memory_utilization <= 0.9
+
+
+def test_colocated_generators_start_after_the_learners_are_built(tmp_path):
+    """vLLM fails at start-up if another process frees GPU memory while it measures it: a generator that shares a
+    GPU with a learner rank waits for RUN_DIR/learners.ready (written by learner rank 0 after every rank's engine
+    is built); generators on GPUs of their own, and CPU runs, start at once."""
+    from common.cluster import READY_FILE, clear_learners_ready, mark_learners_ready
+    from launch.cluster import due, role_specs
+
+    info = ClusterInfo(run_id="r", hub_addr="127.0.0.1:1", weight_addr="127.0.0.1:2", generators=1, learners=1)
+    cfg = Config(generator=GeneratorConfig(gpu_memory_utilization=0.35))
+    shared = {s.name: s for s in role_specs(str(tmp_path), info, cfg, gpus=1)}
+    apart = {s.name: s for s in role_specs(str(tmp_path), info, cfg, gpus=2)}
+    assert due(shared["learner0"], str(tmp_path)) and not due(shared["gen0"], str(tmp_path))
+    assert due(apart["gen0"], str(tmp_path))
+    mark_learners_ready(str(tmp_path))
+    assert (tmp_path / READY_FILE).exists() and due(shared["gen0"], str(tmp_path))
+    clear_learners_ready(str(tmp_path))  # a launch (or a resume) starts from no marker
+    assert not due(shared["gen0"], str(tmp_path))

@@ -77,7 +77,7 @@ def test_sampling_params_accept_ours():
     assert sp.stop_token_ids == [0, 5] and sp.detokenize is False and sp.flat_logprobs is True
     assert sp.output_kind == RequestOutputKind.FINAL_ONLY
     greedy = vllm.SamplingParams(**VE.sampling_kwargs(1, SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=8), 0, [0]))
-    assert greedy.temperature == 0.0 and greedy.seed is None  # unseeded by default: vLLM's batched sampling path
+    assert greedy.temperature == 0.0 and greedy.seed is None  # seeded=False: no seed field
 
 
 def test_child_requests_get_seed_plus_index():

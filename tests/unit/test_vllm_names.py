@@ -119,7 +119,7 @@ def test_request_seeds_leave_room_for_vllms_child_seeds():
 def test_sampling_kwargs_ask_for_the_sampled_tokens_logprob():
     kw = VE.sampling_kwargs(8, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=64), 5, [0, 3])
     assert kw == dict(n=8, temperature=0.7, top_p=0.9, max_tokens=64, logprobs=0,
-                      stop_token_ids=[0, 3], detokenize=False, flat_logprobs=True)  # no seed: vLLM's batched path
+                      stop_token_ids=[0, 3], detokenize=False, flat_logprobs=True)  # unseeded
     seeded = VE.sampling_kwargs(8, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=64), 5, [0, 3], True)
     assert seeded == {**kw, "seed": VE.request_seed(5)}
     greedy = VE.sampling_kwargs(1, SamplingParams(temperature=0.0, top_p=0.5, max_new_tokens=4), 0, [0])
@@ -348,7 +348,7 @@ def test_generate_submits_one_request_per_prompt_and_returns_groups(make_engine)
     groups = eng.generate([[1, 2], [3], [4, 5, 6]], 4, SP, [10, 11, 12])
     assert len(groups) == 3 and all(len(g) == 4 for g in groups)
     assert [p.n for p in llm.seen_params] == [4, 4, 4] and all(p.logprobs == 0 for p in llm.seen_params)
-    assert not any(hasattr(p, "seed") for p in llm.seen_params)  # generator.seed_requests is off by default
+    assert [p.seed for p in llm.seen_params] == [VE.request_seed(s) for s in (10, 11, 12)]  # seed_requests: on
     assert all(p.output_kind == "final_only" for p in llm.seen_params)
     for g in groups:
         for j, c in enumerate(g):
@@ -506,10 +506,10 @@ def test_the_engine_core_is_spawned_not_forked(make_engine, monkeypatch):
     assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "forkserver"
 
 
-def test_requests_carry_seeds_only_when_asked(make_engine):
+def test_requests_carry_seeds_unless_turned_off(make_engine):
     eng, llm = make_engine("finish")
     eng.generate([[1, 2]], 2, SP, [9])
-    assert getattr(llm.seen_params[-1], "seed", None) is None
-    eng.settings = VE.VllmSettings(seed_requests=True, poll_s=0.002)
-    eng.generate([[1, 2]], 2, SP, [9])
     assert llm.seen_params[-1].seed == VE.request_seed(9)
+    eng.settings = VE.VllmSettings(seed_requests=False, poll_s=0.002)  # vLLM's legacy V1 runner: seeds are slow there
+    eng.generate([[1, 2]], 2, SP, [9])
+    assert getattr(llm.seen_params[-1], "seed", None) is None
