@@ -5,13 +5,13 @@ the same bytes (checksums equal to the bit), bf16 and fp32, with and without one
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 
 from common import weights as W
 from common.transport import free_port
+from common.vllm_weights import wait_until
 from learner.params import param_buckets, scratch_for
 from learner.publisher import WeightPublisher
 
@@ -37,9 +37,7 @@ def test_a_cuda_learner_publishes_what_the_generator_receives(monkeypatch, dtype
     t = threading.Thread(target=generator, daemon=True)
     t.start()
     pub.join(0, "g")
-    deadline = time.monotonic() + 60
-    while not pub.channels and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert wait_until(lambda: pub.channels, 60, 0.01)
     scratch = scratch_for(model, lay)
     assert scratch.is_cuda and pub.latest is None
     for version in (1, 2):
@@ -48,9 +46,7 @@ def test_a_cuda_learner_publishes_what_the_generator_receives(monkeypatch, dtype
                 p.add_(0.01)
         _, _, total = pub.publish(version, lay, param_buckets(model, lay, False, scratch))
         expected = W.flatten(model).cpu()
-        deadline = time.monotonic() + 60
-        while len(got) < version and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert wait_until(lambda: len(got) >= version, 60, 0.01)
         v, flat, received = got[-1]
         assert v == version and torch.equal(flat, expected) and received == total == W.checksum(expected, lay)
     assert pub.latest.is_pinned()

@@ -7,6 +7,7 @@ from torch.testing import assert_close
 
 from common import weights as W
 from common.transport import free_port
+from common.vllm_weights import wait_until
 
 
 def _model(seed):
@@ -164,9 +165,7 @@ def test_publisher_sends_its_own_host_copy_of_each_bucket():
     t = threading.Thread(target=generator)
     t.start()
     pub.join(0, "a")
-    deadline = time.monotonic() + 30
-    while not pub.channels and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert wait_until(lambda: pub.channels, 30, 0.01)
     flat = W.flatten(model)
     scratch = torch.empty(flat.numel())
 
@@ -239,10 +238,8 @@ def test_nccl_groups_are_built_by_the_publishing_thread_on_the_learners_device(m
     t = threading.Thread(target=generator, daemon=True)
     t.start()
     pub.join(0, "d")
-    deadline = time.monotonic() + 30
-    while not pub.pending_direct and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert pub.pending_direct and not pub.channels and not _RecordingSender.built  # nothing NCCL in the join thread
+    assert wait_until(lambda: pub.pending_direct, 30, 0.01)
+    assert not pub.channels and not _RecordingSender.built  # nothing NCCL in the join thread
     flat = W.flatten(model)
     pub.publish(1, lay, (flat[s:e] for _, _, s, e in W.bucket_plan(lay)))
     (sender,) = _RecordingSender.built
@@ -260,8 +257,6 @@ def test_nccl_groups_are_built_by_the_publishing_thread_on_the_learners_device(m
 
 
 def test_wait_until_gives_up_at_its_deadline():
-    from common.vllm_weights import wait_until
-
     t0 = time.monotonic()
     assert not wait_until(lambda: False, 0.05) and time.monotonic() - t0 >= 0.05
     flips = iter([False, False, True])
