@@ -75,3 +75,43 @@ test-gpu: $(GSTAMP)
 
 clean-runs:
 	rm -rf runs
+
+# ---- GPU proof (launch/gpu_proof.py) --------------------------------------------------------------------------------
+# A GPU machine without a registry gets covrl's missing packages as wheels in .whl/ (git-ignored; the device tool
+# carries it). `make gpu-wheels` runs HERE, where pip reaches a registry: every wheel such a machine lacks, for
+# CPython 3.12 on manylinux x86_64. That machine has torch 2.11 (CUDA), transformers 5.17 and the common packages
+# (numpy, tokenizers, safetensors, huggingface-hub 1.x, httpx, typer, sympy, msgpack, ninja, einops, psutil,
+# py-cpuinfo, packaging, tqdm, regex, pyyaml, pytest, tensorboard, matplotlib, pyarrow). What travels:
+#   compiled: msgspec, pyzmq, pydantic-core (pydantic's core, for deepspeed);
+#   pure:     transformers 5.20.2 (pyproject pins >=5.20,<5.21), huggingface-hub 1.33.0 (transformers 5.20 needs
+#             >=1.31, 5.17 allowed >=1.5; its click/hf-xet minimums are for the CLI and downloads, not used offline),
+#             math-verify + latex2sympy2_extended + antlr4 runtime, tomli_w, pydantic + annotated-types +
+#             typing-inspection + typing-extensions (pydantic 2.14 needs >=4.16), hjson;
+#   built:    deepspeed 0.19.8 (sdist only on the registry; pip reuses a wheel it built before).
+WHEEL_PY ?= python3
+GPU_PY ?= python3
+GPU_WHEEL_TAGS := --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+GPU_WHEELS_COMPILED := msgspec==0.22.0 pyzmq==27.3.0 pydantic-core==2.50.5
+GPU_WHEELS_PURE := transformers==5.20.2 huggingface-hub==1.33.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0 \
+	antlr4-python3-runtime==4.13.2 tomli_w==1.2.0 pydantic==2.14.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
+	typing-extensions==4.16.0 hjson==3.1.0
+GPU_PROOF_ARGS ?=
+
+.PHONY: gpu-wheels gpu-proof
+
+gpu-wheels:
+	mkdir -p .whl
+	$(WHEEL_PY) -m pip download -q $(GPU_WHEEL_TAGS) --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS_COMPILED)
+	$(WHEEL_PY) -m pip download -q $(GPU_WHEEL_TAGS) --platform any -d .whl $(GPU_WHEELS_PURE)
+	ls .whl/deepspeed-0.19.8-*.whl >/dev/null 2>&1 || $(WHEEL_PY) -m pip wheel -q --no-deps deepspeed==0.19.8 -w .whl
+	@ls -1 .whl; du -sh .whl
+
+# The one command for a machine with one NVIDIA GPU (no registry, no .venv): the carried wheels into /tmp/site,
+# then every stage of launch/gpu_proof.py. Results in $OUT (the device tool's folder) or runs/gpu-proof; the runs
+# themselves (checkpoints, the 0.5B model) in /tmp/covrl-gpu-proof. E.g. GPU_PROOF_ARGS="--stages z3 --no-z3-resume".
+gpu-proof:
+	@if [ -d .whl ]; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+		--target /tmp/site .whl/*.whl || exit 1; fi
+	PYTHONPATH=/tmp/site$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PY) launch/gpu_proof.py \
+		--out $${OUT:-runs/gpu-proof} --work $${GPU_PROOF_WORK:-/tmp/covrl-gpu-proof} $(GPU_PROOF_ARGS)

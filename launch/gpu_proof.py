@@ -1,0 +1,1087 @@
+"""GPU proof: one command that shows, on a machine with one NVIDIA GPU, that covrl's GPU path works end to end,
+and measures it.
+
+    python launch/gpu_proof.py [--out DIR] [--work DIR] [--stages tests,z1,throughput,z3] [--rehearse-cpu]
+    python launch/gpu_proof.py --record DIR/gpu_proof.json [MORE.json ...]   # into tests/bench/results.json
+
+Everything a stage needs is checked first (CUDA, the packages, the colocated placement, the engine's device
+argument); a missing piece is one line on stderr and exit 2, before anything runs. Then the stages, in the
+order given (default tests, z1, throughput, z3: the ZeRO-3 repeat last, so a time limit cuts it rather than the
+throughput figures), each timed, each with its log in `--out` (`<stage>.log`):
+
+  tests       `pytest -q -m gpu tests/gpu -p no:cacheprovider -rs` with a JUnit report: passed / failed /
+              skipped counts and every skip's reason (the vLLM tests skip without vLLM, the NCCL ones without 2
+              GPUs). Passes when nothing failed or errored; all-skipped counts as passed.
+  z1          A colocated 1-GPU cluster run (one learner rank and one torch-engine generator share GPU 0) on the
+              built-in model `assets/arith-base`, bf16, DeepSpeed ZeRO-1: 24 steps, a checkpoint every 12, no
+              evaluation. Checks: exit code 0; metrics.jsonl holds steps 1..24 once each; for every version the
+              generator received, the checksum it logged (RUN_DIR/generators/gen0.jsonl) equals the learner's
+              `weights/checksum` of that step, exactly, and every version 1..24 was received; a complete
+              checkpoint of step 24 exists (common/checkpoints.py); logs/learner0.log's "learner: ZeRO-" line
+              names ZeRO-1, bf16 True and a cuda device. Then interrupt and resume: a fresh run to 12 steps
+              (checkpoint every 6), then `cluster.py --resume RUN --steps 24 --gpus 1`: it must resume from
+              step 12 and end at 24 with steps 1..24 once each, and the resumed generator's checksums (version 12
+              again, then 13..24) must equal the learner's. Whether the resumed run's final weights equal the
+              uninterrupted run's, to the bit, is recorded (not required: bf16 kernels need not be deterministic).
+  z3          The same with ZeRO-3 (`--no-z3-resume`: only the 24-step run with its checkpoints, when time is short).
+  throughput  On a random-init model of Qwen2.5-0.5B's shape, built offline (the tokenizer of assets/arith-base,
+              whose vocabulary is smaller than the model's: fine for throughput). (1) Learner: `learner.trainer.
+              Trainer` built as the learner builds it (torch.distributed over one rank), bf16, ZeRO-1, fed the same
+              synthetic StepBatch (64 samples of 64 prompt + 512 response tokens) for 2 warm-up and 5 timed steps,
+              once per packing budget learner.micro_batch_tokens = 1024 (one sample per row), 4096 and 8192 (sdpa
+              attends over a whole packed row under a block mask, so longer rows cost attention work that is masked
+              out); the best is the headline, every budget is recorded.
+              tokens/s = tokens trained (prompt + response, as perf/learner_tokens_per_s counts them) / train_s;
+              MFU = model FLOPs / train_s / the device's peak dense bf16 FLOP/s, with model FLOPs = 6 N tokens
+              (N: every parameter, the tied embedding once, as the LM head's matmul) + causal attention
+              6 L d S (S + 1) per sequence of S tokens (forward and backward over the unmasked query-key pairs);
+              the entropy-after pass is off (learner.log_entropy_delta = false) so a step is one forward and one
+              backward. Peak GPU memory too. (2) Generation: the torch engine (actors/engine.py `TorchEngine(...,
+              device=)`) on the GPU, bf16, 32 prompts x 8 samples x 256 new tokens at temperature 1; the stop id
+              is the model's last vocabulary id, which a random model rarely samples; tokens/s = tokens generated
+              / seconds.
+
+At the end: `--out`/gpu_proof.json (device, versions, UTC date, git commit, a digest of the sources, and per stage
+passed / seconds / figures / key log lines), gpu_proof_logs.tar.gz (stage logs, the runs' logs, metrics and
+generator logs, the JUnit report; no checkpoints), and a short table. gpu_proof.json is also written after every
+stage, so a run stopped by a time limit keeps what it finished; running again into the same --out (same device,
+same sources) adds or replaces stages. Exit 0 only if every stage run passed. The runs (checkpoints, the 0.5B
+model) go to `--work` (default: --out), which the device tool need not bring back.
+
+`--rehearse-cpu`: the same stages on a CPU-only machine at toy scale (`--gpus 0`, float32, 4 steps with resume
+from 2, a tiny random model for throughput, MFU null), so this script's logic is proven before GPU time is spent.
+
+`--record FILE.json [...]`: merges finished gpu_proof.json files (later files' stages win) into
+tests/bench/results.json under "gpu_proof"; the rest of results.json stays as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from dataclasses import dataclass, replace
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+STAGES = ("tests", "z1", "throughput", "z3")
+RESULT_TAG = "GPU_PROOF_RESULT "  # tests/gpu/proof_workers.py prints its result after this tag
+# The throughput workers import the learner and the engine, which launch/ never does (tests/unit/test_imports.py):
+# they live with the GPU tests and run as child processes (one CUDA context each, freed when they exit).
+WORKER_SCRIPT = os.path.join(REPO, "tests", "gpu", "proof_workers.py")
+BASE_MODEL = os.path.join(REPO, "assets", "arith-base")
+RESULTS = os.path.join(REPO, "tests", "bench", "results.json")
+# Peak dense bf16 tensor-core FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name(); first match wins.
+# H100 SXM reports itself as "NVIDIA H100 80GB HBM3".
+PEAK_BF16_DENSE = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("GH200", 989e12),
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+)
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
+                  tie_word_embeddings=True, rms_norm_eps=1e-6)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=397, max_position_embeddings=2048, rope_theta=1e6, tie_word_embeddings=True, rms_norm_eps=1e-6)
+# Imported by the roles of a run or by the throughput workers; checked up front (import name, why).
+NEEDS = {
+    "torch": "everything", "numpy": "everything", "transformers": "models", "tokenizers": "tokenizers",
+    "safetensors": "checkpoints", "msgspec": "config and messages", "tomli_w": "config.toml", "zmq": "the hub",
+    "psutil": "the launcher", "tensorboard": "metrics", "math_verify": "rewards", "deepspeed": "the learner",
+    "pydantic": "deepspeed's config", "hjson": "deepspeed", "msgpack": "deepspeed", "pyarrow": "datasets",
+}
+STAGE_NEEDS = {"tests": ("pytest",)}
+
+
+@dataclass(frozen=True)
+class Scale:
+    gpus: int
+    dtype: str
+    steps: int
+    ckpt_every: int  # the full run's checkpoint period
+    resume_first: int  # steps of the first half of the resume proof
+    resume_ckpt_every: int
+    model: dict
+    samples: int
+    prompt_tokens: int
+    response_tokens: int
+    micro_batch_tokens: tuple  # learner throughput: each packing budget measured
+    warmup: int
+    timed: int
+    gen_prompts: int
+    gen_samples: int
+    gen_tokens: int
+    gen_prompt_tokens: int
+    run_timeout_s: float  # one cluster launch
+    worker_timeout_s: float  # one throughput worker
+
+
+GPU = Scale(gpus=1, dtype="bfloat16", steps=24, ckpt_every=12, resume_first=12, resume_ckpt_every=6, model=QWEN25_05B,
+            samples=64, prompt_tokens=64, response_tokens=512, micro_batch_tokens=(1024, 4096, 8192), warmup=2,
+            timed=5,
+            gen_prompts=32, gen_samples=8, gen_tokens=256, gen_prompt_tokens=64, run_timeout_s=360,
+            worker_timeout_s=360)
+CPU = Scale(gpus=0, dtype="float32", steps=4, ckpt_every=2, resume_first=2, resume_ckpt_every=1, model=TINY,
+            samples=8, prompt_tokens=16, response_tokens=32, micro_batch_tokens=(64, 512), warmup=1, timed=2,
+            gen_prompts=4, gen_samples=2, gen_tokens=16, gen_prompt_tokens=16, run_timeout_s=900,
+            worker_timeout_s=600)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# small helpers
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
+
+
+def git_commit(repo: str = REPO) -> tuple[str, bool | None]:
+    """(commit, dirty) read from .git without the git binary; ("unknown", None) when there is no .git.
+    `dirty` comes from `git status` when git is installed, else None."""
+    gitdir = os.path.join(repo, ".git")
+    commit = "unknown"
+    try:
+        if os.path.isfile(gitdir):  # a worktree: "gitdir: PATH"
+            with open(gitdir) as f:
+                gitdir = os.path.join(repo, f.read().split(":", 1)[1].strip())
+        common = gitdir
+        if os.path.isfile(os.path.join(gitdir, "commondir")):
+            with open(os.path.join(gitdir, "commondir")) as f:
+                common = os.path.normpath(os.path.join(gitdir, f.read().strip()))
+        with open(os.path.join(gitdir, "HEAD")) as f:
+            head = f.read().strip()
+        if head.startswith("ref: "):
+            ref = head[5:]
+            for base in (gitdir, common):
+                if os.path.isfile(os.path.join(base, ref)):
+                    with open(os.path.join(base, ref)) as f:
+                        commit = f.read().strip()
+                    break
+            else:
+                packed = os.path.join(common, "packed-refs")
+                if os.path.isfile(packed):
+                    with open(packed) as f:
+                        for line in f:
+                            parts = line.split()
+                            if len(parts) == 2 and parts[1] == ref:
+                                commit = parts[0]
+        elif re.fullmatch(r"[0-9a-f]{40}", head):
+            commit = head
+    except OSError:
+        return "unknown", None
+    dirty = None
+    if commit != "unknown" and shutil.which("git"):
+        try:
+            p = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True,
+                               text=True, timeout=30)
+            dirty = bool(p.stdout.strip()) if p.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired):
+            dirty = None
+    return commit, dirty
+
+
+def source_digest(repo: str = REPO) -> str:
+    """sha256 over the project's Python sources and pyproject.toml (path and bytes): which code ran, also where
+    the copy has no .git."""
+    h = hashlib.sha256()
+    files = [os.path.join(repo, "pyproject.toml")]
+    for d in ("actors", "common", "learner", "launch"):
+        files += glob.glob(os.path.join(repo, d, "**", "*.py"), recursive=True)
+    for path in sorted(files):
+        h.update(os.path.relpath(path, repo).encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def peak_flops(device_name: str) -> float | None:
+    for key, flops in PEAK_BF16_DENSE:
+        if key in device_name:
+            return flops
+    return None
+
+
+class StageLog:
+    """One stage's log file, echoed to the console in short."""
+
+    def __init__(self, path: str, name: str):
+        self.f = open(path, "a", buffering=1)
+        self.name = name
+        self.lines: list[str] = []  # key lines for gpu_proof.json
+
+    def write(self, text: str) -> None:
+        self.f.write(text if text.endswith("\n") else text + "\n")
+
+    def say(self, text: str, key: bool = False) -> None:
+        line = f"[{self.name}] {text}"
+        print(line, flush=True)
+        self.write(f"{utc_now()} {line}")
+        if key:
+            self.lines.append(text)
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class Checks:
+    """Named pass/fail checks of one stage; a failed one is also a key line."""
+
+    def __init__(self, log: StageLog, prefix: str = ""):
+        self.log, self.prefix, self.results, self.failed = log, prefix, {}, []
+
+    def __call__(self, name: str, ok: bool, detail: str = "") -> bool:
+        name = self.prefix + name
+        self.results[name] = bool(ok)
+        text = f"{'ok  ' if ok else 'FAIL'} {name}" + (f": {detail}" if detail else "")
+        self.log.say(text, key=not ok)
+        if not ok:
+            self.failed.append(text)
+        return bool(ok)
+
+
+def run_logged(argv: list[str], log: StageLog, timeout_s: float, env: dict | None = None, graceful: bool = False,
+               cwd: str = REPO) -> tuple[int, float, list[str]]:
+    """Run argv in its own session, every output line into the stage log; (exit code, seconds, lines).
+    On timeout: SIGTERM (twice, for the launcher's graceful then immediate stop when `graceful`), then SIGKILL;
+    the exit code is then 124."""
+    log.write(f"{utc_now()} $ {' '.join(argv)}")
+    t0 = time.monotonic()
+    p = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         stdin=subprocess.DEVNULL, start_new_session=True, errors="replace")
+    lines: list[str] = []
+
+    def pump():
+        for line in p.stdout:
+            lines.append(line.rstrip("\n"))
+            log.write(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        p.wait(timeout=max(1.0, timeout_s))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        log.say(f"timed out after {timeout_s:.0f}s: stopping it", key=True)
+        for sig, wait_s in ([(signal.SIGTERM, 30), (signal.SIGTERM, 30)] if graceful else [(signal.SIGTERM, 10)]) + \
+                [(signal.SIGKILL, 10)]:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                p.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    except KeyboardInterrupt:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait()
+        raise
+    reader.join(timeout=10)
+    seconds = time.monotonic() - t0
+    code = 124 if timed_out else p.returncode
+    log.write(f"{utc_now()} exit {code} after {seconds:.1f}s")
+    return code, seconds, lines
+
+
+def result_of(lines: list[str]) -> dict | None:
+    for line in reversed(lines):
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# preflight
+
+
+def preflight(args, scale: Scale) -> tuple[dict, list[str]]:
+    """(facts about this machine, warnings), or SystemExit(2) with one line on stderr naming what is missing."""
+
+    def fail(text: str):
+        print(f"error: {text}", file=sys.stderr)
+        raise SystemExit(2)
+
+    try:
+        import torch
+    except ImportError:
+        fail("torch is not importable: install a CUDA build of torch (or run where one is)")
+    facts: dict = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                   "rehearse_cpu": bool(args.rehearse_cpu)}
+    if args.rehearse_cpu:
+        facts.update(device="cpu (rehearsal)", device_count=0)
+    else:
+        if not torch.cuda.is_available():
+            fail(f"no CUDA device (torch {torch.__version__}, CUDA build {torch.version.cuda}, "
+                 f"torch.cuda.is_available() is False): run this on a GPU machine, or pass --rehearse-cpu")
+        facts.update(device=torch.cuda.get_device_name(0), device_count=torch.cuda.device_count(),
+                     gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+                     capability=".".join(map(str, torch.cuda.get_device_capability(0))))
+        if shutil.which("nvidia-smi"):
+            try:
+                p = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                   capture_output=True, text=True, timeout=30)
+                facts["driver"] = p.stdout.strip().splitlines()[0] if p.returncode == 0 and p.stdout.strip() else None
+            except (OSError, subprocess.TimeoutExpired, IndexError):
+                facts["driver"] = None
+    # Packages, imported in a child (a broken install fails there, not here), and the engine's device argument.
+    mods = list(NEEDS) + [m for s in args.stages for m in STAGE_NEEDS.get(s, ())]
+    probe = (
+        "import importlib, json\n"
+        f"mods = {mods!r}\n"
+        "bad = {}\n"
+        "for m in mods:\n"
+        "    try:\n"
+        "        importlib.import_module(m)\n"
+        "    except BaseException as e:\n"
+        "        bad[m] = f'{type(e).__name__}: {e}'.splitlines()[0][:200]\n"
+        "out = {'bad': bad}\n"
+        "print(json.dumps(out))\n"
+    )
+    p = subprocess.run([args.python, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env=child_env(args))
+    try:
+        probed = json.loads(p.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        fail(f"{args.python} could not probe the packages (exit {p.returncode}): {p.stderr.strip()[-300:]}")
+    if probed["bad"]:
+        name, why = next(iter(probed["bad"].items()))
+        fail(f"cannot import {name} ({why}); {len(probed['bad'])} package(s) missing or broken in all: "
+             f"{', '.join(probed['bad'])}. On the GPU machine install the carried wheels first (make gpu-proof does: "
+             f"make gpu-wheels on a machine with a registry, then carry .whl)")
+    # Versions the project declares: mismatches are warnings (torch cannot travel as a wheel).
+    warnings = version_warnings(args)
+    facts["versions"] = package_versions(args)
+    for path in (os.path.join(BASE_MODEL, "config.json"), os.path.join(BASE_MODEL, "tokenizer.json"),
+                 os.path.join(REPO, "launch", "cluster.py")):
+        if not os.path.isfile(path):
+            fail(f"{path} is missing: run from a complete checkout of the repository")
+    if {"z1", "z3"} & set(args.stages) and scale.gpus:
+        if facts["device_count"] < scale.gpus:
+            fail(f"the cluster stages need {scale.gpus} GPU(s); torch sees {facts['device_count']}")
+        from common.cluster import PlacementError, check_colocation, place_gpus
+        from common.config import load_config
+
+        try:
+            placement = place_gpus(scale.gpus, 1, 1, 1)
+            check_colocation(placement, load_config(None, ['generator.engine="torch"']).generator)
+        except (PlacementError, ValueError) as e:
+            fail(f"launch/cluster.py cannot place 1 learner + 1 generator on {scale.gpus} GPU: {e}")
+        facts["placement"] = {"learners": placement.learners, "generators": placement.generators,
+                              "colocated": placement.colocated}
+    for d in {args.out, args.work}:
+        try:
+            os.makedirs(d, exist_ok=True)
+            probe_path = os.path.join(d, ".write-test")
+            open(probe_path, "w").close()
+            os.remove(probe_path)
+        except OSError as e:
+            fail(f"{d} is not writable ({e.strerror}); pass a writable --out / --work")
+    need_gib = 6 if not args.rehearse_cpu and "throughput" in args.stages else 1
+    free_gib = shutil.disk_usage(args.work).free / 2**30
+    if free_gib < need_gib:
+        fail(f"{args.work} has {free_gib:.1f} GiB free; the stages need about {need_gib} GiB (checkpoints, the 0.5B model)")
+    return facts, warnings
+
+
+def child_env(args, **extra) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH", "")])),
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONUNBUFFERED": "1"}
+    if args.rehearse_cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    env.update(extra)
+    return env
+
+
+def package_versions(args) -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("torch", "transformers", "deepspeed", "tokenizers", "safetensors", "huggingface-hub", "msgspec",
+                 "pyzmq", "math-verify", "numpy", "pydantic", "pytest", "vllm", "flash-attn"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def version_warnings(args) -> list[str]:
+    """The project's declared dependencies that the installed versions do not meet (pyproject.toml)."""
+    import importlib.metadata as md
+
+    try:
+        import tomllib
+
+        from packaging.requirements import Requirement
+    except ImportError:
+        return ["could not check versions (packaging or tomllib missing)"]
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    out = []
+    for spec in deps:
+        req = Requirement(spec)
+        try:
+            have = md.version(req.name)
+        except md.PackageNotFoundError:
+            out.append(f"{req.name}: not installed (pyproject asks {req.specifier})")
+            continue
+        if req.specifier and not req.specifier.contains(have, prereleases=True):
+            out.append(f"{req.name} {have} is outside pyproject's {req.specifier}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# stage: tests
+
+
+def stage_tests(ctx) -> dict:
+    log, chk = ctx.log, ctx.checks
+    junit = os.path.join(ctx.args.work, "tests_junit.xml")
+    argv = [ctx.args.python, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider", "-rs",
+            f"--junitxml={junit}"]
+    code, seconds, lines = run_logged(argv, log, ctx.timeout(300), env=child_env(ctx.args))
+    counts = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    skips: list[str] = []
+    if os.path.exists(junit):
+        import xml.etree.ElementTree as ET
+
+        root = ET.parse(junit).getroot()
+        for suite in ([root] if root.tag == "testsuite" else root.iter("testsuite")):
+            for key, attr in (("tests", "tests"), ("failed", "failures"), ("errors", "errors"), ("skipped", "skipped")):
+                counts[key] += int(suite.get(attr, 0))
+            for case in suite.iter("testcase"):
+                for sk in case.findall("skipped"):
+                    name = ".".join(filter(None, [case.get("classname"), case.get("name")]))
+                    skips.append(f"{name}: {sk.get('message', '').strip()}")
+        counts["passed"] = counts["tests"] - counts["failed"] - counts["errors"] - counts["skipped"]
+        ctx.bundle.append(junit)
+    summary = next((ln for ln in reversed(lines) if re.search(r"\b(passed|failed|skipped|error|no tests ran)\b", ln)
+                    and ln.strip()), "")
+    log.say(f"summary: {summary.strip('= ')}", key=True)
+    for ln in lines:
+        if ln.startswith("SKIPPED"):
+            log.say(ln, key=True)
+    chk("pytest ran (exit 0, or 5: no tests collected)", code in (0, 5), f"exit {code}")
+    chk("junit report written", os.path.exists(junit))
+    chk("no test failed or errored", counts["failed"] == 0 and counts["errors"] == 0,
+        f"{counts['failed']} failed, {counts['errors']} errors")
+    return {"counts": counts, "skips": skips, "exit_code": code, "summary": summary.strip("= "),
+            "pytest_seconds": round(seconds, 1)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# stages: z1 / z3
+
+
+LEARNER_LINE = re.compile(r"learner: ZeRO-(\d+), optimizer offload (\S+), bf16 (\S+), attention (\S+), "
+                          r"gradient checkpointing (\S+), device (\S+)")
+
+
+def cluster_argv(ctx, run_dir: str, zero: int, steps: int, ckpt_every: int) -> list[str]:
+    s = ctx.scale
+    return [ctx.args.python, os.path.join(REPO, "launch", "cluster.py"), "--gens", "1", "--learners", "1", "--gpus",
+            str(s.gpus), "--steps", str(steps), "--run-dir", run_dir, "--quiet",
+            "--set", 'generator.engine="torch"', "--set", f'model.dtype="{s.dtype}"',
+            "--set", f"learner.zero_stage={zero}", "--set", f"run.checkpoint_every_steps={ckpt_every}",
+            "--set", "eval.every_steps=0"]
+
+
+def gen_logs(run_dir: str) -> list[tuple[str, dict]]:
+    out = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "generators", "gen*.jsonl"))):
+        if not path.endswith("_eval.jsonl"):
+            out += [(os.path.basename(path)[:-6], row) for row in read_jsonl(path)]
+    return out
+
+
+def checksum_report(run_dir: str, rows: list[tuple[str, dict]] | None = None) -> dict:
+    """Every generator-logged version against the learner's weights/checksum of that step, compared exactly."""
+    metrics = {r["step"]: r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))}
+    rows = gen_logs(run_dir) if rows is None else rows
+    bad, checked = [], 0
+    for gen, row in rows:
+        v = row.get("version")
+        want = metrics.get(v, {}).get("weights/checksum")
+        got = row.get("checksum")
+        if got is None:
+            bad.append(f"{gen} v{v}: no checksum logged (direct={row.get('direct')})")
+        elif want is None:
+            bad.append(f"{gen} v{v}: metrics.jsonl has no weights/checksum for step {v}")
+        elif got != want:
+            bad.append(f"{gen} v{v}: generator {got!r} != learner {want!r}")
+        else:
+            checked += 1
+    return {"checked": checked, "mismatches": bad, "received": sorted({r.get("version") for _, r in rows})}
+
+
+def learner_line(run_dir: str) -> list[re.Match]:
+    path = os.path.join(run_dir, "logs", "learner0.log")
+    if not os.path.exists(path):
+        return []
+    with open(path, errors="replace") as f:
+        return [m for m in map(LEARNER_LINE.search, f) if m]
+
+
+def launcher_key_lines(lines: list[str]) -> list[str]:
+    keys = ("covrl run", "  GPUs:", "covrl:", "  checkpoint:", "  staleness", "error:", "learner0 exited", "gen0 ")
+    return [ln for ln in lines if ln.startswith(keys)]
+
+
+def run_figures(run_dir: str) -> dict:
+    rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if r.get("critic/score/mean") is not None]
+
+    def mean(key, skip_first=True):
+        vals = [r[key] for r in (rows[1:] if skip_first and len(rows) > 1 else rows) if r.get(key) is not None]
+        return round(sum(vals) / len(vals), 4) if vals else None
+
+    return {
+        "steps_logged": len(rows),
+        "s_per_step_mean": mean("timing_s/step"),
+        "train_s_mean": mean("timing_s/train"),
+        "learner_tokens_per_s_mean": mean("perf/learner_tokens_per_s"),
+        "gen_tokens_per_s_mean": mean("perf/gen_tokens_per_s"),
+        "weight_sync_s_mean": mean("timing_s/weight_sync"),
+        "weights_bytes": rows[-1].get("weights/bytes") if rows else None,
+        "reward_first_last": [rows[0].get("critic/score/mean"), rows[-1].get("critic/score/mean")] if rows else None,
+        "entropy_first_last": [rows[0].get("actor/entropy"), rows[-1].get("actor/entropy")] if rows else None,
+        "staleness_max": max((r.get("staleness/max") or 0 for r in rows), default=None),
+        "final_checksum": rows[-1].get("weights/checksum") if rows else None,
+    }
+
+
+def check_learner_line(ctx, chk, run_dir: str, zero: int, prefix: str) -> str | None:
+    found = learner_line(run_dir)
+    log_path = os.path.join(run_dir, "logs", "learner0.log")
+    if not chk(f"{prefix}learner log has the 'learner: ZeRO-' line", bool(found), log_path):
+        return None
+    m = found[-1]
+    want_bf16 = "False" if ctx.args.rehearse_cpu else "True"
+    want_dev = "cpu" if ctx.args.rehearse_cpu else "cuda"
+    chk(f"{prefix}learner: ZeRO-{zero}, bf16 {want_bf16}, device {want_dev}",
+        m.group(1) == str(zero) and m.group(3) == want_bf16 and m.group(6).startswith(want_dev), m.group(0))
+    return m.group(0)
+
+
+def check_generator_line(ctx, chk, run_dir: str) -> str | None:
+    """actors/engine.py's load_engine logs where the torch engine runs: "generator engine: torch on cuda, ..."."""
+    path = os.path.join(run_dir, "logs", "gen0.log")
+    with open(path, errors="replace") if os.path.exists(path) else open(os.devnull) as f:
+        found = [ln.split(": ", 1)[-1].strip() for ln in f if "generator engine:" in ln]
+    want = "cpu" if ctx.args.rehearse_cpu else "cuda"
+    chk(f"generator: torch engine on {want}", bool(found) and found[-1].startswith(f"generator engine: torch on {want}"),
+        found[-1] if found else f"no 'generator engine:' line in {path}")
+    return found[-1] if found else None
+
+
+def stage_zero(ctx, zero: int, resume: bool) -> dict:
+    log, chk, s, args = ctx.log, ctx.checks, ctx.scale, ctx.args
+    figures: dict = {"zero_stage": zero, "dtype": s.dtype, "gpus": s.gpus, "engine": "torch"}
+    # 1. One full run with checkpoints.
+    run = os.path.join(args.work, f"z{zero}")
+    fresh_dir(run)
+    ctx.bundle_runs.append(run)
+    log.say(f"full run: {s.steps} steps, ZeRO-{zero}, {s.dtype}, checkpoint every {s.ckpt_every} -> {run}")
+    code, secs, lines = run_logged(cluster_argv(ctx, run, zero, s.steps, s.ckpt_every), log,
+                                   ctx.timeout(s.run_timeout_s), env=child_env(args), graceful=True)
+    for ln in launcher_key_lines(lines):
+        log.say(ln, key=True)
+    chk("full run exits 0", code == 0, f"exit {code} after {secs:.0f}s")
+    steps = [r["step"] for r in read_jsonl(os.path.join(run, "metrics.jsonl"))]
+    chk(f"metrics.jsonl has steps 1..{s.steps} once each", steps == list(range(1, s.steps + 1)), f"got {steps}")
+    rep = checksum_report(run)
+    missing = sorted(set(range(1, s.steps + 1)) - set(rep["received"]))
+    bad = rep["mismatches"]
+    chk("generator checksums equal the learner's for every version it received", rep["checked"] > 0 and not bad,
+        f"{rep['checked']} equal" + (f"; {len(bad)} differ: {bad[:3]}" if bad else ""))
+    chk(f"the generator received every version 1..{s.steps}", not missing, f"missing {missing}" if missing else "")
+    from common.checkpoints import complete_checkpoints
+
+    ckpts = complete_checkpoints(run)
+    chk(f"a complete checkpoint of step {s.steps} exists", any(st == s.steps for st, _ in ckpts),
+        f"complete: {[st for st, _ in ckpts]}")
+    final = dict(ckpts).get(s.steps)
+    if final:
+        chk("the checkpoint holds a loadable HF model dir", all(os.path.isfile(os.path.join(final, f)) for f in
+                                                                ("config.json", "model.safetensors")), final)
+    line = check_learner_line(ctx, chk, run, zero, "")
+    gen_line = check_generator_line(ctx, chk, run)
+    figures["full_run"] = {"seconds": round(secs, 1), "exit_code": code, "checksums_equal": rep["checked"],
+                           "checkpoints": [st for st, _ in ckpts], "learner_line": line, "generator_line": gen_line,
+                           **run_figures(run)}
+    if not resume:
+        return figures
+    # 2. Interrupt and resume: a run to resume_first steps, then --resume to the full length.
+    rrun = os.path.join(args.work, f"z{zero}r")
+    fresh_dir(rrun)
+    ctx.bundle_runs.append(rrun)
+    half = s.resume_first
+    log.say(f"resume proof: {half} steps (checkpoint every {s.resume_ckpt_every}), then --resume to {s.steps} -> {rrun}")
+    code1, secs1, lines1 = run_logged(cluster_argv(ctx, rrun, zero, half, s.resume_ckpt_every), log,
+                                      ctx.timeout(s.run_timeout_s), env=child_env(args), graceful=True)
+    for ln in launcher_key_lines(lines1):
+        log.say(ln, key=True)
+    chk(f"first half ({half} steps) exits 0", code1 == 0, f"exit {code1} after {secs1:.0f}s")
+    first_rows = gen_logs(rrun)
+    ck1 = [st for st, _ in complete_checkpoints(rrun)]
+    chk(f"first half left a complete checkpoint of step {half}", half in ck1, f"complete: {ck1}")
+    argv = [args.python, os.path.join(REPO, "launch", "cluster.py"), "--resume", rrun, "--steps", str(s.steps),
+            "--gpus", str(s.gpus), "--quiet"]
+    code2, secs2, lines2 = run_logged(argv, log, ctx.timeout(s.run_timeout_s), env=child_env(args), graceful=True)
+    for ln in launcher_key_lines(lines2):
+        log.say(ln, key=True)
+    chk("resume exits 0", code2 == 0, f"exit {code2} after {secs2:.0f}s")
+    banner = next((ln for ln in lines2 if "resuming from" in ln), "")
+    chk(f"the launcher resumed from step_{half}", banner.rstrip().endswith(f"step_{half}"),
+        banner.rsplit(", ", 1)[-1] if banner else "no 'resuming from .../step_N' line")
+    with open(os.path.join(rrun, "logs", "learner0.log"), errors="replace") as f:
+        resumed_lines = [ln.strip() for ln in f if "resumed from" in ln]
+    chk(f"the learner loaded the step-{half} checkpoint", any(f"(step {half})" in ln for ln in resumed_lines),
+        resumed_lines[-1] if resumed_lines else "no 'resumed from' line in learner0.log")
+    if resumed_lines:
+        log.say(resumed_lines[-1].split(": ", 1)[-1], key=True)
+    steps = [r["step"] for r in read_jsonl(os.path.join(rrun, "metrics.jsonl"))]
+    chk(f"after resuming, metrics.jsonl has steps 1..{s.steps} once each", steps == list(range(1, s.steps + 1)),
+        f"got {steps}")
+    all_rows = gen_logs(rrun)
+    second = all_rows[len(first_rows):]
+    rep2 = checksum_report(rrun, second)
+    got = rep2["received"]
+    chk(f"the resumed generator received versions {half}..{s.steps}", set(range(half, s.steps + 1)) <= set(got),
+        f"got {got}")
+    chk("resumed versions: generator checksums equal the learner's", rep2["checked"] > 0 and not rep2["mismatches"],
+        f"{rep2['checked']} equal" + (f"; differ: {rep2['mismatches'][:3]}" if rep2["mismatches"] else ""))
+    v_half = [r for _, r in second if r.get("version") == half]
+    metrics = {r["step"]: r for r in read_jsonl(os.path.join(rrun, "metrics.jsonl"))}
+    chk(f"the restored weights (version {half} after the restart) have the checksum step {half} logged before it",
+        bool(v_half) and v_half[0].get("checksum") == metrics.get(half, {}).get("weights/checksum"),
+        f"{v_half[0].get('checksum') if v_half else None!r} vs {metrics.get(half, {}).get('weights/checksum')!r}")
+    rep_all = checksum_report(rrun, all_rows)
+    ck2 = [st for st, _ in complete_checkpoints(rrun)]
+    chk(f"a complete checkpoint of step {s.steps} exists after resuming", s.steps in ck2, f"complete: {ck2}")
+    check_learner_line(ctx, chk, rrun, zero, "resumed ")
+    rf = run_figures(rrun)
+    same = rf["final_checksum"] is not None and rf["final_checksum"] == figures["full_run"]["final_checksum"]
+    log.say(f"resumed run's final weights {'equal' if same else 'differ from'} the uninterrupted run's "
+            f"(checksum {rf['final_checksum']!r} vs {figures['full_run']['final_checksum']!r}; informational: equality is "
+            f"not expected, since the first half ran with run.steps={half} and its hub issued no work past that step "
+            f"(the admission cap), so the extended run's prompt stream differs from the uninterrupted run's)", key=True)
+    figures["resume"] = {"first_seconds": round(secs1, 1), "resume_seconds": round(secs2, 1), "resumed_from": half,
+                         "checksums_equal_after_resume": rep2["checked"], "checksums_equal_both_halves": rep_all["checked"],
+                         "checkpoints": ck2, "final_equals_uninterrupted": same, **rf}
+    return figures
+
+
+def fresh_dir(path: str) -> None:
+    """A stage's own run directory from an earlier attempt goes (cluster.py refuses a dir that holds a run)."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# stage: throughput
+
+
+def stage_throughput(ctx) -> dict:
+    log, chk, s, args = ctx.log, ctx.checks, ctx.scale, ctx.args
+    device = "cpu" if args.rehearse_cpu else "cuda"
+    model_dir = os.path.join(args.work, "tput-model")
+    fresh_dir(model_dir)
+    shape = "tiny random Qwen2 (rehearsal)" if args.rehearse_cpu else "Qwen2.5-0.5B shape, random init"
+    figures: dict = {"model": shape, "model_config": s.model, "dtype": s.dtype}
+    common = {"model": model_dir, "dtype": s.dtype, "device": device}
+    try:
+        code, secs, lines = run_worker(ctx, "build-model", {**common, "config": s.model})
+        built = result_of(lines)
+        if not chk("model built and saved", code == 0 and built is not None, f"exit {code} after {secs:.0f}s"):
+            return figures
+        figures["n_params"] = built["n_params"]
+        log.say(f"model: {built['n_params'] / 1e6:.1f} M parameters -> {model_dir} ({secs:.0f}s)", key=True)
+        if "learner" in args.throughput_parts:
+            figures["learner"] = tput_learner(ctx, common)
+        if "gen" in args.throughput_parts:
+            figures["generation"] = tput_gen(ctx, common)
+    finally:
+        if not args.keep_model:
+            shutil.rmtree(model_dir, ignore_errors=True)
+    return figures
+
+
+def run_worker(ctx, kind: str, spec: dict) -> tuple[int, float, list[str]]:
+    argv = [ctx.args.python, WORKER_SCRIPT, kind, json.dumps(spec)]
+    return run_logged(argv, ctx.log, ctx.timeout(ctx.scale.worker_timeout_s), env=child_env(ctx.args))
+
+
+def tput_learner(ctx, common: dict) -> dict:
+    log, chk, s = ctx.log, ctx.checks, ctx.scale
+    from common.transport import free_port
+
+    spec = {**common, "port": free_port(), "samples": s.samples, "prompt_tokens": s.prompt_tokens,
+            "response_tokens": s.response_tokens, "micro_batch_tokens": list(s.micro_batch_tokens), "warmup": s.warmup,
+            "timed": s.timed}
+    code, secs, lines = run_worker(ctx, "learner", spec)
+    r = result_of(lines)
+    if not chk("learner throughput measured", code == 0 and r is not None, f"exit {code} after {secs:.0f}s"):
+        return {"exit_code": code}
+    peak = None if ctx.args.rehearse_cpu else peak_flops(ctx.facts["device"])
+    r["peak_flops_bf16_dense"] = peak if peak else ("unknown peak" if not ctx.args.rehearse_cpu else None)
+    r["mfu"] = round(r["model_flops_per_s"] / peak, 4) if peak else None
+    r["mfu_definition"] = ("(6 N tokens + causal attention 6 L d S(S+1) per sequence) / train_s / peak dense bf16 "
+                           "FLOP/s; N = all parameters (tied embedding once); one forward + one backward per step "
+                           "(learner.log_entropy_delta = false)")
+    chk("every timed step trained (finite grad norm, none skipped)", r["all_steps_applied"],
+        "; ".join(f"{x['micro_batch_tokens']}: {[round(g, 4) for g in x['grad_norms']]}" for x in r["settings"]))
+    m = LEARNER_LINE.search(r["learner_line"])
+    want_bf16, want_dev = ("False", "cpu") if ctx.args.rehearse_cpu else ("True", "cuda")
+    chk(f"trainer: ZeRO-1, bf16 {want_bf16}, device {want_dev}", bool(m) and m.group(1) == "1" and
+        m.group(3) == want_bf16 and m.group(6).startswith(want_dev), r["learner_line"] or "no 'learner: ZeRO-' line")
+    mfu = f", MFU {r['mfu']:.1%}" if r["mfu"] is not None else (", MFU n/a (unknown peak)" if not ctx.args.rehearse_cpu
+                                                                 else ", MFU null (CPU rehearsal)")
+    mem = f", peak GPU memory {r['peak_allocated_gib']:.1f} GiB" if r.get("peak_allocated_gib") is not None else ""
+    for x in r["settings"]:
+        x["mfu"] = round(x["model_flops_per_s"] / peak, 4) if peak else None
+        log.say(f"  micro_batch_tokens {x['micro_batch_tokens']}: {x['micro_batches']} micro-batches, "
+                f"{x['tokens_per_s']:.0f} tokens/s, {x['model_flops_per_s'] / 1e12:.2f} TFLOP/s"
+                + (f", MFU {x['mfu']:.1%}" if x["mfu"] is not None else ""), key=True)
+    log.say(f"learner (best: micro_batch_tokens {r['micro_batch_tokens']}): {r['tokens_per_s']:.0f} tokens/s "
+            f"({r['tokens_per_step']} tokens/step, {r['samples']} x ({r['prompt_tokens']} + {r['response_tokens']})), "
+            f"{r['model_flops_per_s'] / 1e12:.2f} TFLOP/s{mfu}{mem}; {r['learner_line']}", key=True)
+    return r
+
+
+def tput_gen(ctx, common: dict) -> dict:
+    log, chk, s = ctx.log, ctx.checks, ctx.scale
+    spec = {**common, "prompts": s.gen_prompts, "samples": s.gen_samples, "new_tokens": s.gen_tokens,
+            "prompt_tokens": s.gen_prompt_tokens}
+    code, secs, lines = run_worker(ctx, "gen", spec)
+    r = result_of(lines)
+    if not chk("generation throughput measured", code == 0 and r is not None, f"exit {code} after {secs:.0f}s"):
+        err = next((ln for ln in reversed(lines) if ln.startswith("error:")), None)
+        if err:
+            log.say(err, key=True)
+        return {"exit_code": code}
+    want = "cpu" if ctx.args.rehearse_cpu else "cuda"
+    chk(f"the engine's weights are on {want}", r["param_device"].startswith(want), r["param_device"])
+    mem = f", peak GPU memory {r['peak_allocated_gib']:.1f} GiB" if r.get("peak_allocated_gib") is not None else ""
+    log.say(f"generation ({r['engine']}): {r['tokens_per_s']:.0f} tokens/s ({r['tokens']} tokens in {r['seconds']:.2f}s: "
+            f"{r['prompts']} prompts x {r['samples']} samples x {r['new_tokens']} new tokens, {r['stopped']} rows "
+            f"stopped early){mem}", key=True)
+    return r
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# driver
+
+
+@dataclass
+class Ctx:
+    args: argparse.Namespace
+    scale: Scale
+    facts: dict
+    deadline: float | None
+    log: StageLog | None = None
+    checks: Checks | None = None
+    bundle: list | None = None
+    bundle_runs: list | None = None
+
+    def timeout(self, want: float) -> float:
+        if self.deadline is None:
+            return want
+        return max(1.0, min(want, self.deadline - time.monotonic() - 10))
+
+
+def short(stage: str, res: dict) -> str:
+    f = res.get("figures", {})
+    if res.get("not_run"):
+        return res["not_run"]
+    if stage == "tests":
+        c = f.get("counts", {})
+        return (f"{c.get('passed', 0)} passed, {c.get('failed', 0)} failed, {c.get('errors', 0)} errors, "
+                f"{c.get('skipped', 0)} skipped")
+    if stage in ("z1", "z3"):
+        full, rs = f.get("full_run", {}), f.get("resume")
+        text = (f"{full.get('steps_logged', 0)} steps, {full.get('s_per_step_mean')} s/step, "
+                f"{full.get('checksums_equal', 0)} checksums equal, ckpts {full.get('checkpoints')}")
+        if rs:
+            text += (f"; resume {rs.get('resumed_from')}->{rs.get('steps_logged')}: "
+                     f"{rs.get('checksums_equal_after_resume', 0)} equal")
+        return text
+    if stage == "throughput":
+        parts = []
+        if (lr := f.get("learner")) and "tokens_per_s" in lr:
+            mfu = f"MFU {lr['mfu']:.1%}" if lr.get("mfu") is not None else "MFU null"
+            parts.append(f"learner {lr['tokens_per_s']:.0f} tok/s, {mfu}")
+        if (g := f.get("generation")) and "tokens_per_s" in g:
+            parts.append(f"gen {g['tokens_per_s']:.0f} tok/s")
+        return "; ".join(parts) or "no figures"
+    return ""
+
+
+def table(doc: dict) -> str:
+    rows = [("stage", "passed", "seconds", "figures")]
+    for name, res in doc["stages"].items():
+        rows.append((name, "yes" if res.get("passed") else "NO", f"{res.get('seconds', 0):.0f}", short(name, res)))
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{a:<{w[0]}}  {b:<{w[1]}}  {c:>{w[2]}}  {d}" for a, b, c, d in rows]
+    head = f"GPU proof on {doc['device']} (torch {doc['versions'].get('torch')}, CUDA {doc['versions'].get('cuda')}), " \
+           f"{doc['date']}, commit {doc['git_commit'][:12]}: {'ALL PASSED' if doc['all_passed'] else 'NOT ALL PASSED'}"
+    return "\n".join([head, *lines])
+
+
+def write_doc(path: str, doc: dict) -> None:
+    doc["all_passed"] = bool(doc["stages"]) and all(r.get("passed") for r in doc["stages"].values())
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def bundle_logs(out: str, work: str, files: list[str], runs: list[str]) -> str:
+    """gpu_proof_logs.tar.gz: stage logs, the runs' logs, metrics and generator logs, the JUnit report."""
+    path = os.path.join(out, "gpu_proof_logs.tar.gz")
+    with tarfile.open(path + ".tmp", "w:gz") as tar:
+        for f in sorted(glob.glob(os.path.join(out, "*.log"))) + files:
+            if os.path.isfile(f):
+                tar.add(f, arcname=os.path.basename(f))
+        for run in runs:
+            name = os.path.basename(run)
+            for pattern in ("config.toml", "cluster.json", "metrics.jsonl", "logs/*.log", "generators/*.jsonl"):
+                for f in glob.glob(os.path.join(run, pattern)):
+                    tar.add(f, arcname=os.path.join(name, os.path.relpath(f, run)))
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def run_proof(args) -> int:
+    scale = CPU if args.rehearse_cpu else GPU
+    over = {k: v for k, v in {"steps": args.steps, "samples": args.samples, "response_tokens": args.response_tokens,
+                              "micro_batch_tokens": args.micro_batch_tokens, "warmup": args.warmup_steps,
+                              "timed": args.timed_steps, "gen_prompts": args.gen_prompts,
+                              "gen_samples": args.gen_samples, "gen_tokens": args.gen_tokens,
+                              "run_timeout_s": args.run_timeout_s}.items() if v is not None}
+    if "steps" in over:  # checkpoints at half, resume from half, its checkpoints every quarter
+        n = over["steps"]
+        if n < 4 or n % 4:
+            print(f"error: --steps {n}: give a multiple of 4 (checkpoints at the half, the resume proof's every quarter)",
+                  file=sys.stderr)
+            return 2
+        over.update(ckpt_every=n // 2, resume_first=n // 2, resume_ckpt_every=n // 4)
+    scale = replace(scale, **over)
+    t_start = time.monotonic()
+    facts, warnings = preflight(args, scale)
+    doc_path = os.path.join(args.out, "gpu_proof.json")
+    commit, dirty = git_commit()
+    if args.commit:
+        commit = args.commit
+    digest = source_digest()
+    doc = {
+        "schema": 1, "rehearse_cpu": bool(args.rehearse_cpu), "device": facts["device"],
+        "device_count": facts.get("device_count"), "gpu_memory_gib": facts.get("gpu_memory_gib"),
+        "capability": facts.get("capability"), "driver": facts.get("driver"),
+        "versions": {"python": facts["python"], "torch": facts["torch"], "cuda": facts["cuda"],
+                     "transformers": facts["versions"].get("transformers"),
+                     "deepspeed": facts["versions"].get("deepspeed"), "packages": facts["versions"]},
+        "date": utc_now(), "git_commit": commit, "git_dirty": dirty, "source_digest": digest,
+        "command": " ".join([os.path.relpath(sys.argv[0], REPO) if os.path.isabs(sys.argv[0]) else sys.argv[0],
+                             *sys.argv[1:]]),
+        "scale": {k: v for k, v in scale.__dict__.items()}, "placement": facts.get("placement"),
+        "warnings": warnings, "stages": {},
+    }
+    if os.path.exists(doc_path):  # same device and sources: keep the stages this call does not run
+        try:
+            with open(doc_path) as f:
+                old = json.load(f)
+            if old.get("device") == doc["device"] and old.get("source_digest") == digest and \
+                    old.get("rehearse_cpu") == doc["rehearse_cpu"]:
+                doc["stages"] = {k: v for k, v in old.get("stages", {}).items() if k not in args.stages}
+                if doc["stages"]:
+                    print(f"keeping stages {', '.join(doc['stages'])} from the earlier {doc_path}")
+        except (OSError, json.JSONDecodeError):
+            pass
+    print(f"gpu_proof: {facts['device']}, torch {facts['torch']} (CUDA {facts['cuda']}), transformers "
+          f"{doc['versions']['transformers']}, deepspeed {doc['versions']['deepspeed']}; stages {','.join(args.stages)}; "
+          f"out {args.out}, work {args.work}")
+    for w in warnings:
+        print(f"warning: {w}")
+    deadline = t_start + args.deadline_s if args.deadline_s else None
+    ctx = Ctx(args=args, scale=scale, facts=facts, deadline=deadline, bundle=[], bundle_runs=[])
+    interrupted = False
+    for name in args.stages:
+        if deadline is not None and deadline - time.monotonic() < 60:
+            doc["stages"][name] = {"passed": False, "seconds": 0.0, "not_run": "not run: --deadline-s reached",
+                                   "figures": {}, "checks": {}, "key_lines": []}
+            write_doc(doc_path, doc)
+            continue
+        log = StageLog(os.path.join(args.out, f"{name}.log"), name)
+        ctx.log, ctx.checks = log, Checks(log)
+        t0 = time.monotonic()
+        figures, error = {}, None
+        try:
+            if name == "tests":
+                figures = stage_tests(ctx)
+            elif name in ("z1", "z3"):
+                figures = stage_zero(ctx, int(name[1]), resume=name == "z1" or args.z3_resume)
+            else:
+                figures = stage_throughput(ctx)
+        except KeyboardInterrupt:
+            error, interrupted = "interrupted", True
+        except Exception as e:  # a bug here or an unexpected layout: the stage fails, the proof goes on
+            import traceback
+
+            log.write(traceback.format_exc())
+            error = f"{type(e).__name__}: {e}"
+        if error:
+            ctx.checks("stage completed", False, error)
+        seconds = time.monotonic() - t0
+        passed = not ctx.checks.failed and bool(ctx.checks.results)
+        log.say(f"{'PASSED' if passed else 'FAILED'} in {seconds:.0f}s", key=True)
+        doc["stages"][name] = {"passed": passed, "seconds": round(seconds, 1), "figures": figures,
+                               "checks": ctx.checks.results, "key_lines": log.lines}
+        log.close()
+        write_doc(doc_path, doc)
+        if interrupted:
+            break
+    doc["total_seconds"] = round(time.monotonic() - t_start, 1)
+    write_doc(doc_path, doc)
+    try:
+        bundle_logs(args.out, args.work, ctx.bundle, ctx.bundle_runs)
+    except OSError as e:
+        print(f"warning: could not bundle the logs: {e}", file=sys.stderr)
+    print()
+    print(table(doc))
+    print(f"-> {doc_path}")
+    ran = [doc["stages"][s] for s in args.stages if s in doc["stages"]]
+    return 0 if ran and all(r.get("passed") for r in ran) and not interrupted else 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --record
+
+
+def record(files: list[str], force: bool, results_path: str = RESULTS) -> int:
+    merged = None
+    for path in files:
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"error: {path}: {e}", file=sys.stderr)
+            return 2
+        if "stages" not in doc or "device" not in doc:
+            print(f"error: {path} is not a gpu_proof.json (no stages / device)", file=sys.stderr)
+            return 2
+        if doc.get("rehearse_cpu") and not force:
+            print(f"error: {path} is a CPU rehearsal, not a GPU proof; it does not go into results.json (--force to "
+                  f"record it anyway)", file=sys.stderr)
+            return 2
+        origin = f"{','.join(doc['stages'])} run {doc.get('date')}"
+        if merged is None:
+            merged = doc
+            merged["merged_from"] = [origin]
+            continue
+        if doc["device"] != merged["device"] and not force:
+            print(f"error: {path} ran on {doc['device']}, {files[0]} on {merged['device']}: one device per record "
+                  f"(--force to merge anyway)", file=sys.stderr)
+            return 2
+        merged["stages"].update(doc["stages"])
+        merged["date"] = max(merged["date"], doc["date"])
+        merged["merged_from"].append(origin)
+        merged["warnings"] = sorted(set(merged.get("warnings", [])) | set(doc.get("warnings", [])))
+    merged["all_passed"] = all(r.get("passed") for r in merged["stages"].values())
+    if merged.get("git_commit") == "unknown" and merged.get("source_digest") == source_digest():
+        # The GPU machine's copy had no .git; this checkout has the very same sources.
+        merged["git_commit"], merged["git_dirty"] = git_commit()
+        merged["git_commit_from"] = "this checkout (same source_digest)"
+    merged.pop("command", None)
+    merged.pop("scale", None)
+    for res in merged["stages"].values():  # what the repo keeps: verdicts, figures, key lines
+        res["key_lines"] = res.get("key_lines", [])[:40]
+    with open(results_path) as f:
+        results = json.load(f)
+    results["gpu_proof"] = merged
+    with open(results_path + ".tmp", "w") as f:  # the format tests/bench/common.py writes
+        json.dump(results, f, indent=1, sort_keys=True)
+    os.replace(results_path + ".tmp", results_path)
+    print(f"recorded {', '.join(merged['stages'])} ({merged['device']}, {merged['date']}) into {results_path} "
+          f"under \"gpu_proof\": {'all passed' if merged['all_passed'] else 'NOT all passed'}")
+    return 0
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python launch/gpu_proof.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="results: gpu_proof.json, stage logs, gpu_proof_logs.tar.gz "
+                                  "(default runs/gpu-proof-<UTC timestamp>)")
+    ap.add_argument("--work", help="run directories, checkpoints and the throughput model (default: --out)")
+    ap.add_argument("--stages", default=",".join(STAGES),
+                    help=f"comma-separated, run in this order (default {','.join(STAGES)})")
+    ap.add_argument("--throughput-parts", default="learner,gen", help="learner,gen (default both)")
+    ap.add_argument("--z3-resume", action=argparse.BooleanOptionalAction, default=True,
+                    help="z3 also proves interrupt-and-resume (default); --no-z3-resume: only the full run")
+    ap.add_argument("--rehearse-cpu", action="store_true", help="the same stages on CPU at toy scale (no GPU needed)")
+    ap.add_argument("--deadline-s", type=float, default=0, help="stop starting work after this many seconds in all; "
+                    "a stage cut short fails, later ones are recorded as not run (0: no deadline)")
+    ap.add_argument("--steps", type=int, help="cluster steps of z1/z3 (a multiple of 4; default 24, rehearsal 4)")
+    ap.add_argument("--samples", type=int, help="learner throughput: samples per step (default 64)")
+    ap.add_argument("--response-tokens", type=int, help="learner throughput: response tokens per sample (default 512)")
+    ap.add_argument("--micro-batch-tokens", type=lambda t: tuple(int(x) for x in t.split(",")),
+                    help="learner throughput: learner.micro_batch_tokens values to measure, comma-separated; the best "
+                         "is the headline (default 1024,4096,8192)")
+    ap.add_argument("--warmup-steps", type=int, help="learner throughput warm-up steps (default 2)")
+    ap.add_argument("--timed-steps", type=int, help="learner throughput timed steps (default 5)")
+    ap.add_argument("--gen-prompts", type=int, help="generation throughput: prompts (default 32)")
+    ap.add_argument("--gen-samples", type=int, help="generation throughput: samples per prompt (default 8)")
+    ap.add_argument("--gen-tokens", type=int, help="generation throughput: new tokens (default 256)")
+    ap.add_argument("--run-timeout-s", type=float, help="limit of one cluster launch (default 360; rehearsal 900)")
+    ap.add_argument("--keep-model", action="store_true", help="keep the throughput model in --work")
+    ap.add_argument("--commit", help="the git commit to record where the copy has no .git")
+    ap.add_argument("--python", default=sys.executable, help="interpreter for the children (default: this one)")
+    ap.add_argument("--record", nargs="+", metavar="GPU_PROOF_JSON", help="merge finished gpu_proof.json file(s) into "
+                    "tests/bench/results.json under \"gpu_proof\" and exit")
+    ap.add_argument("--force", action="store_true", help="--record: accept a CPU rehearsal or mixed devices")
+    args = ap.parse_args(argv)
+    args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    if bad := [s for s in args.stages if s not in STAGES]:
+        ap.error(f"--stages: unknown {', '.join(bad)}; choose from {', '.join(STAGES)}")
+    args.throughput_parts = [s.strip() for s in args.throughput_parts.split(",") if s.strip()]
+    if bad := [s for s in args.throughput_parts if s not in ("learner", "gen")]:
+        ap.error(f"--throughput-parts: unknown {', '.join(bad)}; choose from learner, gen")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    args.out = os.path.abspath(args.out or os.path.join(REPO, "runs", f"gpu-proof-{stamp}"))
+    args.work = os.path.abspath(args.work or args.out)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.record:
+        return record(args.record, args.force)
+    return run_proof(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

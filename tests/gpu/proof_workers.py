@@ -1,0 +1,199 @@
+"""The throughput workers of launch/gpu_proof.py, each a child process (one CUDA context, freed when it exits):
+
+    python tests/gpu/proof_workers.py build-model|learner|gen SPEC_JSON
+
+`build-model` writes a random-init model of the shape SPEC names (offline), `learner` times `learner.trainer.Trainer`
+train steps on synthetic batches (tokens/s and model FLOP/s per packing budget), `gen` times the torch engine's
+generation. Each prints one result line, `RESULT_TAG` + JSON, which gpu_proof.py reads. They live here, not in
+launch/, because they import the learner and the engine (launch/ imports only common/: tests/unit/test_imports.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+RESULT_TAG = "GPU_PROOF_RESULT "  # the same tag as launch/gpu_proof.py reads
+BASE_MODEL = os.path.join(REPO, "assets", "arith-base")
+
+
+def emit(obj: dict) -> None:
+    print(RESULT_TAG + json.dumps(obj), flush=True)
+
+
+def worker_build_model(spec: dict) -> int:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**spec["config"], eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(0)
+    dev = torch.device("cuda" if spec["device"] == "cuda" else "cpu")
+    with dev:  # initialise on the GPU: a 0.5B init on the host takes minutes
+        model = Qwen2ForCausalLM(cfg)
+    model = model.to(getattr(torch, spec["dtype"])).to("cpu")  # saved from the host
+    os.makedirs(spec["model"], exist_ok=True)
+    model.save_pretrained(spec["model"])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(BASE_MODEL, name), os.path.join(spec["model"], name))
+    emit({"n_params": sum(p.numel() for p in model.parameters())})
+    return 0
+
+
+def worker_learner(spec: dict) -> int:
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+    import logging
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from common import messages as M
+    from common.config import load_config
+    from learner.batch import batch_from_config
+    from learner.trainer import SUM_KEYS, Trainer, init_distributed, step_metrics, thread_setup
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s learner-tput %(levelname)s %(name)s: %(message)s")
+    group = 8
+    cfg = load_config(None, [f"model.path={json.dumps(spec['model'])}", f"model.dtype={json.dumps(spec['dtype'])}",
+                             "learner.zero_stage=1",
+                             "learner.log_entropy_delta=false", f"rollout.max_new_tokens={spec['response_tokens']}",
+                             f"rollout.group_size={group}", f"rollout.groups_per_step={max(1, spec['samples'] // group)}"])
+    thread_setup(cfg)
+    torch.manual_seed(0)
+    init_distributed()
+    cuda = spec["device"] == "cuda"
+    records: list[logging.LogRecord] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    logging.getLogger("covrl.trainer").addHandler(Grab())
+    trainer = Trainer(cfg, spec["model"])
+    line = next((r.getMessage() for r in records if "learner: ZeRO-" in r.getMessage()), "")
+    mc = trainer.module.config
+    n_params = sum(p.numel() for p in trainer.module.parameters())
+    vocab = mc.vocab_size
+    rng = np.random.default_rng(0)
+    P, R = spec["prompt_tokens"], spec["response_tokens"]
+    groups = []
+    for g in range(max(1, spec["samples"] // group)):
+        prompt = rng.integers(1, vocab, P)
+        samples = [M.Sample(token_ids=M.to_bytes(rng.integers(1, vocab, R), M.TOKEN_DTYPE),
+                            # about a random model's own logprobs, so the importance weights stay near 1
+                            logprobs=M.to_bytes(-math.log(vocab) + 0.01 * rng.standard_normal(R), M.LOGPROB_DTYPE),
+                            versions=M.to_bytes(np.zeros(R), M.VERSION_DTYPE), reward=float(j % 2),
+                            finish_reason="length", score_status="ok") for j in range(group)]
+        groups.append(M.RolloutGroup(gen_id=0, incarnation="tput", ticket=g, prompt_id=g, epoch=0,
+                                     prompt_ids=M.to_bytes(prompt, M.TOKEN_DTYPE), samples=samples, gen_time_s=0.0))
+    d_attn = mc.num_attention_heads * mc.head_dim if getattr(mc, "head_dim", None) else mc.hidden_size
+    settings = []
+    for budget in spec["micro_batch_tokens"]:  # the same trainer and samples, packed into rows of <= budget tokens
+        batch = batch_from_config(groups, cfg, version=0, ranks=1, micro_batch_tokens=budget)
+        lengths = [len(x.input_ids) // 4 for x in batch.samples]
+        attn_flops = sum(6 * mc.num_hidden_layers * d_attn * n * (n + 1) for n in lengths)
+        steps = []
+        for i in range(spec["warmup"] + spec["timed"]):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            stats = trainer.train_step(batch)
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            m = step_metrics(stats)
+            steps.append({"train_s": stats.train_s, "wall_s": wall, "grad_norm": m["actor/grad_norm"],
+                          "tokens": float(stats.sums[SUM_KEYS.index("seq_tokens")]), "skipped": any(stats.skipped)})
+            print(f"micro_batch_tokens {budget}, step {i + 1}{' (warm-up)' if i < spec['warmup'] else ''}: "
+                  f"{stats.train_s:.3f}s train, {m['perf/learner_tokens_per_s']:.0f} tokens/s, grad norm "
+                  f"{m['actor/grad_norm']:.4g}", flush=True)
+        timed = steps[spec["warmup"]:]
+        tokens = sum(x["tokens"] for x in timed)
+        train_s = sum(x["train_s"] for x in timed)
+        flops = 6 * n_params * tokens + attn_flops * len(timed)
+        resp_tokens = sum(len(x.versions) // 4 for x in batch.samples) * len(timed)
+        settings.append({
+            "micro_batch_tokens": budget, "micro_batches": len(batch.plan[0][0]), "tokens_per_step": sum(lengths),
+            "train_s_per_step": [round(x["train_s"], 4) for x in timed],
+            "wall_s_per_step": [round(x["wall_s"], 4) for x in timed],
+            "tokens_per_s": tokens / train_s, "response_tokens_per_s": resp_tokens / train_s,
+            "model_flops_per_step": flops / len(timed), "attention_flops_per_step": attn_flops,
+            "model_flops_per_s": flops / train_s, "grad_norms": [x["grad_norm"] for x in timed],
+            "all_steps_applied": all(not x["skipped"] and math.isfinite(x["grad_norm"]) for x in timed),
+        })
+    best = max(settings, key=lambda x: x["tokens_per_s"])
+    out = {
+        **best, "device": str(trainer.device), "learner_line": line, "n_params": n_params, "samples": len(groups) * group,
+        "prompt_tokens": P, "response_tokens": R, "warmup_steps": spec["warmup"], "timed_steps": spec["timed"],
+        "attn_implementation": mc._attn_implementation, "settings": settings,
+        "all_steps_applied": all(x["all_steps_applied"] for x in settings),
+    }
+    if cuda:
+        out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    else:
+        import resource
+
+        out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    emit(out)
+    dist.destroy_process_group()
+    return 0
+
+
+def worker_gen(spec: dict) -> int:
+    import numpy as np
+    import torch
+
+    from actors import engine as E
+    from common.messages import SamplingParams
+
+    dtype = getattr(torch, spec["dtype"])
+    cuda = spec["device"] == "cuda"
+    with open(os.path.join(spec["model"], "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    stop = vocab - 1  # a random model samples any one id with probability ~1/vocab per step
+    engine = E.TorchEngine(spec["model"], eos_token_id=[stop], pad_token_id=0, dtype=dtype, device=spec["device"])
+    param_device = str(next(engine.model.parameters()).device)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, vocab - 1, spec["prompt_tokens"]).tolist() for _ in range(spec["prompts"])]
+    seeds = list(range(spec["prompts"]))
+    engine.generate(prompts[:2], 2, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8), seeds[:2])  # warm-up
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    groups = engine.generate(prompts, spec["samples"], SamplingParams(temperature=1.0, top_p=1.0,
+                                                                      max_new_tokens=spec["new_tokens"]), seeds)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    comps = [c for g in groups for c in g]
+    tokens = sum(len(c.token_ids) for c in comps)
+    out = {"engine": type(engine).__name__, "param_device": param_device, "prompts": spec["prompts"],
+           "samples": spec["samples"], "new_tokens": spec["new_tokens"], "prompt_tokens": spec["prompt_tokens"],
+           "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+           "stopped": sum(c.finish_reason == "stop" for c in comps), "stop_id": stop}
+    if cuda:
+        out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    emit(out)
+    return 0
+
+
+WORKERS = {"build-model": worker_build_model, "learner": worker_learner, "gen": worker_gen}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] not in WORKERS:
+        print(f"usage: python tests/gpu/proof_workers.py {{{','.join(sorted(WORKERS))}}} SPEC_JSON", file=sys.stderr)
+        return 2
+    return WORKERS[argv[0]](json.loads(argv[1]))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,29 @@
+"""`make gpu-proof` is one command for the next GPU session: its whole logic (placement checks, the colocated
+runs, checksums on both sides, checkpoint and resume, the throughput workers, the JSON it records) rehearsed on
+the CPU at toy scale, so a GPU lease is never spent finding a bug in the script."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_gpu_proof_passes_its_cpu_rehearsal(tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(REPO, "launch", "gpu_proof.py"), "--rehearse-cpu",
+                          "--stages", "z1,throughput", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
+                         cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    doc = json.loads((tmp_path / "out" / "gpu_proof.json").read_text())
+    z1, tput = doc["stages"]["z1"], doc["stages"]["throughput"]
+    assert z1["passed"] and tput["passed"], doc
+    assert "ALL PASSED" in out.stdout
+    full, resume = z1["figures"]["full_run"], z1["figures"]["resume"]
+    assert full["checksums_equal"] == full["steps_logged"] == 4 and full["checkpoints"] == [2, 4]
+    assert resume["resumed_from"] == 2 and resume["checksums_equal_after_resume"] == 3  # version 2 again, then 3, 4
+    assert tput["figures"]["learner"]["tokens_per_s"] > 0 and tput["figures"]["generation"]["tokens_per_s"] > 0
