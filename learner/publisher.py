@@ -140,6 +140,8 @@ class WeightPublisher:
             for gen_id in dead:
                 if self.channels.get(gen_id) == live[gen_id]:
                     del self.channels[gen_id]
+                if live[gen_id][2] is not None:  # its NCCL communicator too (vLLM's destroy aborts it)
+                    self._try(live[gen_id][2][0].close)
                 self.counters["weights/dropped_channels"] += 1
                 log.warning("weight channel to generator %d failed: dropped (it rejoins when it restarts)", gen_id)
             self.latest_version = version

@@ -201,7 +201,7 @@ class _RecordingSender:
         return bucket.numel() * 2
 
     def close(self):
-        pass
+        self.closed = True
 
 
 def test_nccl_groups_are_built_by_the_publishing_thread_on_the_learners_device(monkeypatch):
@@ -251,6 +251,7 @@ def test_nccl_groups_are_built_by_the_publishing_thread_on_the_learners_device(m
     finally:
         _RecordingSender.fail = False
     assert not pub.channels and pub.counter_values()["weights/dropped_channels"] == 1
+    assert getattr(sender, "closed", False)  # the dropped generator's communicator is destroyed, not leaked
     pub.stop()
     assert headers[0]["world_size"] == 2 and headers[1] == (1, W.FLAG_DIRECT) and headers[2] == (2, W.FLAG_DIRECT)
     t.join(30)
