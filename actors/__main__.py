@@ -9,7 +9,7 @@ import sys
 import torch
 
 from actors.actor import run_actor
-from actors.engine import load_engine
+from actors.factory import load_engine
 from common.cluster import read_cluster, read_run_config
 from common.data import model_dir
 from common.transport import load_secret

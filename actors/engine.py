@@ -11,7 +11,7 @@ after the swap carry the new version (PipelineRL-style in-flight updates; the
 KV cache of earlier tokens is kept, as there).
 
 `TorchEngine` (also importable as `CpuEngine`, its former name) is a torch sampler with a KV cache over a
-transformers causal LM, on the CPU or on one CUDA device (`device=`; `load_engine` picks this process's GPU when
+transformers causal LM, on the CPU or on one CUDA device (`device=`; `actors/factory.load_engine` picks this process's GPU when
 the launcher gave it one). vLLM (actors/vllm_engine.py) is the fast GPU engine; the torch engine is the
 reference, the CPU engine, and the GPU fallback where vLLM cannot be installed (`generator.engine = "torch"`).
 Every tensor of a generation lives on the model's device; the completions are copied to the host once, at the
@@ -41,7 +41,6 @@ logprobs to float rounding (fp32: within 2e-5, same tokens).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -49,7 +48,6 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from common.cluster import apply_memory_fraction
 from common.messages import SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -81,7 +79,7 @@ class Engine(Protocol):
         the weight receiver reuses its memory for the next version."""
 
 
-def _hash32(x):
+def hash32(x):
     """A 32-bit integer mixer on int64 tensors, or on Python ints (the same values; products stay below 2**63)."""
     x = x & _M32
     x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
@@ -90,7 +88,7 @@ def _hash32(x):
 
 
 def _hash32_(x: torch.Tensor) -> torch.Tensor:
-    """`_hash32` in place, for a large tensor the caller owns (the same values, no temporaries per round)."""
+    """`hash32` in place, for a large tensor the caller owns (the same values, no temporaries per round)."""
     x.bitwise_and_(_M32)
     for _ in range(2):
         x.bitwise_xor_(x >> 16).mul_(0x45D9F3B).bitwise_and_(_M32)
@@ -103,7 +101,7 @@ def gumbel_noise(row_seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor
     Integer hashing in int64 (exact on every device), then float64 `log` twice: CPU and CUDA agree to an ulp or
     two, so logits + noise have the same argmax. The step's hash is a Python int: no host tensor
     per decode step."""
-    base = _hash32(_hash32(row_seeds) ^ _hash32(step + 0x632BE5AB))  # [B]
+    base = hash32(hash32(row_seeds) ^ hash32(step + 0x632BE5AB))  # [B]
     cols = torch.arange(vocab, dtype=torch.int64, device=row_seeds.device) * 0x9E3779B1
     u = _hash32_(base[:, None] + cols[None, :]).double().add_(0.5).mul_(2.0**-32)  # (0, 1); 2**-32 is exact
     return u.log_().neg_().log_().neg_()
@@ -125,7 +123,7 @@ def row_seeds(seeds: Sequence[int], n: int, device: torch.device | str = "cpu") 
     """Seed of sample j of prompt i: mixes the prompt seed with j. [len(seeds) * n] int64 on `device`."""
     base = torch.tensor(list(seeds), dtype=torch.int64, device=device).repeat_interleave(n)
     j = torch.arange(n, dtype=torch.int64, device=device).repeat(len(seeds))
-    return _hash32(_hash32(base) + j * 0x27D4EB2F)
+    return hash32(hash32(base) + j * 0x27D4EB2F)
 
 
 class TorchEngine:
@@ -361,33 +359,3 @@ def stop_token_ids(tokenizer, model_path: str) -> list[int]:
         raise ValueError(f"{model_path}: neither the tokenizer nor generation_config.json names an EOS token, so "
                          f"generation could never stop before max_new_tokens; set eos_token in tokenizer_config.json")
     return sorted(ids)
-
-
-def load_engine(cfg, model_path: str):
-    """(engine, tokenizer) for a local Hugging Face model directory, as the config asks."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    stops = stop_token_ids(tokenizer, model_path)
-    # generator.engine picks vLLM or this torch sampler (auto: vLLM when the launcher gave this generator GPUs).
-    from actors.vllm_engine import VllmEngine, choose_engine  # imports neither vllm nor CUDA
-
-    if choose_engine(cfg.generator.engine) == "vllm":
-        import importlib.util
-
-        if importlib.util.find_spec("vllm") is None:
-            raise ValueError("generator.engine selects vLLM (this generator has GPUs) but vllm is not installed: "
-                             "see README \"GPU install\", or set generator.engine = \"torch\"")
-        return VllmEngine.from_config(cfg, model_path, stop_ids=stops), tokenizer
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
-    # This process's GPU when the launcher gave it one (CUDA_VISIBLE_DEVICES per generator; "" hides them all),
-    # else the CPU, in model.dtype on either (bf16 on the CPU too, as before).
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    fraction = apply_memory_fraction(device)  # before the model takes any GPU memory
-    log.info("generator engine: torch on %s, %s%s", device, str(dtype).removeprefix("torch."),
-             f", allocator capped at {fraction:g} of the GPU" if fraction else "")
-    if device == "cuda" and torch.cuda.device_count() > 1:
-        log.warning("the torch engine runs on one GPU (cuda:0) of the %d this generator was given; the others stay "
-                    "idle (use vLLM for tensor parallelism, or --tp 1)", torch.cuda.device_count())
-    return TorchEngine(model_path, eos_token_id=stops, pad_token_id=pad, dtype=dtype, device=device), tokenizer

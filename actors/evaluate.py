@@ -20,7 +20,7 @@ import time
 import torch
 
 from actors.actor import evaluate, make_reward_pool
-from actors.engine import load_engine
+from actors.factory import load_engine
 from common import messages as M
 from common.config import ConfigError, load_config
 from common.data import eval_sets

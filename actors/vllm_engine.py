@@ -62,7 +62,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from actors.engine import Completion, _hash32
+from actors.engine import Completion, hash32
 from common import vllm_weights as VW
 from common import weights as W
 from common.messages import SamplingParams
@@ -76,21 +76,6 @@ MAX_N = 1 << 16  # samples per prompt: request seeds leave this much room for vL
 # ---- pure helpers (unit-tested without vLLM) ---------------------------------------------------
 
 
-def choose_engine(requested: str, environ=os.environ) -> str:
-    """"torch" or "vllm". auto: vLLM when this process was given CUDA devices (the launcher sets
-    CUDA_VISIBLE_DEVICES per generator, "" for CPU-only roles), else the torch sampler."""
-    if requested in ("torch", "vllm"):
-        return requested
-    if requested != "auto":
-        raise ValueError(f"generator.engine={requested!r}: use \"auto\", \"torch\" or \"vllm\"")
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return "vllm" if visible.strip() else "torch"
-    import glob
-
-    return "vllm" if glob.glob("/dev/nvidia[0-9]*") else "torch"
-
-
 def visible_device_count(environ=os.environ) -> int:
     """CUDA devices this process may use, without initialising CUDA (vLLM forks its workers after)."""
     visible = environ.get("CUDA_VISIBLE_DEVICES")
@@ -102,7 +87,7 @@ def visible_device_count(environ=os.environ) -> int:
 def request_seed(seed: int) -> int:
     """vLLM seed of a prompt: its seed mixed to 32 bits, times MAX_N, so the child seeds
     [s, s + n) of different prompts never overlap (unless two 32-bit hashes collide)."""
-    return int(_hash32(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64))) * MAX_N
+    return int(hash32(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64))) * MAX_N
 
 
 def sampling_kwargs(n: int, sampling: SamplingParams, seed: int, stop_ids: Sequence[int], seeded: bool = False) -> dict:

@@ -589,7 +589,7 @@ def check_learner_line(ctx, chk, run_dir: str, zero: int, prefix: str) -> str | 
 
 
 def check_generator_line(ctx, chk, run_dir: str) -> str | None:
-    """actors/engine.py's load_engine logs where the torch engine runs: "generator engine: torch on cuda, ..."."""
+    """actors/factory.py's load_engine logs where the torch engine runs: "generator engine: torch on cuda, ..."."""
     path = os.path.join(run_dir, "logs", "gen0.log")
     with open(path, errors="replace") if os.path.exists(path) else open(os.devnull) as f:
         found = [ln.split(": ", 1)[-1].strip() for ln in f if "generator engine:" in ln]

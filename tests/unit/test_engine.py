@@ -118,7 +118,8 @@ def test_any_stop_token_ends_a_response(tiny_model_dir, tmp_path):
     import json
     import shutil
 
-    from actors.engine import load_engine, stop_token_ids
+    from actors.engine import stop_token_ids
+    from actors.factory import load_engine
     from common.config import Config
 
     model = tmp_path / "chat"
@@ -231,7 +232,7 @@ def test_load_engine_picks_cuda_when_visible_and_caps_memory_before_loading(tiny
 
     import msgspec
 
-    import actors.engine as E
+    import actors.factory as E
     from common.config import Config
 
     cfg = Config()

@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from actors import factory as F
 from actors import vllm_engine as VE
 from common import vllm_weights as VW
 from common import weights as W
@@ -97,12 +98,12 @@ def test_fingerprint_matches_after_rounding_to_the_generators_dtype():
 
 
 def test_choose_engine_follows_the_devices_the_launcher_gave():
-    assert VE.choose_engine("auto", {"CUDA_VISIBLE_DEVICES": ""}) == "torch"  # the launcher's CPU-only roles
-    assert VE.choose_engine("auto", {"CUDA_VISIBLE_DEVICES": "2,3"}) == "vllm"
-    assert VE.choose_engine("torch", {"CUDA_VISIBLE_DEVICES": "0"}) == "torch"
-    assert VE.choose_engine("vllm", {"CUDA_VISIBLE_DEVICES": ""}) == "vllm"
+    assert F.choose_engine("auto", {"CUDA_VISIBLE_DEVICES": ""}) == "torch"  # the launcher's CPU-only roles
+    assert F.choose_engine("auto", {"CUDA_VISIBLE_DEVICES": "2,3"}) == "vllm"
+    assert F.choose_engine("torch", {"CUDA_VISIBLE_DEVICES": "0"}) == "torch"
+    assert F.choose_engine("vllm", {"CUDA_VISIBLE_DEVICES": ""}) == "vllm"
     with pytest.raises(ValueError, match="auto"):
-        VE.choose_engine("gpu", {})
+        F.choose_engine("gpu", {})
     assert VE.visible_device_count({"CUDA_VISIBLE_DEVICES": "4,5"}) == 2
     assert VE.visible_device_count({"CUDA_VISIBLE_DEVICES": ""}) == 0
 
