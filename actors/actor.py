@@ -128,8 +128,7 @@ class Heartbeat(threading.Thread):
 
 
 def make_reward_pool(cfg: Config) -> RewardPool:
-    r = cfg.reward
-    return RewardPool(workers=r.workers, timeout_s=r.timeout_s, extract=r.extract, format_score=r.format_score)
+    return RewardPool.from_config(cfg.reward)
 
 
 def handshake(sock: GeneratorSocket, run_id: str, gen_id: int, incarnation: str, timeout_s: float) -> M.Welcome:

@@ -65,6 +65,7 @@ import torch
 from actors.engine import Completion, hash32
 from common import vllm_weights as VW
 from common import weights as W
+from common.config import GeneratorConfig, RunConfig
 from common.messages import SamplingParams
 
 PAUSE_MODE = {"finish": "wait", "keep": "keep"}  # our weight_update -> vLLM's pause mode
@@ -213,18 +214,24 @@ def to_completion(out, fallback_version: int | None) -> Completion:
 # ---- settings and the vLLM surface we use ------------------------------------------------------
 
 
+_GEN, _RUN = GeneratorConfig(), RunConfig()  # the defaults of every config key below live in common/config.py
+
+
 @dataclass(frozen=True)
 class VllmSettings:
-    weight_update: str = "finish"  # "finish" | "keep": see the module docstring
-    transport: str = "rpc"  # "rpc" | "nccl"
-    tensor_parallel_size: int = 0  # 0: every visible CUDA device
+    """What VllmEngine needs from the run config (`from_config`); defaults are the config's own."""
+
+    weight_update: str = _GEN.weight_update  # "finish" | "keep": see the module docstring
+    transport: str = _GEN.weight_transport  # "rpc" | "nccl"
+    tensor_parallel_size: int = 0  # 0: every visible CUDA device (the launcher's --tp)
+    # vLLM's attention kernels are for 16-bit dtypes: an fp32 model (model.dtype's default) is served in bf16.
     dtype: str = "bfloat16"
-    gpu_memory_utilization: float = 0.85
-    max_num_seqs: int = 256
+    gpu_memory_utilization: float = _GEN.gpu_memory_utilization
+    max_num_seqs: int = _GEN.max_num_seqs
     max_model_len: int = 0  # 0: the model's
-    enforce_eager: bool = False
-    seed: int = 0
-    seed_requests: bool = True  # per-request seeds: free on vLLM's V2 model runner, a slow per-request path on V1
+    enforce_eager: bool = _GEN.enforce_eager
+    seed: int = _RUN.seed
+    seed_requests: bool = _GEN.seed_requests  # per-request seeds: free on vLLM's V2 model runner, slow on V1
     poll_s: float = 0.02  # how often `generate` runs the before_forward hook while waiting
 
     def __post_init__(self):

@@ -39,6 +39,10 @@ import re
 from dataclasses import dataclass
 from random import Random
 
+from common.config import DataConfig, RunConfig
+
+_DATA, _RUN = DataConfig(), RunConfig()  # every default lives in common/config.py
+
 DATA_SOURCE = "arith"
 SOLUTION_STYLES = ("worked", "direct")
 
@@ -160,7 +164,7 @@ def _parse(question: str) -> tuple[list[int], list[str]]:
 class ArithTask:
     """Deterministic train and held-out eval sets for a given seed."""
 
-    def __init__(self, seed: int = 0, train_size: int = 4096, eval_size: int = 128):
+    def __init__(self, seed: int = _RUN.seed, train_size: int = _DATA.train_size, eval_size: int = _DATA.eval_size):
         if train_size < 0 or eval_size < 0:
             raise ValueError(f"sizes must be >= 0, got train_size={train_size} eval_size={eval_size}")
         self.seed = seed

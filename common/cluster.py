@@ -7,7 +7,6 @@ GPUs each role sees (apart, or colocated when learner and generator must share G
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
@@ -156,10 +155,3 @@ def read_run_config(run_dir: str):
     from common.config import load_config
 
     return load_config(os.path.join(run_dir, "config.toml"))
-
-
-def json_dump_atomic(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)

@@ -386,7 +386,3 @@ def eval_sampling(cfg: Config, data_source: str) -> tuple[float, int]:
 
 def to_toml(cfg: Config) -> str:
     return msgspec.toml.encode(cfg).decode()
-
-
-def to_dict(cfg: Config) -> dict:
-    return msgspec.to_builtins(cfg)

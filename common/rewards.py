@@ -366,7 +366,13 @@ class RewardPool:
     ``timeouts`` and ``errors`` -- log them as ``reward/timeouts`` and ``reward/errors``.
     """
 
-    def __init__(self, workers: int = 2, timeout_s: float = 5.0, *, extract: str = "boxed", format_score: float = 0.0) -> None:
+    @classmethod
+    def from_config(cls, reward) -> "RewardPool":
+        """The pool a run's `reward` config section asks for (common/config.py RewardConfig holds the defaults;
+        this file runs standalone as the worker script, so it does not import the config)."""
+        return cls(reward.workers, reward.timeout_s, extract=reward.extract, format_score=reward.format_score)
+
+    def __init__(self, workers: int, timeout_s: float, *, extract: str, format_score: float) -> None:
         """``extract``: see ``extract_answer``. ``format_score``: the reward of a wrong answer that was found
         (a well-formed attempt), in [0, 1); a missing answer, a timeout or an error stay 0.0."""
         if workers < 1:

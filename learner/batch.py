@@ -21,7 +21,10 @@ import numpy as np
 import torch
 
 from common import messages as M
+from common.config import LearnerConfig
 from learner import advantages as A
+
+_LEARNER = LearnerConfig()  # every default lives in common/config.py
 
 
 class TrainSample(msgspec.Struct, array_like=True, gc=False):
@@ -93,7 +96,7 @@ def build_step_batch(
     ranks: int,
     mini_batches: int,
     micro_batch_tokens: int,
-    estimator: str = "grpo",
+    estimator: str = _LEARNER.advantage,
     overlong: tuple[int, int, float] = (0, 0, 0.0),  # (max_new_tokens, buffer_tokens, penalty)
     par_lambda: float = 1.0,
     seed: int = 0,

@@ -393,10 +393,12 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) ->
     raise ValueError(f"unknown KL estimator {kind!r}; use k1, k2 or k3")
 
 
-def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_fraction: float) -> torch.Tensor:
-    """Keep only the valid tokens whose entropy is in the top `top_fraction` (Wang et al. 2025: 0.2)."""
-    scores = torch.where(mask > 0, entropy.detach(), torch.full_like(entropy, float("-inf")))
-    k = torch.ceil(mask.sum() * top_fraction).clamp(min=1.0)
-    # ceil(f * n_valid) <= ceil(f * numel): pass a fraction whose floor covers the ceil.
-    fraction = min(1.0, top_fraction + 1.0 / max(scores.numel(), 1))
-    return (_top_k_mask(scores, k, fraction) & (mask > 0)).to(mask.dtype)
+def high_entropy_count(n_valid: float, top_fraction: float) -> int:
+    """How many tokens the top-`top_fraction` entropy selection keeps out of `n_valid`: ceil(f * n), at least 1."""
+    return max(1, int(n_valid * top_fraction + 0.999999))
+
+
+def high_entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, kth: torch.Tensor) -> torch.Tensor:
+    """Train only the valid tokens whose entropy is at least `kth`, the `high_entropy_count`-th largest valid entropy
+    of the whole step's batch on all ranks (Wang et al. 2025: the top 20 %). Float mask, same shape as `entropy`."""
+    return ((entropy.double() >= kth) & (mask > 0)).float()

@@ -244,10 +244,9 @@ class Trainer:
         local = torch.cat(vals).cpu() if vals else torch.zeros(0)
         count = torch.tensor([float(local.numel())], dtype=torch.float64)
         dist.all_reduce(count)
-        k = max(1, int(float(count) * self.cfg.learner.high_entropy_fraction + 0.999999))
-        kth = _global_kth_largest(local, k)
+        kth = _global_kth_largest(local, L.high_entropy_count(float(count), self.cfg.learner.high_entropy_fraction))
         for e in per.values():
-            e["keep"] = ((e["entropy"].double() >= kth) & (e["mb"]["mask"] > 0)).float()
+            e["keep"] = L.high_entropy_keep(e["entropy"], e["mb"]["mask"], kth)
 
     def _prox(self, survey, m: int, k: int, logp: torch.Tensor, mb: dict, batch: StepBatch) -> torch.Tensor:
         imp = self.cfg.learner.importance

@@ -1,4 +1,4 @@
-"""Issue 8 benchmark: CpuEngine tokens/s vs transformers `model.generate(do_sample=True)` on the demo model.
+"""Benchmark: CpuEngine tokens/s vs transformers `model.generate(do_sample=True)` on the demo model.
 
 Both sample the demo model (assets/arith-base, fp32, sdpa, one thread) for the same batch: the demo
 config's first `rollout.groups_per_request` arith prompts (as the hub renders and tokenises them), each

@@ -1,4 +1,4 @@
-"""Issue 8 benchmark: learner forward+backward tokens/s, packed micro-batches vs right-padded batches.
+"""Benchmark: learner forward+backward tokens/s, packed micro-batches vs right-padded batches.
 
 The batch is what a learner step sees: GRPO groups (one ~30-token prompt, 8 responses each) whose response
 lengths are heavy-tailed (lognormal, median 120 tokens, clipped so prompt + response <= 512), seeded.

@@ -1,4 +1,4 @@
-"""Issue 3 benchmarks: loss time per mode vs ppo_loss (B=64, T=4096), chunked entropy memory (8k x 152k)."""
+"""Benchmarks: loss time per mode vs ppo_loss (B=64, T=4096), chunked entropy memory (8k x 152k)."""
 
 from __future__ import annotations
 

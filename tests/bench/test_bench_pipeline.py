@@ -1,4 +1,4 @@
-"""Issue 8, pipeline overlap: samples/s of the async pipeline (1 generator + 1 learner) vs the synchronous loop.
+"""Pipeline overlap: samples/s of the async pipeline (1 generator + 1 learner) vs the synchronous loop.
 
 Async: `launch/cluster.py --gens 1 --learners 1` on the built-in `arith` task with run.deterministic = false and
 rollout.max_staleness_steps = 1, so the generator samples batch v + 1 while the learner trains on batch v; one

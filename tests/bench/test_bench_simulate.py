@@ -1,4 +1,4 @@
-"""Issue 8, scale on paper: the discrete-event simulator (tests/bench/simulate.py) over G, L and k.
+"""Scale on paper: the discrete-event simulator (tests/bench/simulate.py) over G, L and k.
 
 The grid goes to results.json with the model's assumptions, beside published async-RL speedups for comparison.
 The checks are properties a wrong simulator would break: k = 0 reproduces an independent synchronous loop exactly,

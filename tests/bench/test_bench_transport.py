@@ -1,4 +1,4 @@
-"""Issue 8 benchmark: rollout groups per second over our transport vs raw ZeroMQ bytes of the same size.
+"""Benchmark: rollout groups per second over our transport vs raw ZeroMQ bytes of the same size.
 
 A sender process pushes real `RolloutGroup` messages (8 samples x 2048 tokens, int32 token ids,
 float32 logprobs, int32 versions) through `GeneratorSocket.send` (msgpack encode + HMAC) over

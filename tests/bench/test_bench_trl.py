@@ -1,4 +1,4 @@
-"""Issue 8, peer comparison: covrl vs TRL's GRPOTrainer on the same model, prompts, reward and batch, on this CPU.
+"""Peer comparison: covrl vs TRL's GRPOTrainer on the same model, prompts, reward and batch, on this CPU.
 
 TRL is not a covrl dependency: its side runs tests/bench/trl_peer.py in the bench-only environment `.venv-bench`
 (built by `make bench-env`); without it this test is skipped. covrl runs `launch/cluster.py --gens 1 --learners 1`

@@ -1,4 +1,4 @@
-"""Issue 8 benchmark: weight sync bytes/s over our gloo pair channel vs a local memcpy of the same bytes.
+"""Benchmark: weight sync bytes/s over our gloo pair channel vs a local memcpy of the same bytes.
 
 The learner's side is the real one: `param_buckets` (the fp32 bucket copies of `W.bucket_plan`) fed to
 `WeightPublisher.publish` (header, buckets, the late-joiner copy, the checksum) on a pair channel that a

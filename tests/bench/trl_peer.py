@@ -1,4 +1,4 @@
-"""The TRL peer of issue 8's comparison: TRL's GRPOTrainer on covrl's built-in `arith` task, same model and reward.
+"""The TRL peer of the peer comparison: TRL's GRPOTrainer on covrl's built-in `arith` task, same model and reward.
 
 Runs in the bench-only environment `.venv-bench` (TRL is not a covrl dependency; `make bench-env` builds it):
     .venv-bench/bin/python tests/bench/trl_peer.py --steps 24 --out /tmp/trl.json

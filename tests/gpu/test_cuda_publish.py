@@ -1,4 +1,4 @@
-"""Issue 13 point 1 on a real GPU: a CUDA learner's publish. Buckets are assembled on the GPU (`scratch_for` follows
+"""A CUDA learner's publish, on a real GPU. Buckets are assembled on the GPU (`scratch_for` follows
 the parameters), copied into the publisher's pinned host vector, and sent over gloo to a generator that receives
 the same bytes (checksums equal to the bit), bf16 and fp32, with and without one reused scratch buffer."""
 

@@ -45,7 +45,7 @@ def main(run_dir: str, out: str, micro_batch_tokens: int | None = None) -> None:
     order = source.order(0)
     gps, r = cfg.rollout.groups_per_step, cfg.rollout
     sampling = M.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
-    with RewardPool(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s) as pool:
+    with RewardPool.from_config(cfg.reward) as pool:
         for step in range(1, cfg.run.steps + 1):
             items = [
                 M.WorkItem(ticket=slot, prompt_id=pid, epoch=0,

@@ -1,4 +1,4 @@
-"""Issue 7 (bad configuration and environment): each is a one-line error with the fix, before anything starts."""
+"""Bad configuration and environment: each is a one-line error with the fix, before anything starts."""
 
 from __future__ import annotations
 

@@ -187,7 +187,7 @@ def test_tensorboard_flag_serves_the_run(tmp_path):
 
 
 def test_same_seed_same_numbers_with_evaluation(tmp_path):
-    """Issue 4 acceptance 4, and in-training evaluation: two runs of the async pipeline (staleness 1)
+    """Determinism with in-training evaluation: two runs of the async pipeline (staleness 1)
     with evaluation at versions 0, 2, 4 write identical metrics, timings aside."""
     runs = []
     for name in ("a", "b"):
@@ -210,7 +210,7 @@ def test_same_seed_same_numbers_with_evaluation(tmp_path):
 
 
 def test_zero3_publishes_and_checkpoints_gathered_parameters(tmp_path):
-    """Issue 6 (learner): under ZeRO-3 each rank holds shards; publishing gathers them bucket by bucket, the
+    """ZeRO-3 on the learner: each rank holds shards; publishing gathers them bucket by bucket, the
     generator receives exactly what the learner fingerprints, and training matches ZeRO-1 on the same data."""
     sets = [*SMALL, "--set", "rollout.max_staleness_steps=0", "--set", "learner.filter.dynamic_sampling=false"]
     ckpts = {}
@@ -230,7 +230,7 @@ def test_zero3_publishes_and_checkpoints_gathered_parameters(tmp_path):
 
 
 def test_killed_generator_is_restarted_and_rejoins(tmp_path):
-    """Issue 7 (generator death): SIGKILL a generator mid-run; the launcher restarts it, it gets a weight channel
+    """Generator death: SIGKILL a generator mid-run; the launcher restarts it, it gets a weight channel
     of its own and the latest version before generating, its prompts are re-issued, and the run finishes."""
     import signal
 

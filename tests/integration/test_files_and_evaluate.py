@@ -1,4 +1,4 @@
-"""Issue 5 acceptance 1 and 3: a parquet dataset through the real pipeline, evaluated per data source at the
+"""A parquet dataset through the real pipeline, evaluated per data source at the
 configured temperature; the standalone evaluator reports what the in-training evaluation logged."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 7 (load): 32 fake fast generators against one hub for 60 s, with a trainer thread that takes every
+"""The hub under load: 32 fake fast generators against one hub for 60 s, with a trainer thread that takes every
 batch as soon as it is ready. Checks: no group lost (every group a generator sent is trained, waiting, or
 rejected with a counted reason), staleness never above the bound, the ledger at 0, memory growth bounded.
 Reports request-to-work latency percentiles and throughput (printed; figures in the README)."""

@@ -1,4 +1,4 @@
-"""Issue 6 (learner), the parts a CPU can run: gradient checkpointing and DeepSpeed optimizer offload change
+"""Learner options a CPU can run: gradient checkpointing and DeepSpeed optimizer offload change
 memory and where the optimizer runs, not the updates."""
 
 import os

@@ -1,4 +1,4 @@
-"""Issue 3 acceptance 3: every loss mode, selected from TOML, trains 3 steps through the real pipeline.
+"""Every loss mode, selected from TOML, trains 3 steps through the real pipeline.
 
 Each case also turns on a different set of modifiers, so every importance weight, aggregation,
 advantage estimator, prox mode and modifier runs end to end at least once.

@@ -1,4 +1,4 @@
-"""Issue 7 (multi-host): a generator in another network namespace reaches the hub and the weight channel
+"""Multi-host: a generator in another network namespace reaches the hub and the weight channel
 over a veth pair, as a generator on another host would. Needs root and `ip netns`; skipped otherwise."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 7: learner death and resume, a crash inside a checkpoint write, graceful stop, numerical faults.
+"""Learner death and resume, a crash inside a checkpoint write, graceful stop, numerical faults.
 
 Every run here is deterministic (`run.deterministic`, the default), so a resumed run must write exactly
 the rows an uninterrupted run writes, wall-clock figures and the restart's own bookkeeping aside.

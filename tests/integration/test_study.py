@@ -1,4 +1,4 @@
-"""Issue 4 acceptance 3: the study runs end to end at a tiny budget and writes its report."""
+"""The study runs end to end at a tiny budget and writes its report."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 13 point 7: under ZeRO-3, DeepSpeed prefetches parameters only once its fetch trace is complete, and it
+"""ZeRO-3 prefetching: under ZeRO-3, DeepSpeed prefetches parameters only once its fetch trace is complete, and it
 completes the trace in the pre-forward hook of the root module. The trainer calls the root module
 (`learner.logprobs.install_token_forward`); calling `model.model` and `model.lm_head` one by one, as it once did,
 leaves the trace invalid forever (correct, but every parameter fetched on demand)."""

@@ -44,7 +44,7 @@ def test_missing_and_invalid_files(tmp_path):
 
 
 def test_top_p_below_one_is_refused_for_training_only():
-    """Issue 13 point 4: the learner scores the full tempered softmax, so a training nucleus would bias every
+    """The learner scores the full tempered softmax, so a training nucleus would bias every
     importance weight by its mass; evaluation never reaches the learner and may sample a nucleus."""
     with pytest.raises(ConfigError, match="Train with rollout.top_p = 1 .*eval.top_p may be < 1"):
         load_config(None, ["rollout.top_p=0.95"])
@@ -52,7 +52,7 @@ def test_top_p_below_one_is_refused_for_training_only():
 
 
 def test_nccl_finish_updates_that_would_hold_the_learner_are_refused():
-    """Issue 13 point 3: with NCCL a generator receives only once paused; "finish" pauses after every in-flight
+    """With NCCL a generator receives only once paused; "finish" pauses after every in-flight
     request ends, so without the deterministic barrier (nothing in flight at a publish) the learner would wait for
     the longest response at every step."""
     nccl = ["generator.weight_transport=nccl", "run.deterministic=false"]

@@ -1,4 +1,4 @@
-"""Issue 5: datasets in the common RL layout, from .jsonl and .parquet, with errors that name file, row, field."""
+"""Datasets in the common RL layout, from .jsonl and .parquet, with errors that name file, row, field."""
 
 import json
 

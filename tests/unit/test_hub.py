@@ -179,7 +179,8 @@ def test_eval_is_served_first_per_source_temperature_and_holds_the_next_version(
         gen.send(_eval_result(again.items[1], 2, [0.0, 0.0]))
         gen.send(_eval_result(sampled.items[2], 2, [1.0, 1.0]))
         gen.send(_eval_result(greedy.items[0], 1, [1.0]))
-        assert hub.wait_version_done(0, timeout_s=5) >= 0
+        waited = hub.wait_version_done(0, timeout_s=5)  # every eval prompt of version 0 is scored: no TimeoutError
+        assert waited < 5
         m = hub.take_eval(0)
         assert m["eval/sampled_set/acc"] == pytest.approx((0.5 + 0 + 1) / 3)  # avg@k
         assert m["eval/sampled_set/pass@k"] == pytest.approx(2 / 3)
@@ -214,7 +215,7 @@ def test_deterministic_barrier_waits_for_all_training_work_of_the_version(tiny_m
 
 
 def test_snapshot_and_restore_keep_the_ledger_and_the_stream(hub, tiny_model_dir):
-    """Issue 7 (resume): a restored hub trains the saved rollouts, re-issues what was in flight with the
+    """Resume: a restored hub trains the saved rollouts, re-issues what was in flight with the
     same slots and seeds, and continues the prompt stream where it stopped."""
     from transformers import AutoTokenizer
 

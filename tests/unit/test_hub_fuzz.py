@@ -1,4 +1,4 @@
-"""Issue 7 (hostile input at the hub): 10,000 fuzzed frames; the hub survives, rejects each one with a counted
+"""Hostile input at the hub: 10,000 fuzzed frames; the hub survives, rejects each one with a counted
 reason, and then trains on a well-behaved generator's groups as if nothing had happened."""
 
 import random

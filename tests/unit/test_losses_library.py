@@ -1,4 +1,4 @@
-"""Issue 3 loss library: hand-worked values and properties of every mode."""
+"""The loss library: hand-worked values and properties of every mode."""
 
 import ast
 import inspect
@@ -177,8 +177,10 @@ def test_modifiers():
     assert_close(L.kl_penalty(lp, ref, "k3"), torch.tensor([math.exp(-1) + 1 - 1, 0.0]))
     ent = torch.tensor([0.1, 0.9, 0.5, 0.7, 5.0])
     mask = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0])
-    # top 50% of 4 valid tokens = 2: entropies 0.9 and 0.7 (the masked 5.0 never counts)
-    assert L.high_entropy_mask(ent, mask, 0.5).tolist() == [0.0, 1.0, 0.0, 1.0, 0.0]
+    # top 50% of 4 valid tokens = 2: entropies 0.9 and 0.7, so the 2nd largest valid one, 0.7, is the threshold
+    # (the masked 5.0 never counts, even above it)
+    assert L.high_entropy_count(4, 0.5) == 2 and L.high_entropy_count(4, 0.2) == 1 and L.high_entropy_count(10, 0.01) == 1
+    assert L.high_entropy_keep(ent, mask, ent[3].double()).tolist() == [0.0, 1.0, 0.0, 1.0, 0.0]
 
 
 def test_no_host_sync_or_unseeded_rng_in_losses():

@@ -1,4 +1,4 @@
-"""Issue 6 (placement): which GPUs each role sees on one node."""
+"""GPU placement: which GPUs each role sees on one node, apart or colocated."""
 
 import pytest
 

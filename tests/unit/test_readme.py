@@ -37,7 +37,7 @@ def test_every_learner_metric_is_documented():
 
 
 def test_benchmark_table_matches_results_json():
-    """Issue 8: the README's table is what tests/bench/results.json says (make bench renders it)."""
+    """The README's table is what tests/bench/results.json says (make bench renders it)."""
     import json
 
     from tests.bench.readme_table import RESULTS, block

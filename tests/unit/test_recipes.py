@@ -1,4 +1,4 @@
-"""Issue 5: every recipe in launch/recipes loads and holds the paper's values (ALGORITHMS.md "Paper recipes")."""
+"""Every recipe in launch/recipes loads and holds the paper's values (ALGORITHMS.md "Paper recipes")."""
 
 import glob
 import os

@@ -234,15 +234,15 @@ def test_extract_boxed_is_cheap_on_1mb() -> None:
 
 @pytest.fixture(scope="module")
 def pool():
-    with RewardPool(workers=2, timeout_s=TIMEOUT_S) as p:
+    with RewardPool(2, TIMEOUT_S, extract="boxed", format_score=0.0) as p:
         yield p
 
 
 def test_pool_rejects_bad_config() -> None:
     with pytest.raises(ValueError, match="workers >= 1"):
-        RewardPool(workers=0)
+        RewardPool(0, TIMEOUT_S, extract="boxed", format_score=0.0)
     with pytest.raises(ValueError, match="timeout_s > 0"):
-        RewardPool(timeout_s=0)
+        RewardPool(1, 0, extract="boxed", format_score=0.0)
 
 
 def test_pool_matches_table_in_order(pool: RewardPool) -> None:
@@ -268,10 +268,10 @@ def test_extract_answer_modes(text: str, mode: str, expected: str | None) -> Non
 
 def test_answer_line_scoring_and_format_score() -> None:
     with pytest.raises(ValueError, match="extract"):
-        RewardPool(workers=1, extract="last_number")
+        RewardPool(1, TIMEOUT_S, extract="last_number", format_score=0.0)
     with pytest.raises(ValueError, match="format_score"):
-        RewardPool(workers=1, format_score=1.0)
-    with RewardPool(workers=1, timeout_s=TIMEOUT_S, extract="boxed_or_answer_line", format_score=0.1) as p:
+        RewardPool(1, TIMEOUT_S, extract="boxed", format_score=1.0)
+    with RewardPool(1, TIMEOUT_S, extract="boxed_or_answer_line", format_score=0.1) as p:
         got = p.score_batch([("Answer: 5", "5"), ("Answer: 6", "5"), ("I give up", "5"), ("\\boxed{\\frac{10}{2}}", "5")])
     # correct; wrong but well-formed (format score); no answer at all (0); correct through math-verify.
     assert [r.reward for r in got] == [1.0, 0.1, 0.0, 1.0] and all(r.status == "ok" for r in got)
@@ -381,7 +381,7 @@ def test_pool_reports_error_when_worker_dies_mid_answer(pool: RewardPool) -> Non
 
 
 def test_pool_closed_rejects_batches() -> None:
-    p = RewardPool(workers=1, timeout_s=TIMEOUT_S)
+    p = RewardPool(1, TIMEOUT_S, extract="boxed", format_score=0.0)
     p.close()
     p.close()  # idempotent
     with pytest.raises(RuntimeError, match="after close"):

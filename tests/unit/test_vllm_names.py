@@ -497,7 +497,7 @@ def test_direct_receiver_helpers_announce_and_join(make_engine):
 
 
 def test_the_engine_core_is_spawned_not_forked(make_engine, monkeypatch):
-    """Issue 13 point 6: the generator runs threads (asyncio loop, weight receiver, gloo) before vLLM starts its
+    """The generator runs threads (asyncio loop, weight receiver, gloo) before vLLM starts its
     engine core, so vLLM must spawn it; a method the user set explicitly is kept."""
     env = {}
     VE.use_spawn(env)
