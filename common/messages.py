@@ -152,6 +152,14 @@ def as_array(buf: bytes, dtype: np.dtype) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype)
 
 
+def n_tokens(buf: bytes) -> int:
+    """Entries of a per-token raw array field (token ids, logprobs, versions: 4 bytes each)."""
+    return len(buf) // TOKEN_DTYPE.itemsize
+
+
+assert TOKEN_DTYPE.itemsize == LOGPROB_DTYPE.itemsize == VERSION_DTYPE.itemsize, "n_tokens counts any per-token field"
+
+
 def check_eval(res: EvalResult, *, k: int, version: int, max_tokens: int) -> str | None:
     """Why this eval result cannot be counted, or None (a stable metric-key reason, like check_rollout)."""
     if not (len(res.rewards) == len(res.lengths) == len(res.score_status) == k):

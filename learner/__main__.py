@@ -47,7 +47,7 @@ def share_batch(batch: B.StepBatch | None, rank: int) -> B.StepBatch:
 def host_metrics(groups: list, version: int) -> dict[str, float]:
     """What rank 0 can read off the rollouts themselves."""
     rewards = [s.reward for r in groups for s in r.group.samples]
-    lengths = [len(s.token_ids) // 4 for r in groups for s in r.group.samples]
+    lengths = [M.n_tokens(s.token_ids) for r in groups for s in r.group.samples]
     stale = np.concatenate([version - M.as_array(s.versions, M.VERSION_DTYPE) for r in groups for s in r.group.samples])
     return {
         "critic/score/mean": float(np.mean(rewards)),

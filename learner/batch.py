@@ -102,7 +102,7 @@ def build_step_batch(
     seed: int = 0,
 ) -> StepBatch:
     rewards = np.array([[s.reward for s in g.samples] for g in groups], dtype=np.float64)
-    resp_lengths = np.array([[len(s.token_ids) // 4 for s in g.samples] for g in groups])
+    resp_lengths = np.array([[M.n_tokens(s.token_ids) for s in g.samples] for g in groups])
     rewards = rewards + A.overlong_penalty(resp_lengths, *overlong)
     adv = A.ESTIMATORS[estimator](rewards, resp_lengths)
     samples: list[TrainSample] = []
@@ -121,8 +121,8 @@ def build_step_batch(
                 )
             )
             group_of.append(gi)
-    lengths = [len(s.input_ids) // 4 for s in samples]
-    resp_len = [len(s.versions) // 4 for s in samples]
+    lengths = [M.n_tokens(s.input_ids) for s in samples]
+    resp_len = [M.n_tokens(s.versions) for s in samples]
     per_mini = len(groups) // mini_batches
     plan, mini_tokens, mini_seqs = [], [], []
     for m in range(mini_batches):

@@ -401,7 +401,7 @@ class Hub:
             self.reissue.append(t)
             return
         del self.in_flight[g.ticket]
-        self.stats.gen_tokens += sum(len(s.token_ids) // 4 for s in g.samples)
+        self.stats.gen_tokens += sum(M.n_tokens(s.token_ids) for s in g.samples)
         filt = self.cfg.learner.filter
         if (filt.dynamic_sampling and zero_spread([s.reward for s in g.samples])
                 and self.filtered_this_step < filt.max_filtered_batches * self.gps):
