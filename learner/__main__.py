@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 
-import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -145,7 +144,8 @@ def main() -> int:
         hub.start()
         mark_learners_ready(args.run_dir)
         log.info("hub on %s, weight channel with %d generators ready", cluster.hub_addr, cluster.generators)
-    last_tokens, last_t, last_filtered = 0, time.perf_counter(), hub.filtered if hub else 0
+    last_filtered, last_tokens = hub.totals() if hub else (0, 0)
+    last_t = time.perf_counter()
     wait_s = cfg.transport.generator_timeout_s * 5
     faults = fault_steps()
     skipped_in_row, exit_code = 0, 0
@@ -190,7 +190,7 @@ def main() -> int:
             hub.set_version(step)
             sync_s, nbytes, weights_sum = publish(step)
             now = time.perf_counter()
-            gen_tokens = hub.stats.gen_tokens
+            filtered, gen_tokens = hub.totals()
             adv = np.array([s.advantage for s in batch.samples])
             metrics.update(extra)
             metrics.update(hub.counters())
@@ -198,7 +198,7 @@ def main() -> int:
             par.observe(metrics["actor/entropy"])
             metrics.update({
                 "actor/par_lambda": batch.par_lambda,
-                "filter/dropped_groups": float(hub.filtered - last_filtered),
+                "filter/dropped_groups": float(filtered - last_filtered),
                 "critic/advantages/mean": float(adv.mean()),
                 "perf/gen_tokens_per_s": (gen_tokens - last_tokens) / max(now - last_t, 1e-9),
                 "timing_s/step": now - t0,
@@ -209,7 +209,7 @@ def main() -> int:
                 "weights/checksum": weights_sum,
                 "weights/version": float(step),
             })
-            last_tokens, last_t, last_filtered = gen_tokens, now, hub.filtered
+            last_tokens, last_t, last_filtered = gen_tokens, now, filtered
             if step in evaluated:
                 held[step] = metrics
             else:

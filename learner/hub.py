@@ -24,8 +24,9 @@ Invariants
   incarnation; anything else is dropped with a counted reason. Malformed or
   unauthenticated frames never raise out of the loop.
 
-The trainer thread talks to the hub only through `take_batch`, `set_version`,
-`wait_version_done`, `take_eval` and `stop`; the ZeroMQ socket belongs to the hub thread alone.
+The trainer thread talks to the hub only through `take_batch`, `set_version`, `wait_version_done`,
+`take_eval`, `counters`, `totals`, `snapshot` / `restore` and `stop`, each under the hub's lock; the ZeroMQ
+socket belongs to the hub thread alone.
 """
 
 from __future__ import annotations
@@ -519,6 +520,12 @@ class Hub:
     def _broadcast_stop(self, reason: str) -> None:
         for gen in self.gens.values():
             self.sock.send(gen.identity, M.Stop(reason=reason))
+
+    def totals(self) -> tuple[int, int]:
+        """(groups dropped by dynamic sampling, tokens generated), both since the run began, read under the lock:
+        the trainer thread turns their differences into per-step metrics."""
+        with self.cv:
+            return self.filtered, self.stats.gen_tokens
 
     def counters(self) -> dict[str, float]:
         with self.cv:
