@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import zlib
 from dataclasses import dataclass
 
 from common.config import Config
@@ -90,12 +89,6 @@ def eval_sets(cfg: Config, tokenizer) -> dict[str, list[Prompt]]:
 
     task = ArithTask(seed=cfg.run.seed, train_size=0, eval_size=cfg.data.eval_size)
     return {name: _arith_problems(cfg, tokenizer, problems, name) for name, problems in task.eval_sets().items()}
-
-
-def eval_seed(run_seed: int, data_source: str, index: int) -> int:
-    """Sampling seed of one eval prompt: the same at every evaluated version (common random
-    numbers, so accuracy differences between versions are not sampling noise)."""
-    return zlib.crc32(f"{run_seed}:eval:{data_source}:{index}".encode()) & 0x7FFFFFFF
 
 
 def model_dir(cfg: Config) -> str:

@@ -16,7 +16,8 @@ import numpy as np
 
 from common import messages as M
 from common.config import Config, eval_sampling
-from common.data import Prompt, eval_seed
+from common.data import Prompt
+from common.seeds import eval_seed
 
 
 def eval_params(cfg: Config, data_source: str) -> tuple[M.SamplingParams, int]:

@@ -22,6 +22,7 @@ import torch
 
 from common import messages as M
 from common.config import LearnerConfig
+from common.seeds import step_seed
 from learner import advantages as A
 
 _LEARNER = LearnerConfig()  # every default lives in common/config.py
@@ -43,11 +44,6 @@ class StepBatch(msgspec.Struct, array_like=True, gc=False):
     mini_seqs: list[int]  # responses in each mini-batch, over all ranks
     par_lambda: float = 1.0  # positive-advantage weight for this step (1: off)
     seed: int = 0  # seeds this step's random token choices (Clip-Cov)
-
-
-def step_seed(run_seed: int, step: int) -> int:
-    """Seed of a step's random token choices: the same for every run with this seed."""
-    return run_seed * 100_003 + step
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -35,7 +35,6 @@ import collections
 import logging
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 
 import msgspec
@@ -44,6 +43,7 @@ from common import messages as M
 from common.config import Config, eval_versions
 from common.data import Prompt, PromptSource
 from common.evaluation import eval_item, eval_metrics, eval_params, eval_room
+from common.seeds import prompt_seed
 from common.transport import HubSocket
 from learner.advantages import zero_spread
 
@@ -119,10 +119,6 @@ class HubState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     counters: dict[str, float]
     ready: list[ReadyState]  # generated, not yet trained: kept, so a resume trains on the very same rollouts
     pending: list[tuple[int, int, int]]  # (slot, prompt_id, epoch) in flight or waiting: re-issued on resume
-
-
-def prompt_seed(run_seed: int, epoch: int, prompt_id: int) -> int:
-    return zlib.crc32(f"{run_seed}:{epoch}:{prompt_id}".encode()) & 0x7FFFFFFF
 
 
 class Hub:

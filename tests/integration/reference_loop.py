@@ -26,7 +26,7 @@ from common.cluster import read_run_config  # noqa: E402
 from common.data import PromptSource, model_dir  # noqa: E402
 from common.rewards import RewardPool  # noqa: E402
 from learner.batch import batch_from_config  # noqa: E402
-from learner.hub import prompt_seed  # noqa: E402
+from common.seeds import prompt_seed  # noqa: E402
 from learner.trainer import Trainer, init_distributed, thread_setup  # noqa: E402
 
 
