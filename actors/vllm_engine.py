@@ -1,4 +1,4 @@
-"""vLLM behind the actor's Engine interface: the GPU generator (DESIGN.md section 7).
+"""vLLM behind the actor's Engine interface: the GPU generator (docs/DESIGN.md section 7).
 
 One `AsyncLLM` per generator process, over every GPU the launcher gave it (tensor parallel size = the
 visible CUDA devices, i.e. `--tp`). It runs on an asyncio loop in a thread of its own. `generate`

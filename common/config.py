@@ -107,7 +107,7 @@ class EvalConfig(_Section):
 
 
 class ImportanceConfig(_Section):
-    """w = f(pi_prox / pi_behav), detached (DESIGN.md section 4)."""
+    """w = f(pi_prox / pi_behav), detached (docs/DESIGN.md section 4)."""
 
     type: Literal["none", "tis", "seq_tis", "mis", "geo_mask"] = "tis"
     cap: PosFloat = 2.0  # C of (sequence-)truncated IS
@@ -227,7 +227,7 @@ class TransportConfig(_Section):
 
 
 class GeneratorConfig(_Section):
-    """The generator's engine (DESIGN.md section 7; actors/vllm_engine.py)."""
+    """The generator's engine (docs/DESIGN.md section 7; actors/vllm_engine.py)."""
 
     # auto: vLLM when the launcher gave this generator GPUs (--gpus, --tp), else the torch sampler.
     engine: Literal["auto", "torch", "vllm"] = "auto"

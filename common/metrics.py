@@ -1,6 +1,6 @@
 """Per-step metrics: one JSON object per learner step in metrics.jsonl, same tags in TensorBoard.
 
-The names are the contract of DESIGN.md section 6. The file is appended and
+The names are the contract of docs/DESIGN.md section 6. The file is appended and
 flushed each step so a watcher (the launcher's progress line, a user's `tail
 -f`) never sees half a line.
 """

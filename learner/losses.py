@@ -1,6 +1,6 @@
 """Policy losses, importance weights and aggregation: pure tensor functions.
 
-Three policies meet here (DESIGN.md section 4): pi_behav (the generator's
+Three policies meet here (docs/DESIGN.md section 4): pi_behav (the generator's
 per-token logprobs), pi_prox (the policy at the start of this train step) and
 pi_theta (being optimised). The decoupled objective of AReaL is
 

@@ -1,4 +1,4 @@
-"""The learner's objective, assembled once from the config (DESIGN.md section 4).
+"""The learner's objective, assembled once from the config (docs/DESIGN.md section 4).
 
     loss_t = w_t * lambda_t * L(r_t, A_t) [* high-entropy mask] - c_H H_t + c_KL KL_t,
     aggregated over the whole step (`learner.agg`).

@@ -4,7 +4,7 @@ One `train_step`:
 1. `_survey` (no grad, only when something needs it): log pi_prox, the entropy
    before the update, and the step-wide choices that must see the *whole* batch
    on all ranks - Clip-Cov / KL-Cov token selection (covariance means and top-k
-   over the global batch, as DESIGN.md requires), the high-entropy mask, pi_ref.
+   over the global batch, as docs/DESIGN.md requires), the high-entropy mask, pi_ref.
 2. for each mini-batch: forward/backward every micro-batch of this rank, then
    one optimizer step. A micro-batch's loss is its share of the aggregate over
    the *whole mini-batch on all ranks*, times the data-parallel world size

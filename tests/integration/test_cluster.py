@@ -130,7 +130,7 @@ def _port():
 
 
 def test_sigterm_stops_every_process_it_started(tmp_path):
-    """DESIGN.md section 2: Ctrl-C / SIGTERM stops everything the launcher started, and nothing else."""
+    """docs/DESIGN.md section 2: Ctrl-C / SIGTERM stops everything the launcher started, and nothing else."""
     import signal
 
     import psutil

@@ -1,4 +1,4 @@
-"""DESIGN.md section 1: actors/ and learner/ never import each other; common/ imports neither;
+"""docs/DESIGN.md section 1: actors/ and learner/ never import each other; common/ imports neither;
 launch/ imports only common/ (it starts the roles as processes)."""
 
 import ast
