@@ -1,4 +1,4 @@
-"""Outcome-reward advantages, reward shaping and the dynamic-sampling filter (host side, numpy).
+"""Outcome-reward advantages (host side, numpy); the rewards come shaped by `broker.rules`.
 
 All estimators take rewards [G, n] (groups x responses) and return one
 advantage per response; the trainer broadcasts it over the response's tokens.
@@ -37,16 +37,3 @@ def reinforce_pp_baseline(rewards: np.ndarray, lengths: np.ndarray) -> np.ndarra
 
 
 ESTIMATORS = {"grpo": grpo, "drgrpo": drgrpo, "rloo": rloo, "reinforce_pp_baseline": reinforce_pp_baseline}
-
-
-def overlong_penalty(lengths: np.ndarray, max_tokens: int, buffer_tokens: int, factor: float) -> np.ndarray:
-    """DAPO soft overlong punishment: 0 up to max - buffer, then linear down to -factor at max."""
-    if buffer_tokens <= 0:
-        return np.zeros_like(lengths, dtype=np.float64)
-    over = (lengths - (max_tokens - buffer_tokens)) / buffer_tokens
-    return -factor * np.clip(over, 0.0, 1.0)
-
-
-def zero_spread(rewards: list[float]) -> bool:
-    """Dynamic sampling (DAPO): a group whose rewards all agree has zero advantage everywhere."""
-    return max(rewards) == min(rewards)

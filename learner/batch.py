@@ -9,7 +9,8 @@ ZeRO's gradient reduction is a collective: a rank that skipped a backward
 would hang the others.
 
 Advantages are computed here, per group, before any sharding, so they never
-depend on how the batch is split.
+depend on how the batch is split, from the rewards the broker's rules shape
+(`broker.rules.GroupRules.rewards`: the scores plus the overlong penalty).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import msgspec
 import numpy as np
 import torch
 
+from broker.rules import GroupRules
 from common import messages as M
 from common.config import LearnerConfig
 from common.seeds import step_seed
@@ -87,19 +89,17 @@ def _micro_batches(lengths: list[int], idx: list[int], budget: int) -> list[list
 
 def build_step_batch(
     groups: list[M.RolloutGroup],
+    rewards: np.ndarray,  # [G, n] shaped rewards (GroupRules.rewards)
     *,
     version: int,
     ranks: int,
     mini_batches: int,
     micro_batch_tokens: int,
     estimator: str = _LEARNER.advantage,
-    overlong: tuple[int, int, float] = (0, 0, 0.0),  # (max_new_tokens, buffer_tokens, penalty)
     par_lambda: float = 1.0,
     seed: int = 0,
 ) -> StepBatch:
-    rewards = np.array([[s.reward for s in g.samples] for g in groups], dtype=np.float64)
     resp_lengths = np.array([[M.n_tokens(s.token_ids) for s in g.samples] for g in groups])
-    rewards = rewards + A.overlong_penalty(resp_lengths, *overlong)
     adv = A.ESTIMATORS[estimator](rewards, resp_lengths)
     samples: list[TrainSample] = []
     group_of: list[int] = []
@@ -135,11 +135,10 @@ def build_step_batch(
 def batch_from_config(groups: list[M.RolloutGroup], cfg, *, version: int, ranks: int, par_lambda: float = 1.0,
                       micro_batch_tokens: int | None = None) -> StepBatch:
     """`build_step_batch` with every knob read from the run config (the learner and the reference loop share it)."""
-    lc, filt = cfg.learner, cfg.learner.filter
+    lc = cfg.learner
     return build_step_batch(
-        groups, version=version, ranks=ranks, mini_batches=lc.mini_batches,
+        groups, GroupRules(cfg).rewards(groups), version=version, ranks=ranks, mini_batches=lc.mini_batches,
         micro_batch_tokens=micro_batch_tokens or lc.micro_batch_tokens, estimator=lc.advantage,
-        overlong=(cfg.rollout.max_new_tokens, filt.overlong_buffer_tokens, filt.overlong_penalty),
         par_lambda=par_lambda, seed=step_seed(cfg.run.seed, version + 1),
     )
 

@@ -6,7 +6,7 @@
 - `deepspeed/`: every rank's engine state (`engine.save_checkpoint`): parameters, AdamW
   moments and step counts, sharded as the ZeRO stage shards them;
 - `rng/rank_R.pt`: each rank's torch, numpy and python RNG states;
-- `hub.msgpack`: the hub (learner/hub.py `HubState`): ledger, data position, admission
+- `hub.msgpack`: the hub (broker/state.py `HubState`): ledger, data position, admission
   counters, and the rollouts already generated for later steps;
 - `covrl_state.json`: the step, PAR state and held metric rows. Written last.
 

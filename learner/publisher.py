@@ -36,6 +36,7 @@ import torch.distributed as dist
 from common import vllm_weights as VW
 from common import weights as W
 from common.transport import free_port
+from learner.params import param_buckets, scratch_for
 
 log = logging.getLogger("covrl.publisher")
 
@@ -185,3 +186,34 @@ class WeightPublisher:
             return True
         except RuntimeError:  # gloo: the peer closed the connection; NCCL: VW.NcclTimeout
             return False
+
+
+class ModelPublisher:
+    """The one publish path of a learner rank: its model's parameters, bucket by bucket, to the generators.
+
+    Every rank builds one and calls `publish(version)` at the same point of each step: under ZeRO-3 the
+    parameters are shards and each bucket's gather is a collective, so every rank walks the buckets; only
+    rank 0 has a `channel` (`WeightPublisher`) and sends them. One scratch bucket on the parameters' device
+    is reused by every publish.
+    """
+
+    def __init__(self, module: torch.nn.Module, *, zero3: bool, channel: WeightPublisher | None):
+        self.module, self.zero3, self.channel = module, zero3, channel
+        self.layout = W.layout(module)
+        self.scratch = scratch_for(module, self.layout)
+
+    def publish(self, version: int) -> tuple[float, int, float] | None:
+        """Rank 0: send `version`, return (seconds, bytes sent to each generator, checksum). Other ranks: None."""
+        buckets = param_buckets(self.module, self.layout, self.zero3, self.scratch)
+        if self.channel is not None:
+            return self.channel.publish(version, self.layout, buckets)
+        if self.zero3:
+            for _ in buckets:  # this rank's shards join each bucket's gather
+                pass
+        return None
+
+    def counter_values(self) -> dict[str, float]:
+        return self.channel.counter_values()
+
+    def stop(self) -> None:
+        self.channel.stop()

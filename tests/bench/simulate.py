@@ -22,7 +22,7 @@ Assumptions (the model; every number is a parameter of `Workload` / `Hardware`):
 4. Weight sync: after each step the learner is busy for `weight_sync_s` and every generator pauses for the same time;
    in-flight sequences keep their KV cache and continue with the new weights (PipelineRL's in-flight update,
    AReaL's interruptible generation; covrl with run.deterministic = false).
-5. Staleness is covrl's admission control (learner/hub.py): sample `slot` of the stream is issued only while
+5. Staleness is covrl's admission control (broker/hub.py, broker/rules.py): sample `slot` of the stream is issued only while
    slot < (v + 1 + k) * B (v = learner version, B = samples per step); the batch of step v + 1 is the B lowest-slot
    finished samples, taken once no sample issued before version v - k is in flight. No trained sample is more than k
    versions old, and k = 0 is the synchronous loop: generate the whole batch, train, sync, repeat.

@@ -26,6 +26,7 @@ import time
 import numpy as np
 import torch
 
+from broker.rules import scores
 from common import messages as M
 from common.config import Config
 from learner.batch import build_step_batch, pack
@@ -113,7 +114,8 @@ def test_packed_vs_padded_train_throughput():
     chunk = cfg.learner.logprob_chunk_tokens
     model = _model()
     pad_id = model.config.pad_token_id or 0
-    batch = build_step_batch(_groups(model.config.vocab_size), version=0, ranks=1, mini_batches=1,
+    groups = _groups(model.config.vocab_size)
+    batch = build_step_batch(groups, scores(groups), version=0, ranks=1, mini_batches=1,
                              micro_batch_tokens=cfg.learner.micro_batch_tokens)
     samples = batch.samples
     lengths = [len(s.input_ids) // 4 for s in samples]

@@ -17,7 +17,7 @@ from common import messages as M
 from common.config import load_config
 from common.data import PromptSource
 from common.transport import GeneratorSocket
-from learner.hub import Hub
+from broker.hub import Hub
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +90,7 @@ def test_thirty_two_generators_for_a_minute(tiny_model_dir, tmp_path):
             g.join(5)
     time.sleep(1.0)  # let the last groups in flight reach the hub
     elapsed = time.monotonic() - t_start
-    c = hub.counters()
+    c = hub.stats().counters
     rejected = sum(v for k, v in c.items() if k.startswith("hub/rejected/"))
     sent = sum(g.sent for g in gens)
     with hub.cv:

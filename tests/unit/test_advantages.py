@@ -18,13 +18,6 @@ def test_estimators_hand_computed():
     assert abs(tok.mean()) < 1e-9 and abs(tok.std(ddof=1) - 1.0) < 1e-5
 
 
-def test_overlong_penalty_and_zero_spread():
-    # max 100, buffer 20: no penalty up to 80, -0.5 at 90, -1 at 100
-    np.testing.assert_allclose(A.overlong_penalty(np.array([50, 80, 90, 100]), 100, 20, 1.0), [0, 0, -0.5, -1.0])
-    np.testing.assert_allclose(A.overlong_penalty(np.array([100]), 100, 0, 1.0), [0.0])
-    assert A.zero_spread([1.0, 1.0]) and not A.zero_spread([1.0, 0.0])
-
-
 def test_par_schedules():
     assert ParSchedule(ParConfig(), 10).value(3) == 1.0  # off: no reweighting
     assert ParSchedule(ParConfig(schedule="constant", lam=0.3), 10).value(7) == 0.3

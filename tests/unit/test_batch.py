@@ -2,6 +2,7 @@ import numpy as np
 import torch
 from torch.testing import assert_close
 
+from broker.rules import scores
 from common import messages as M
 from learner import advantages as A
 from learner import batch as B
@@ -29,7 +30,7 @@ def test_plan_balances_tokens_and_aligns_micro_batch_counts():
     rng = np.random.default_rng(0)
     groups = [_group([1, 2, 3], [list(rng.integers(3, 50, size=rng.integers(1, 40))) for _ in range(4)], [1, 0, 1, 0])
               for _ in range(6)]
-    b = B.build_step_batch(groups, version=3, ranks=4, mini_batches=2, micro_batch_tokens=64)
+    b = B.build_step_batch(groups, scores(groups), version=3, ranks=4, mini_batches=2, micro_batch_tokens=64)
     assert len(b.plan) == 2 and all(len(per_rank) == 4 for per_rank in b.plan)
     for per_rank in b.plan:
         assert len({len(micro) for micro in per_rank}) == 1  # same depth on every rank
@@ -50,7 +51,7 @@ def test_pack_aligns_targets_with_response_tokens(tiny_model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa").eval()
     groups = [_group([5, 6, 7], [[8, 9], [10, 11, 12]], [1, 0]), _group([13, 14], [[15, 16, 17, 18], [19]], [0, 1])]
-    b = B.build_step_batch(groups, version=0, ranks=1, mini_batches=1, micro_batch_tokens=1000)
+    b = B.build_step_batch(groups, scores(groups), version=0, ranks=1, mini_batches=1, micro_batch_tokens=1000)
     mb = B.pack(b.samples, [0, 1, 2, 3], pad_id=0)
     assert mb["mask"].sum().item() == 2 + 3 + 4 + 1
     with torch.no_grad():

@@ -12,7 +12,7 @@ from common import messages as M
 from common.config import load_config
 from common.data import PromptSource
 from common.transport import GeneratorSocket
-from learner.hub import Hub
+from broker.hub import Hub
 
 KEY = b"k" * 32
 
@@ -60,7 +60,7 @@ def test_wrong_protocol_version_and_garbage_are_rejected_and_hub_survives(hub, c
     body = b"\x93\xa5hello\x01\x02"  # msgpack-ish but not a Hello
     raw.send_multipart([hmac.new(KEY, body, hashlib.sha256).digest(), body])
     time.sleep(0.5)
-    c = hub.counters()
+    c = hub.stats().counters
     assert c["hub/rejected/auth"] >= 1 and c["hub/rejected/frames"] >= 1 and c["hub/rejected/malformed"] >= 2
     assert c["hub/rejected/handshake"] == 2
     # ... and the hub still serves a well-behaved generator.
@@ -92,7 +92,7 @@ def test_admission_control_and_staleness_zero_batches(hub):
                                 data_source="", seed=0)))
     gen.send(_result(more.items[0], version=5))
     time.sleep(0.3)
-    c = hub.counters()
+    c = hub.stats().counters
     assert c["hub/rejected/unknown_ticket"] == 1 and c["hub/rejected/version"] == 1
     gen.close()
 
@@ -117,7 +117,7 @@ def test_dead_generator_work_is_reissued_with_same_slot(hub):
         b.send(_result(it, gen_id=1, inc="b"))
     batch = hub.take_batch(0, timeout_s=5)
     assert [r.slot for r in batch] == [0, 1]
-    assert hub.counters()["hub/reissued_prompts"] == 2
+    assert hub.stats().counters["hub/reissued_prompts"] == 2
     b.close()
 
 
@@ -169,7 +169,7 @@ def test_eval_is_served_first_per_source_temperature_and_holds_the_next_version(
         gen.send(_eval_result(sampled.items[0], 1, [1.0]))
         gen.send(_eval_result(sampled.items[1], 2, [1.0, 1.0], version=3))
         time.sleep(0.3)
-        c = hub.counters()
+        c = hub.stats().counters
         assert c["hub/rejected/eval_shape"] == 1 and c["hub/rejected/eval_version"] == 1
         gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
         again = gen.recv(5.0)
@@ -242,7 +242,7 @@ def test_snapshot_and_restore_keep_the_ledger_and_the_stream(hub, tiny_model_dir
         g.send(_result(again[0]))
         batch = h.take_batch(0, timeout_s=5)
         assert [r.slot for r in batch] == [0, 1] and batch[0].group.prompt_id == first[0].prompt_id
-        assert h.counters()["hub/reissued_prompts"] == 1 and h.counters()["hub/lost_prompts"] == 0
+        assert h.stats().counters["hub/reissued_prompts"] == 1 and h.stats().counters["hub/lost_prompts"] == 0
         h.set_version(1)
         g.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=8))
         nxt = g.recv(5.0).items

@@ -13,7 +13,7 @@ from common import messages as M
 from common.config import load_config
 from common.data import PromptSource
 from common.transport import GeneratorSocket, _mac
-from learner.hub import Hub
+from broker.hub import Hub
 
 KEY = b"s" * 32
 N_FRAMES = 10_000
@@ -43,11 +43,11 @@ def _group(item, n=2, tokens=(3, 4), logprobs=(-0.1, -0.2), versions=(0, 0), inc
 def _wait(hub, expected: dict[str, int], timeout_s=60.0) -> dict:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        c = hub.counters()
+        c = hub.stats().counters
         if all(c.get(k, 0) >= v for k, v in expected.items()):
             return c
         time.sleep(0.2)
-    return hub.counters()
+    return hub.stats().counters
 
 
 def test_ten_thousand_hostile_frames(hub):

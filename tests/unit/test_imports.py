@@ -1,12 +1,15 @@
-"""docs/DESIGN.md section 1: actors/ and learner/ never import each other; common/ imports neither;
-launch/ imports only common/ (it starts the roles as processes)."""
+"""docs/DESIGN.md section 1: actors/ and learner/ never import each other; broker/ (the rollout broker, a thread
+of learner rank 0) is imported by learner/ and imports only common/; common/ imports none of them; launch/ imports
+only common/ (it starts the roles as processes). And no import cycle anywhere."""
 
 import ast
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FORBIDDEN = {"actors": {"learner", "launch"}, "learner": {"actors", "launch"},
-             "common": {"actors", "learner", "launch"}, "launch": {"actors", "learner"}}
+PACKAGES = ("actors", "broker", "common", "launch", "learner")
+FORBIDDEN = {"actors": {"learner", "broker", "launch"}, "learner": {"actors", "launch"},
+             "broker": {"actors", "learner", "launch"}, "common": {"actors", "learner", "broker", "launch"},
+             "launch": {"actors", "learner", "broker"}}
 
 
 def _imports(path):
@@ -28,6 +31,8 @@ def test_import_rule():
                     path = os.path.join(root, f)
                     checked += 1
                     bad += [f"{os.path.relpath(path, REPO)} imports {m}" for m in _imports(path) if m in forbidden]
+    assert set(FORBIDDEN) == set(PACKAGES) == {d for d in os.listdir(REPO) if os.path.isfile(
+        os.path.join(REPO, d, "__init__.py")) and d != "tests"}, "a package without a layering rule"
     assert checked > 10, "the walk found no sources: the rule would pass vacuously"
     assert not bad, "import rule broken:\n" + "\n".join(bad)
 
@@ -35,7 +40,7 @@ def test_import_rule():
 def _module_graph():
     """module -> the repository modules it imports (at any depth of the file, function-level imports too)."""
     graph = {}
-    for pkg in ("actors", "learner", "common", "launch"):
+    for pkg in PACKAGES:
         for root, _, files in os.walk(os.path.join(REPO, pkg)):
             for f in files:
                 if f.endswith(".py"):
@@ -56,6 +61,7 @@ def _module_graph():
 def test_no_import_cycles():
     graph = _module_graph()
     assert "actors.factory" in graph and "actors.engine" in graph["actors.factory"], "the graph missed imports"
+    assert "broker.rules" in graph["broker.hub"] and "broker.rules" in graph["learner.batch"], "the graph missed broker"
     state, cycles = {}, []
 
     def visit(m, path):

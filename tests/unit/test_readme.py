@@ -31,7 +31,7 @@ def test_every_config_key_is_documented():
 
 def test_every_learner_metric_is_documented():
     src = open(os.path.join(os.path.dirname(__file__), "..", "..", "learner", "trainer.py")).read()
-    src += open(os.path.join(os.path.dirname(__file__), "..", "..", "learner", "__main__.py")).read()
+    src += open(os.path.join(os.path.dirname(__file__), "..", "..", "learner", "loop.py")).read()
     metrics = set(re.findall(r'"((?:actor|critic|perf|timing_s|staleness|filter|weights|learner|reward|response_length)/[a-z_/]+)"', src))
     assert len(metrics) > 20
     missing = sorted(m for m in metrics if m not in README)

@@ -1,10 +1,11 @@
-"""The hub: owns the prompt stream, issues work, collects rollouts (thread of learner rank 0).
+"""The hub: owns the prompt stream, issues work, collects rollouts (a thread of learner rank 0).
 
 Invariants
 - Every prompt issue gets a *slot*: its position in the training stream. A
   re-issue (dead generator, group too stale) keeps the slot, so the stream's
   order, and with it the batch composition, does not depend on timing.
-- Admission control bounds staleness: a new slot is issued only while
+- Admission control bounds staleness (`broker.rules.GroupRules`, like every rule on
+  which groups are trained): a new slot is issued only while
   `slots - filtered < (v + 1 + max_staleness_steps) * groups_per_step`, v = learner
   version; groups dropped by dynamic sampling (no reward spread) free their place.
 - The batch for step v+1 is the groups_per_step lowest ready slots, taken only
@@ -14,9 +15,9 @@ Invariants
   synchronous on-policy training.
 - Nothing is issued for slots the run will never train: the admission cap stops at
   `run.steps * groups_per_step` kept groups.
-- Evaluation: at each evaluated version v the hub queues every held-out prompt
-  (served before training work) and `wait_version_done(v)` holds the publish of
-  v + 1 until all of them are scored, so every eval sample comes from exactly v.
+- Evaluation (`broker.evals.EvalSchedule`): at each evaluated version v the hub queues
+  every held-out prompt (served before training work) and `wait_version_done(v)` holds
+  the publish of v + 1 until all of them are scored, so every eval sample comes from exactly v.
   With `run.deterministic` the same barrier also waits for all training work
   admissible at v, which makes every token's version a function of its slot:
   same seed, same numbers.
@@ -24,9 +25,9 @@ Invariants
   incarnation; anything else is dropped with a counted reason. Malformed or
   unauthenticated frames never raise out of the loop.
 
-The trainer thread talks to the hub only through `take_batch`, `set_version`, `wait_version_done`,
-`take_eval`, `counters`, `totals`, `snapshot` / `restore` and `stop`, each under the hub's lock; the ZeroMQ
-socket belongs to the hub thread alone.
+The trainer thread talks to the hub only through `start`, `take_batch`, `set_version`, `wait_version_done`,
+`take_eval`, `stats`, `snapshot` / `restore` and `stop`, each under the hub's lock; the ZeroMQ socket belongs
+to the hub thread alone.
 """
 
 from __future__ import annotations
@@ -35,17 +36,16 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import msgspec
-
+from broker import state as S
+from broker.evals import EvalSchedule
+from broker.rules import GroupRules
 from common import messages as M
-from common.config import Config, eval_versions
+from common.config import Config
 from common.data import Prompt, PromptSource
-from common.evaluation import eval_item, eval_metrics, eval_params, eval_room
 from common.seeds import prompt_seed
 from common.transport import HubSocket
-from learner.advantages import zero_spread
 
 log = logging.getLogger("covrl.hub")
 
@@ -67,16 +67,6 @@ class Ticket:
 
 
 @dataclass
-class EvalTicket:
-    ticket: int
-    version: int
-    data_source: str
-    index: int
-    gen_id: int
-    incarnation: str
-
-
-@dataclass
 class Ready:
     slot: int
     issue_version: int
@@ -92,33 +82,17 @@ class GenState:
     wanted: int = 0  # groups asked for and not yet given
 
 
-@dataclass
-class HubStats:
-    counters: collections.Counter = field(default_factory=collections.Counter)
-    gen_tokens: int = 0
-    gen_time_s: float = 0.0
+@dataclass(frozen=True)
+class BrokerStats:
+    """One consistent read of the hub's running totals (`Hub.stats`), all since the run began.
 
-
-class ReadyState(msgspec.Struct, frozen=True):
-    slot: int
-    issue_version: int
-    group: M.RolloutGroup
-
-
-class HubState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What a resumed hub needs (saved in every checkpoint, learner/checkpoint.py)."""
-    version: int
-    slots: int
-    filtered: int
-    filtered_this_step: int
-    epoch: int
-    pos: int
-    n_trained: int
-    settled_floor: int
-    settled: list[int]
+    filtered_groups: groups dropped by dynamic sampling; gen_tokens: tokens of every accepted group;
+    counters: the `hub/...` metrics (rejections by reason, re-issues, stale drops, lost generators,
+    hub/filtered_groups and hub/lost_prompts, which must stay 0).
+    """
+    filtered_groups: int
+    gen_tokens: int
     counters: dict[str, float]
-    ready: list[ReadyState]  # generated, not yet trained: kept, so a resume trains on the very same rollouts
-    pending: list[tuple[int, int, int]]  # (slot, prompt_id, epoch) in flight or waiting: re-issued on resume
 
 
 class Hub:
@@ -131,8 +105,8 @@ class Hub:
         self.weight_addr = weight_addr
         self.n_generators = n_generators
         self.on_join = on_join  # (gen_id, incarnation) -> None: builds that incarnation's weight channel
+        self.rules = GroupRules(cfg)
         self.gps = cfg.rollout.groups_per_step
-        self.k = cfg.rollout.max_staleness_steps
         self.sampling = M.SamplingParams(
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens
         )
@@ -148,19 +122,15 @@ class Hub:
         self.ready: dict[int, Ready] = {}
         self.reissue: collections.deque[Ticket] = collections.deque()
         self.gens: dict[int, GenState] = {}
-        self.stats = HubStats()
+        self.counts: collections.Counter = collections.Counter()
+        self.gen_tokens = 0
         # The ledger of settled slots (trained, or dropped by dynamic sampling): every slot below settled_floor,
         # plus the set above it, so it stays small however long the run.
         self.settled: set[int] = set()
         self.settled_floor = 0
         self.n_trained = 0
-        # Evaluation: (version, data_source, index) waiting to be issued, tickets out, scores in.
-        self.eval_prompts = eval_prompts or {}
-        self.eval_versions = set(eval_versions(cfg)) if self.eval_prompts else set()
-        self.eval_pending: collections.deque[tuple[int, str, int]] = collections.deque()
-        self.eval_in_flight: dict[int, EvalTicket] = {}
-        self.eval_scores: dict[int, dict[str, list[M.EvalResult]]] = {}
-        self._schedule_eval(0)
+        self.evals = EvalSchedule(cfg, eval_prompts)
+        self.evals.schedule(0)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hub", daemon=True)
         self.error: BaseException | None = None
@@ -173,7 +143,7 @@ class Hub:
     def set_version(self, version: int) -> None:
         with self.cv:
             self.version = version
-            self._schedule_eval(version)
+            self.evals.schedule(version)
             self.cv.notify_all()
 
     def wait_version_done(self, version: int, timeout_s: float) -> float:
@@ -187,7 +157,7 @@ class Hub:
                 if time.monotonic() - t0 > timeout_s:
                     raise TimeoutError(
                         f"generation at version {version} not finished after {timeout_s:.0f}s: "
-                        f"{len(self.eval_pending)} eval prompts queued, {len(self.eval_in_flight)} eval and "
+                        f"{len(self.evals.pending)} eval prompts queued, {len(self.evals.in_flight)} eval and "
                         f"{len(self.in_flight)} training groups in flight, {len(self.gens)} generators connected"
                     )
                 self.cv.wait(0.5)
@@ -196,8 +166,7 @@ class Hub:
     def take_eval(self, version: int) -> dict[str, float]:
         """Eval metrics of `version` (empty if it was not evaluated); call after wait_version_done."""
         with self.cv:
-            by_source = self.eval_scores.pop(version, {})
-        return eval_metrics(by_source)
+            return self.evals.take(version)
 
     def take_batch(self, version: int, timeout_s: float) -> list[Ready]:
         """Block until the batch for the step that starts at `version` is ready."""
@@ -227,66 +196,52 @@ class Hub:
         with self.cv:
             counters = self._counted()
             pending = sorted({(t.slot, t.prompt_id, t.epoch) for t in [*self.in_flight.values(), *self.reissue]})
-            state = HubState(
+            state = S.HubState(
                 version=self.version, slots=self.slots, filtered=self.filtered, filtered_this_step=self.filtered_this_step,
                 epoch=self.epoch, pos=self.pos, n_trained=self.n_trained, settled_floor=self.settled_floor,
                 settled=sorted(self.settled), counters={k: float(v) for k, v in counters.items()},
-                ready=[ReadyState(r.slot, r.issue_version, r.group) for _, r in sorted(self.ready.items())],
+                ready=[S.ReadyState(r.slot, r.issue_version, r.group) for _, r in sorted(self.ready.items())],
                 pending=pending,
             )
-        return msgspec.msgpack.encode(state)
+        return S.encode(state)
 
     def restore(self, blob: bytes) -> None:
         """Continue from `snapshot()` bytes; call before `start`. Work that was in flight is re-issued
         (same slots, same seeds), and the eval of the restored version is scheduled again."""
-        st = msgspec.msgpack.decode(blob, type=HubState)
+        st = S.decode(blob)
         with self.cv:
             self.version, self.slots, self.filtered = st.version, st.slots, st.filtered
             self.filtered_this_step = st.filtered_this_step
             self.epoch, self.pos, self.n_trained = st.epoch, st.pos, st.n_trained
             self.order = self.source.order(self.epoch)
             self.settled_floor, self.settled = st.settled_floor, set(st.settled)
-            self.stats.counters = collections.Counter(st.counters)
+            self.counts = collections.Counter(st.counters)
             self.ready = {r.slot: Ready(r.slot, r.issue_version, r.group) for r in st.ready}
             self.reissue = collections.deque(Ticket.waiting(*p) for p in st.pending)
             if st.pending:
-                self.stats.counters["hub/reissued_prompts"] += len(st.pending)
-            self.eval_pending.clear()
-            self.eval_scores.clear()
-            self._schedule_eval(self.version)
+                self.counts["hub/reissued_prompts"] += len(st.pending)
+            self.evals.restart(self.version)
 
     # ---- called with self.cv held ------------------------------------------------
 
-    def _admit_cap(self, version: int) -> int:
-        """Kept groups that may have been issued while the learner is at `version`."""
-        return min(version + 1 + self.k, self.cfg.run.steps) * self.gps
-
-    def _schedule_eval(self, version: int) -> None:
-        if version not in self.eval_versions or version in self.eval_scores:
-            return
-        self.eval_scores[version] = {ds: [] for ds in self.eval_prompts}
-        for ds, prompts in self.eval_prompts.items():
-            self.eval_pending.extend((version, ds, i) for i in range(len(prompts)))
-
     def _version_done(self, version: int) -> bool:
-        if any(v <= version for v, _, _ in self.eval_pending) or any(t.version <= version for t in self.eval_in_flight.values()):
+        if self.evals.busy_through(version):
             return False
         if not self.cfg.run.deterministic:
             return True
         if self.reissue or any(t.issue_version <= version for t in self.in_flight.values()):
             return False
-        return self.slots - self.filtered >= self._admit_cap(version)
+        return self.slots - self.filtered >= self.rules.admit_cap(version)
 
     def _try_batch(self, version: int) -> list[Ready] | None:
-        floor = version - self.k  # oldest version a trained token may have
+        floor = self.rules.staleness_floor(version)
         if any(t.issue_version < floor for t in self.in_flight.values()):
             return None  # a straggler could still land inside the bound: wait for it
         for slot in sorted(self.ready):
             r = self.ready[slot]
-            oldest = min(int(M.as_array(s.versions, M.VERSION_DTYPE).min()) for s in r.group.samples)
-            if oldest < floor:
+            if self.rules.too_stale(r.group, version):
                 del self.ready[slot]
-                self.stats.counters["hub/stale_dropped_groups"] += 1
+                self.counts["hub/stale_dropped_groups"] += 1
                 self.reissue.append(Ticket.waiting(slot, r.group.prompt_id, r.group.epoch))
         if len(self.ready) < self.gps:
             return None
@@ -298,7 +253,7 @@ class Hub:
 
     def _settle(self, slots) -> None:
         """Record slots as done for good (trained, or dropped by dynamic sampling); counts any seen twice."""
-        self.stats.counters["hub/duplicate_trained_prompts"] += sum(s < self.settled_floor or s in self.settled for s in slots)
+        self.counts["hub/duplicate_trained_prompts"] += sum(s < self.settled_floor or s in self.settled for s in slots)
         self.settled.update(slots)
         while self.settled_floor in self.settled:  # keep only the slots above the contiguous settled prefix
             self.settled.discard(self.settled_floor)
@@ -333,7 +288,7 @@ class Hub:
             return
         gen = self.gens.get(msg.gen_id)
         if gen is None or gen.incarnation != msg.incarnation:
-            self.stats.counters["hub/rejected/unknown_generator"] += 1
+            self.counts["hub/rejected/unknown_generator"] += 1
             return
         gen.last_seen = now
         if isinstance(msg, M.WorkRequest):
@@ -354,12 +309,12 @@ class Hub:
                 if msg.protocol_version != M.PROTOCOL_VERSION
                 else f"run id {msg.run_id!r} is not this hub's run {self.run_id!r}; point the generator at its own run directory"
             )
-            self.stats.counters["hub/rejected/handshake"] += 1
+            self.counts["hub/rejected/handshake"] += 1
             log.warning("refused generator %s (pid %s): %s", msg.gen_id, msg.pid, reason)
             self.sock.send(identity, M.Refused(reason=reason))
             return
         if not 0 <= msg.gen_id < self.n_generators:
-            self.stats.counters["hub/rejected/handshake"] += 1
+            self.counts["hub/rejected/handshake"] += 1
             self.sock.send(identity, M.Refused(reason=f"gen_id {msg.gen_id} outside 0..{self.n_generators - 1}"))
             return
         old = self.gens.get(msg.gen_id)
@@ -384,7 +339,7 @@ class Hub:
     def _rollout(self, g: M.RolloutGroup) -> None:
         t = self.in_flight.get(g.ticket)
         if t is None or t.gen_id != g.gen_id or t.incarnation != g.incarnation:
-            self.stats.counters["hub/rejected/unknown_ticket"] += 1
+            self.counts["hub/rejected/unknown_ticket"] += 1
             return
         reason = M.check_rollout(
             g, group_size=self.cfg.rollout.group_size, max_version=self.version, max_tokens=self.sampling.max_new_tokens
@@ -392,16 +347,14 @@ class Hub:
         if reason is None and (g.prompt_id != t.prompt_id or g.epoch != t.epoch):
             reason = "prompt_mismatch"
         if reason is not None:
-            self.stats.counters[f"hub/rejected/{reason}"] += 1
+            self.counts[f"hub/rejected/{reason}"] += 1
             log.warning("rejected group for ticket %d from generator %d: %s", g.ticket, g.gen_id, reason)
             del self.in_flight[g.ticket]
             self.reissue.append(t)
             return
         del self.in_flight[g.ticket]
-        self.stats.gen_tokens += sum(M.n_tokens(s.token_ids) for s in g.samples)
-        filt = self.cfg.learner.filter
-        if (filt.dynamic_sampling and zero_spread([s.reward for s in g.samples])
-                and self.filtered_this_step < filt.max_filtered_batches * self.gps):
+        self.gen_tokens += sum(M.n_tokens(s.token_ids) for s in g.samples)
+        if self.rules.filters_out(g, self.filtered_this_step):
             # No reward spread, no advantage: drop it and let admission issue a replacement.
             self.filtered += 1
             self.filtered_this_step += 1
@@ -411,20 +364,13 @@ class Hub:
         self.cv.notify_all()
 
     def _eval_result(self, res: M.EvalResult) -> None:
-        t = self.eval_in_flight.get(res.ticket)
-        if t is None or t.gen_id != res.gen_id or t.incarnation != res.incarnation:
-            self.stats.counters["hub/rejected/unknown_ticket"] += 1
+        reason = self.evals.accept(res)
+        if reason is None:
+            self.cv.notify_all()
             return
-        del self.eval_in_flight[res.ticket]
-        sampling, k = eval_params(self.cfg, t.data_source)
-        reason = M.check_eval(res, k=k, version=t.version, max_tokens=sampling.max_new_tokens)
-        if reason is not None:
-            self.stats.counters[f"hub/rejected/{reason}"] += 1
+        self.counts[f"hub/rejected/{reason}"] += 1
+        if reason != "unknown_ticket":
             log.warning("rejected eval result for ticket %d from generator %d: %s", res.ticket, res.gen_id, reason)
-            self.eval_pending.appendleft((t.version, t.data_source, t.index))
-            return
-        self.eval_scores[t.version][t.data_source].append(res)
-        self.cv.notify_all()
 
     def _expire(self, now: float) -> None:
         limit = self.cfg.transport.generator_timeout_s
@@ -439,31 +385,22 @@ class Hub:
             if t.gen_id == gen_id:
                 del self.in_flight[tid]
                 self.reissue.append(t)
-                self.stats.counters["hub/reissued_prompts"] += 1
-        for tid, e in list(self.eval_in_flight.items()):
-            if e.gen_id == gen_id:
-                del self.eval_in_flight[tid]
-                self.eval_pending.appendleft((e.version, e.data_source, e.index))
-                self.stats.counters["hub/reissued_eval_prompts"] += 1
-        self.stats.counters[f"hub/generator_lost/{why}"] += 1
+                self.counts["hub/reissued_prompts"] += 1
+        if n := self.evals.requeue(gen_id):
+            self.counts["hub/reissued_eval_prompts"] += n
+        self.counts[f"hub/generator_lost/{why}"] += 1
+
+    def _new_ticket(self) -> int:
+        self.next_ticket += 1
+        return self.next_ticket - 1
 
     def _serve_eval(self, gen_id: int, gen: GenState) -> bool:
-        """Give this generator eval prompts: the next chunk of one data source (common.evaluation)."""
-        if not self.eval_pending:
+        """Give this generator eval prompts, if any are queued: they go before training work."""
+        work = self.evals.serve(gen_id, gen.incarnation, self._new_ticket)
+        if work is None:
             return False
-        version, ds, _ = self.eval_pending[0]
-        sampling, k = eval_params(self.cfg, ds)
-        room = eval_room(self.cfg, k)
-        items = []
-        while self.eval_pending and len(items) < room and self.eval_pending[0][:2] == (version, ds):
-            _, _, i = self.eval_pending.popleft()
-            t = EvalTicket(self.next_ticket, version, ds, i, gen_id, gen.incarnation)
-            self.next_ticket += 1
-            self.eval_in_flight[t.ticket] = t
-            p = self.eval_prompts[ds][i]
-            items.append(eval_item(self.cfg, t.ticket, ds, i, p, M.to_bytes(p.ids, M.TOKEN_DTYPE)))
         gen.wanted = 0
-        self.sock.send(gen.identity, M.EvalWork(items=items, k=k, sampling=sampling, policy_version=version))
+        self.sock.send(gen.identity, work)
         return True
 
     def _serve_wanted(self) -> None:
@@ -487,7 +424,7 @@ class Hub:
         if self.reissue:
             old = self.reissue.popleft()
             slot, prompt_id, epoch = old.slot, old.prompt_id, old.epoch
-        elif self.slots - self.filtered < self._admit_cap(self.version):
+        elif self.slots - self.filtered < self.rules.admit_cap(self.version):
             if self.pos == len(self.order):
                 self.epoch, self.pos = self.epoch + 1, 0
                 self.order = self.source.order(self.epoch)
@@ -496,8 +433,7 @@ class Hub:
             self.pos += 1
         else:
             return None  # admission control: the learner must catch up first
-        t = Ticket(self.next_ticket, slot, prompt_id, epoch, gen_id, incarnation, self.version)
-        self.next_ticket += 1
+        t = Ticket(self._new_ticket(), slot, prompt_id, epoch, gen_id, incarnation, self.version)
         self.in_flight[t.ticket] = t
         return t
 
@@ -517,23 +453,19 @@ class Hub:
         for gen in self.gens.values():
             self.sock.send(gen.identity, M.Stop(reason=reason))
 
-    def totals(self) -> tuple[int, int]:
-        """(groups dropped by dynamic sampling, tokens generated), both since the run began, read under the lock:
-        the trainer thread turns their differences into per-step metrics."""
-        with self.cv:
-            return self.filtered, self.stats.gen_tokens
-
-    def counters(self) -> dict[str, float]:
+    def stats(self) -> BrokerStats:
+        """The running totals, read under the lock: the trainer turns their differences into per-step metrics."""
         with self.cv:
             # Every issued slot is trained, ready, in flight, waiting for re-issue or filtered; anything else is lost.
             accounted = (self.n_trained + self.filtered + len(self.ready) + len(self.reissue)
                          + len({t.slot for t in self.in_flight.values()}))
-            return {**self._counted(), "hub/filtered_groups": self.filtered,
-                    "hub/lost_prompts": float(self.slots - accounted)}
+            counters = {**self._counted(), "hub/filtered_groups": self.filtered,
+                        "hub/lost_prompts": float(self.slots - accounted)}
+            return BrokerStats(filtered_groups=self.filtered, gen_tokens=self.gen_tokens, counters=counters)
 
     def _counted(self) -> dict[str, float]:
         """The hub's counters plus the socket's rejections (lock held)."""
-        out = dict(self.stats.counters)
+        out = dict(self.counts)
         for reason, n in self.sock.rejected.items():
             out[f"hub/rejected/{reason}"] = out.get(f"hub/rejected/{reason}", 0) + n
         return out

@@ -1,0 +1,230 @@
+"""The learner's step, as named phases: take a batch, share it, train, publish, record, checkpoint.
+
+`Learner` is handed its collaborators (`learner/__main__.py` builds the real ones), so a test drives it with
+stand-ins and no processes:
+- `trainer`: `train_step(batch, poison) -> StepStats` (learner/trainer.py);
+- `ranks`: the collectives between learner ranks (`Ranks`: share a batch, agree on a flag);
+- `role`: what this rank does besides training, the one place where rank 0 differs: `Lead` on rank 0 (the
+  broker, the weight publisher and its channels, the metrics sink, the rows held for evaluation, the PAR
+  schedule), `Follower` elsewhere (the publisher only: every rank publishes, ZeRO-3 gathers are collectives);
+- `save`: `(step, state, hub_blob) -> None`, the checkpoint writer (a collective: every rank calls it).
+
+The ordering that makes runs reproducible lives in `Lead.publish`: the publish of version v + 1 waits until
+the generation pinned to version v is in (`Hub.wait_version_done`), and the hub moves to the new version before
+the weights leave, because a token stamped with it may reach the hub the moment the broadcast lands.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from common import messages as M
+from common.config import Config, eval_versions
+from learner import batch as B
+from learner.trainer import step_metrics
+
+log = logging.getLogger("covrl.learner")
+
+
+class Ranks:
+    """The collectives between learner ranks (torch.distributed, already initialised)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def share(self, batch: B.StepBatch | None) -> B.StepBatch:
+        """Rank 0's batch to every rank: msgpack bytes in a broadcast (no pickles of our structs)."""
+        box = [B.encode(batch) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return B.decode(box[0])
+
+    def agree(self, flag: bool) -> bool:
+        """True on every rank if it is true on any."""
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+
+def host_metrics(groups: list, version: int) -> dict[str, float]:
+    """What rank 0 can read off the rollouts themselves."""
+    samples = [s for r in groups for s in r.group.samples]
+    stale = np.concatenate([version - M.as_array(s.versions, M.VERSION_DTYPE) for s in samples])
+    return {
+        "critic/score/mean": float(np.mean([s.reward for s in samples])),
+        "response_length/mean": float(np.mean([M.n_tokens(s.token_ids) for s in samples])),
+        "staleness/mean": float(stale.mean()),
+        "staleness/max": float(stale.max()),
+        "reward/timeouts": float(sum(s.score_status == "timeout" for s in samples)),
+        "reward/errors": float(sum(s.score_status == "error" for s in samples)),
+    }
+
+
+def fault_steps() -> set[int]:
+    """COVRL_FAULT_NONFINITE_STEPS="3,5-6": steps whose loss is made NaN (fault-injection tests only)."""
+    out: set[int] = set()
+    for part in filter(None, os.environ.get("COVRL_FAULT_NONFINITE_STEPS", "").split(",")):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+@dataclass(frozen=True)
+class Published:
+    seconds: float
+    nbytes: int
+    checksum: float
+    waited_s: float  # for the generation of the previous version, before the publish could start
+
+
+class Follower:
+    """Ranks 1..: train on rank 0's batch and take part in every collective; nothing to take, send or write."""
+
+    def __init__(self, publisher):
+        self.publisher = publisher  # learner/publisher.py, without a channel on these ranks
+
+    def take(self, step: int) -> None:
+        return None
+
+    def publish(self, step: int) -> None:
+        self.publisher.publish(step)  # under ZeRO-3 this rank's shards join each bucket's gather
+
+    def record(self, step: int, batch: B.StepBatch, metrics: dict[str, float], published, t0: float) -> None:
+        pass
+
+    def checkpoint_state(self, step: int, world: int) -> tuple[None, None]:
+        return None, None
+
+    def close(self, completed: bool) -> None:
+        pass
+
+
+class Lead:
+    """Rank 0: takes each batch from the broker, publishes once the version's generation is in, writes the rows.
+
+    The row of an evaluated version waits (`held`) for its eval results, so metrics.jsonl keeps one row per step
+    (step 0: the base model's evaluation) and rows stay in step order.
+    """
+
+    def __init__(self, cfg: Config, *, hub, publisher, sink, par, world: int, held: dict[int, dict[str, float]]):
+        self.cfg, self.hub, self.publisher, self.sink, self.par, self.world = cfg, hub, publisher, sink, par, world
+        self.evaluated = set(eval_versions(cfg))
+        self.held = held  # version -> its row, written once the version's eval results are in
+        self.wait_s = cfg.transport.generator_timeout_s * 5
+        self.extra: dict[str, float] = {}
+        self.last = hub.stats()
+        self.last_t = time.perf_counter()
+
+    def take(self, step: int) -> B.StepBatch:
+        version = step - 1
+        groups = self.hub.take_batch(version, timeout_s=self.wait_s)
+        self.extra = host_metrics(groups, version)
+        return B.batch_from_config([r.group for r in groups], self.cfg, version=version, ranks=self.world,
+                                   par_lambda=self.par.value(step))
+
+    def finish_version(self, v: int) -> float:
+        """Wait for the generation pinned to version v; write its held row. Returns seconds waited."""
+        waited = self.hub.wait_version_done(v, timeout_s=self.wait_s)
+        if v in self.held:
+            self.sink.write(v, {**self.held.pop(v), **self.hub.take_eval(v)})
+        return waited
+
+    def publish(self, step: int) -> Published:
+        waited = self.finish_version(step - 1)
+        self.hub.set_version(step)  # before the weights leave: work for `step` just waits in the generator
+        return Published(*self.publisher.publish(step), waited_s=waited)
+
+    def record(self, step: int, batch: B.StepBatch, metrics: dict[str, float], published: Published,
+               t0: float) -> None:
+        now = time.perf_counter()
+        stats = self.hub.stats()
+        metrics.update(self.extra)
+        metrics.update(stats.counters)
+        metrics.update(self.publisher.counter_values())
+        self.par.observe(metrics["actor/entropy"])
+        metrics.update({
+            "actor/par_lambda": batch.par_lambda,
+            "filter/dropped_groups": float(stats.filtered_groups - self.last.filtered_groups),
+            "critic/advantages/mean": float(np.mean([s.advantage for s in batch.samples])),
+            "perf/gen_tokens_per_s": (stats.gen_tokens - self.last.gen_tokens) / max(now - self.last_t, 1e-9),
+            "timing_s/step": now - t0,
+            "timing_s/weight_sync": published.seconds,
+            "timing_s/publish_wait": published.waited_s,
+            "weights/bytes": float(published.nbytes),
+            "weights/checksum": published.checksum,
+            "weights/version": float(step),
+        })
+        self.last, self.last_t = stats, now
+        if step in self.evaluated:
+            self.held[step] = metrics
+        else:
+            self.sink.write(step, metrics)
+
+    def checkpoint_state(self, step: int, world: int) -> tuple[dict, bytes]:
+        state = {"version": step, "par": self.par.state(), "held": {str(k): v for k, v in self.held.items()},
+                 "learners": world}
+        return state, self.hub.snapshot()
+
+    def close(self, completed: bool) -> None:
+        if completed:
+            self.finish_version(self.cfg.run.steps)
+        self.publisher.stop()
+        self.hub.stop()
+        self.sink.close()
+
+
+class Learner:
+    def __init__(self, cfg: Config, *, trainer, ranks: Ranks, role: Lead | Follower, world: int,
+                 save: Callable[[int, dict | None, bytes | None], None], stop_requested: threading.Event,
+                 run_dir: str, faults: set[int] = frozenset()):
+        self.cfg, self.trainer, self.ranks, self.role = cfg, trainer, ranks, role
+        self.world, self.save, self.stop_requested, self.run_dir, self.faults = world, save, stop_requested, run_dir, faults
+        self.skipped_in_row = 0
+
+    def run(self, start: int) -> int:
+        """Steps start + 1 .. run.steps, or until a stop or divergence. Returns the exit code (3: diverged)."""
+        step, code = start, None
+        for step in range(start + 1, self.cfg.run.steps + 1):
+            code = self.step(step)
+            if code is not None:
+                break
+        self.role.close(step == self.cfg.run.steps and not code)
+        return code or 0
+
+    def step(self, step: int) -> int | None:
+        """One learner step; an exit code when the run must stop here, else None."""
+        t0 = time.perf_counter()
+        batch = self.ranks.share(self.role.take(step))
+        stats = self.trainer.train_step(batch, poison=step in self.faults)
+        metrics = step_metrics(stats)
+        self.skipped_in_row = self.skipped_in_row + len(stats.skipped) if all(stats.skipped) else 0
+        published = self.role.publish(step)
+        self.role.record(step, batch, metrics, published, t0)
+        return self.checkpoint(step)
+
+    def checkpoint(self, step: int) -> int | None:
+        """Write a checkpoint when one is due (every N steps, the last step, a stop, divergence); stop if asked."""
+        stop = self.ranks.agree(self.stop_requested.is_set())
+        every = self.cfg.run.checkpoint_every_steps
+        diverged = self.skipped_in_row >= self.cfg.learner.max_consecutive_skipped_steps
+        if step == self.cfg.run.steps or (every and step % every == 0) or stop or diverged:
+            self.save(step, *self.role.checkpoint_state(step, self.world))
+        if diverged:
+            log.error("stopping: the last %d optimizer steps had a non-finite loss or gradient and were skipped "
+                      "(learner.max_consecutive_skipped_steps=%d); the weights are those of the last good step, saved "
+                      "in %s/checkpoints/step_%d. Lower learner.lr, check the reward and data, or resume with "
+                      "--resume %s", self.skipped_in_row, self.cfg.learner.max_consecutive_skipped_steps, self.run_dir,
+                      step, self.run_dir)
+            return 3
+        if stop:
+            log.info("stop requested: checkpoint of step %d written; continue with --resume %s", step, self.run_dir)
+            return 0
+        return None

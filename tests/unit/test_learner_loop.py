@@ -1,0 +1,183 @@
+"""The learner's step phases (learner/loop.py) driven with stand-in collaborators: no processes, no sockets.
+
+What is checked is the order the phases run in and what rank 0 writes: the publish of version v + 1 waits for
+the generation pinned to v, the hub moves to v + 1 before the weights leave, an evaluated version's row waits for
+its eval results, checkpoints fall when due, a stop or a run of skipped steps ends the run with the right code.
+"""
+
+import threading
+
+import numpy as np
+import torch
+
+from broker.hub import BrokerStats
+from common import messages as M
+from common.config import from_dict
+from learner import batch as B
+from learner.loop import Follower, Lead, Learner
+from learner.par import ParSchedule
+from learner.trainer import SUM_KEYS, StepStats
+
+CFG = {"run": {"steps": 4, "checkpoint_every_steps": 3}, "rollout": {"groups_per_step": 2, "group_size": 2},
+       "eval": {"every_steps": 2}, "learner": {"max_consecutive_skipped_steps": 2}}
+
+
+def _group(rewards):
+    samples = [M.Sample(token_ids=M.to_bytes([5, 6, 7], M.TOKEN_DTYPE), logprobs=M.to_bytes(np.full(3, -0.5), M.LOGPROB_DTYPE),
+                        versions=M.to_bytes([0, 0, 0], M.VERSION_DTYPE), reward=float(r), finish_reason="stop",
+                        score_status="ok") for r in rewards]
+    return M.RolloutGroup(gen_id=0, incarnation="x", ticket=0, prompt_id=0, epoch=0,
+                          prompt_ids=M.to_bytes([1, 2], M.TOKEN_DTYPE), samples=samples, gen_time_s=0.0)
+
+
+class Ready:
+    def __init__(self, group):
+        self.group = group
+
+
+class Hub:
+    def __init__(self, events):
+        self.events, self.taken = events, 0
+
+    def take_batch(self, version, timeout_s):
+        self.events.append(("take_batch", version))
+        self.taken += 2
+        return [Ready(_group([1, 0])), Ready(_group([0, 1]))]
+
+    def wait_version_done(self, version, timeout_s):
+        self.events.append(("wait_version_done", version))
+        return 0.25
+
+    def set_version(self, version):
+        self.events.append(("set_version", version))
+
+    def take_eval(self, version):
+        return {"eval/arith/acc": version / 10}
+
+    def stats(self):
+        return BrokerStats(filtered_groups=self.taken // 4, gen_tokens=6 * self.taken, counters={"hub/lost_prompts": 0.0})
+
+    def snapshot(self):
+        return b"hub"
+
+    def stop(self):
+        self.events.append(("hub.stop",))
+
+
+class Publisher:
+    def __init__(self, events, rank0=True):
+        self.events, self.rank0 = events, rank0
+
+    def publish(self, version):
+        self.events.append(("publish", version))
+        return (0.5, 1024, float(version)) if self.rank0 else None
+
+    def counter_values(self):
+        return {"weights/joins": 1.0}
+
+    def stop(self):
+        self.events.append(("publisher.stop",))
+
+
+class Sink:
+    def __init__(self, events):
+        self.events, self.rows = events, []
+
+    def write(self, step, metrics):
+        self.events.append(("write", step))
+        self.rows.append((step, dict(metrics)))
+
+    def close(self):
+        self.events.append(("sink.close",))
+
+
+class Trainer:
+    def __init__(self, events, skipped=frozenset()):
+        self.events, self.skipped = events, skipped
+
+    def train_step(self, batch, poison=False):
+        self.events.append(("train", batch.version))
+        sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
+        sums[SUM_KEYS.index("tokens")], sums[SUM_KEYS.index("entropy")] = 10.0, 3.0
+        return StepStats(sums=sums, grad_norm=1.0, train_s=0.1, entropy_delta_logged=False,
+                         skipped=[batch.version + 1 in self.skipped])
+
+
+class Ranks:
+    """One rank: the batch goes through the wire encoding, as the broadcast does."""
+
+    def __init__(self, stop_at=None):
+        self.stop_at, self.asked = stop_at, 0
+
+    def share(self, batch):
+        return B.decode(B.encode(batch))
+
+    def agree(self, flag):
+        self.asked += 1
+        return flag or self.asked == self.stop_at
+
+
+def _run(skipped=frozenset(), stop_at=None):
+    cfg = from_dict(CFG)
+    events, saves = [], []
+    sink = Sink(events)
+    lead = Lead(cfg, hub=Hub(events), publisher=Publisher(events), sink=sink, par=ParSchedule(cfg.learner.par, 4),
+                world=1, held={0: {}})
+    learner = Learner(cfg, trainer=Trainer(events, skipped), ranks=Ranks(stop_at), role=lead, world=1,
+                      save=lambda step, state, blob: saves.append((step, state["version"], blob)),
+                      stop_requested=threading.Event(), run_dir="RUN")
+    return learner.run(0), events, sink.rows, saves
+
+
+def test_phases_in_order_and_rows_in_step_order():
+    code, events, rows, saves = _run()
+    assert code == 0
+    step2 = events[events.index(("take_batch", 1)):events.index(("take_batch", 2))]
+    assert step2 == [("take_batch", 1), ("train", 1), ("wait_version_done", 1), ("set_version", 2), ("publish", 2)]
+    assert events[-5:] == [("wait_version_done", 4), ("write", 4), ("publisher.stop",), ("hub.stop",), ("sink.close",)]
+    assert [s for s, _ in rows] == [0, 1, 2, 3, 4], "one row per step, in step order"
+    by_step = dict(rows)
+    assert by_step[0] == {"eval/arith/acc": 0.0}, "step 0's row is the base model's evaluation"
+    # Evaluated versions (2, 4: every 2 and the last) are written once their eval results are in, after the next publish.
+    assert by_step[2]["eval/arith/acc"] == 0.2 and by_step[4]["eval/arith/acc"] == 0.4
+    assert "eval/arith/acc" not in by_step[1] and "eval/arith/acc" not in by_step[3]
+    assert events.index(("write", 2)) > events.index(("publish", 2)) and events.index(("write", 2)) < events.index(("publish", 3))
+    r = by_step[3]
+    assert r["actor/entropy"] == 0.3 and r["weights/version"] == 3.0 and r["weights/checksum"] == 3.0
+    assert r["timing_s/publish_wait"] == 0.25 and r["weights/bytes"] == 1024 and r["weights/joins"] == 1.0
+    assert [by_step[s]["filter/dropped_groups"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 0.0, 1.0]  # differences
+    assert r["critic/score/mean"] == 0.5 and r["staleness/max"] == 2.0 and r["critic/advantages/mean"] == 0.0
+    assert [s for s, _, _ in saves] == [3, 4] and all(v == s and blob == b"hub" for s, v, blob in saves)
+
+
+def test_a_stop_checkpoints_and_leaves_without_waiting_for_the_last_version():
+    code, events, rows, saves = _run(stop_at=2)
+    assert code == 0 and [s for s, _, _ in saves] == [2]
+    assert ("take_batch", 2) not in events and ("wait_version_done", 2) not in events
+    assert events[-3:] == [("publisher.stop",), ("hub.stop",), ("sink.close",)]
+
+
+def test_consecutive_skipped_steps_stop_the_run_with_code_3():
+    code, events, rows, saves = _run(skipped={2, 3})
+    assert code == 3 and [s for s, _, _ in saves] == [3]  # max_consecutive_skipped_steps = 2: steps 2 and 3
+    assert ("take_batch", 3) not in events
+
+
+def test_a_follower_trains_and_publishes_every_step_and_writes_nothing():
+    cfg = from_dict(CFG)
+    events, saves = [], []
+    lead_batches = []
+
+    class Broadcast(Ranks):
+        def share(self, batch):
+            assert batch is None, "a follower has no batch of its own"
+            b = B.batch_from_config([_group([1, 0]), _group([0, 1])], cfg, version=len(lead_batches), ranks=1)
+            lead_batches.append(b)
+            return b
+
+    learner = Learner(cfg, trainer=Trainer(events), ranks=Broadcast(), role=Follower(Publisher(events, rank0=False)),
+                      world=1, save=lambda step, state, blob: saves.append((step, state, blob)),
+                      stop_requested=threading.Event(), run_dir="RUN")
+    assert learner.run(0) == 0
+    assert [e for e in events if e[0] == "publish"] == [("publish", s) for s in (1, 2, 3, 4)]
+    assert saves == [(3, None, None), (4, None, None)]
