@@ -190,7 +190,7 @@ def covariance_score(
     """Cov_t = (logp_t - mean logp)(A_t - mean A) (Eq. 10).
 
     The means are over the valid tokens passed in, or `means` = (mean logp, mean A)
-    taken over a larger batch (the trainer's whole step). logp is detached: the
+    taken over a larger batch (the whole step: `select_step` in learner/objective.py). logp is detached: the
     score selects tokens, it is not optimised.
     """
     lp = logprobs.detach()
@@ -256,7 +256,7 @@ def clip_cov_loss(
     They stay in the token-mean denominator. Paper: cov_fraction 2e-4, bounds
     (1, 5), clip ratios 1 (so the covariance selection is the trust region).
     `selected`, if given, is a choice already made over a larger batch (the
-    trainer's step-wide selection); it still never touches a PPO-clipped token.
+    loss's step-wide choice, learner/objective.py); it still never touches a PPO-clipped token.
     """
     log_ratio = _log_ratio(logprobs, old_logprobs)
     pg1, pg2 = _clipped_pg(log_ratio, advantages, clip_low, clip_high)
@@ -302,7 +302,7 @@ def kl_cov_loss(
     log_ratio = _log_ratio(logprobs, old_logprobs)
     pg = -advantages * log_ratio.exp()
     cov = covariance_score(logprobs, advantages, mask)
-    if selected is not None:  # chosen over the whole step by the trainer
+    if selected is not None:  # chosen over the whole step (learner/objective.py KLCov)
         selected = selected.bool() & (mask > 0)
     else:
         eligible = kl_cov_eligible(cov, mask)

@@ -2,15 +2,17 @@
 
 One `train_step`:
 1. `_survey` (no grad, only when something needs it): log pi_prox, the entropy
-   before the update, and the step-wide choices that must see the *whole* batch
-   on all ranks - Clip-Cov / KL-Cov token selection (covariance means and top-k
-   over the global batch, as docs/DESIGN.md requires), the high-entropy mask, pi_ref.
+   before the update, pi_ref, and the token choices that must see the *whole*
+   batch on all ranks, which the objective makes (`Objective.select`: the loss's
+   own, e.g. Clip-Cov / KL-Cov over the step, and the high-entropy mask).
 2. for each mini-batch: forward/backward every micro-batch of this rank, then
    one optimizer step. A micro-batch's loss is its share of the aggregate over
    the *whole mini-batch on all ranks*, times the data-parallel world size
    because DeepSpeed averages gradients over ranks; so the update does not
    depend on how the batch was split.
 3. optionally the entropy of the same batch after the update (`entropy_delta`).
+Metrics are gathered by name per micro-batch and summed over ranks in one
+all_reduce of a vector laid out in `SUM_KEYS` order.
 
 pi_prox: with one mini-batch and no survey, the policy at the start of the step
 is the current one, so log pi_prox = logp.detach() and no extra pass is needed.
@@ -32,11 +34,10 @@ import torch
 import torch.distributed as dist
 
 from common.cluster import apply_memory_fraction
-from common.config import ClipCovLoss, Config, KLCovLoss
-from learner import losses as L
+from common.config import Config
 from learner.batch import StepBatch, pack
 from learner.logprobs import install_token_forward
-from learner.objective import Objective, Tokens
+from learner.objective import Objective, Surveyed, Tokens
 
 log = logging.getLogger("covrl.trainer")
 
@@ -98,6 +99,8 @@ def ds_config(cfg: Config) -> dict:
     return out
 
 
+# The step's named sums, in the layout of the one all_reduce that adds them over ranks. Every rank
+# builds the vector by name in this order; a key missing on a rank (e.g. no `cov_selected` for PPO) is 0.
 SUM_KEYS = (
     "tokens", "entropy", "pg_loss", "pg_clipfrac", "ppo_kl", "is_weight", "is_weight_clipfrac",
     "logp", "adv", "logp_adv", "seq_tokens", "ranks", "cov_selected", "entropy_after", "kl_ref",
@@ -112,16 +115,57 @@ class StepStats:
     entropy_delta_logged: bool
     skipped: list[bool]  # per optimizer step: skipped for a non-finite loss or gradient (same on every rank)
 
+    def totals(self) -> dict[str, float]:
+        """The step's sums by name."""
+        return dict(zip(SUM_KEYS, self.sums.tolist()))
 
-def _global_kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
-    """The k-th largest of the union of every rank's `values` (1-D); -inf if fewer than k exist,
-    so `>= kth` then keeps them all."""
-    local = values.topk(min(k, values.numel())).values if values.numel() else values
-    buf = torch.full((k,), float("-inf"), dtype=torch.float64)
-    buf[: local.numel()] = local.double()
-    gathered = [torch.empty_like(buf) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, buf)
-    return torch.cat(gathered).topk(k).values[-1]
+
+def micro_sums(t: Tokens, metrics: dict[str, torch.Tensor], entropy_before: torch.Tensor,
+               seq_tokens: int) -> dict[str, torch.Tensor]:
+    """One micro-batch's named contributions to the step's sums, 0-d tensors on its device: every per-token
+    metric of the objective summed over the tokens, plus the token count, the entropy before the update and
+    the log pi_prox / advantage sums behind actor/cov_mean."""
+    lp, a = t.old * t.mask, t.adv * t.mask
+    own = {"tokens": t.mask.sum(), "entropy": (entropy_before * t.mask).sum(), "logp": lp.sum(), "adv": a.sum(),
+           "logp_adv": (lp * a).sum(), "seq_tokens": t.mask.new_zeros(()) + float(seq_tokens)}
+    return own | {name: v.sum() for name, v in metrics.items()}
+
+
+def accumulate(totals: dict[str, torch.Tensor], named: dict[str, torch.Tensor]) -> None:
+    """totals[name] += named[name] in float64 on the host, with one device-to-host copy for all names."""
+    keys = sorted(named)
+    for key, v in zip(keys, torch.stack([named[k] for k in keys]).double().cpu()):
+        totals[key] = totals.get(key, torch.zeros((), dtype=torch.float64)) + v
+
+
+def sum_vector(totals: dict[str, torch.Tensor | float]) -> torch.Tensor:
+    """The named totals as the float64 vector the all_reduce adds, in `SUM_KEYS` order, 0 where absent."""
+    unknown = sorted(set(totals) - set(SUM_KEYS))
+    if unknown:
+        raise KeyError(f"metric sums {unknown} have no slot in learner/trainer.py SUM_KEYS, so ranks could not add "
+                       f"them; add each name there (and its ratio to step_metrics)")
+    return torch.tensor([float(totals.get(k, 0.0)) for k in SUM_KEYS], dtype=torch.float64)
+
+
+class DataParallel:
+    """The step-wide choices' collectives over the learner ranks (`learner.objective.Collectives`), on host tensors."""
+
+    def __init__(self):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def sum_(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        return x
+
+    def kth_largest(self, values: torch.Tensor, k: int) -> torch.Tensor:
+        """The k-th largest of the union of every rank's `values` (1-D); -inf if fewer than k exist,
+        so `>= kth` then keeps them all."""
+        local = values.topk(min(k, values.numel())).values if values.numel() else values
+        buf = torch.full((k,), float("-inf"), dtype=torch.float64)
+        buf[: local.numel()] = local.double()
+        gathered = [torch.empty_like(buf) for _ in range(self.world)]
+        dist.all_gather(gathered, buf)
+        return torch.cat(gathered).topk(k).values[-1]
 
 
 class Trainer:
@@ -159,11 +203,11 @@ class Trainer:
             self.ref.to(self.device)
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
+        self.comm = DataParallel()
         self.objective = Objective(lc, cfg.rollout.max_new_tokens)
-        self.step_wide_cov = lc.cov_scope == "step" and isinstance(lc.loss, (ClipCovLoss, KLCovLoss))
         # With one mini-batch the training forward itself sees pi_prox and the entropy before the
         # update, so the survey pass is only paid for when something needs the whole step first.
-        self.needs_survey = lc.mini_batches > 1 or self.step_wide_cov or lc.high_entropy_fraction > 0 or self.ref is not None
+        self.needs_survey = lc.mini_batches > 1 or self.objective.selects_over_step or self.ref is not None
 
     @property
     def module(self) -> torch.nn.Module:
@@ -189,66 +233,19 @@ class Trainer:
         return torch.Generator().manual_seed(batch.seed * 1009 + self.rank)
 
     @torch.no_grad()
-    def _survey(self, batch: StepBatch, micro: list) -> dict:
-        """Everything that must be known about the whole step before the first update."""
-        lc = self.cfg.learner
+    def _survey(self, batch: StepBatch, micro: list) -> dict[tuple[int, int], Surveyed]:
+        """Everything that must be known about the whole step before the first update, by (mini, micro) index."""
         self.engine.eval()
         per = {}
         for m, k, idx, mb in micro:
             logp, ent = self._logp_entropy(self.module, mb)
             ref = self._logp_entropy(self.ref, mb)[0] if self.ref is not None else None
-            per[(m, k)] = {"old": logp, "entropy": ent, "ref": ref, "mb": mb}
+            per[(m, k)] = Surveyed(old=logp, entropy=ent, adv=mb["adv"], mask=mb["mask"], ref=ref)
         self.engine.train()
-        if self.step_wide_cov:
-            self._select_cov(per, batch)
-        if lc.high_entropy_fraction > 0:
-            self._select_high_entropy(per)
+        self.objective.select(list(per.values()), self.comm, self._generator(batch))
         return per
 
-    def _select_cov(self, per: dict, batch: StepBatch) -> None:
-        """Clip-Cov / KL-Cov choice over the global batch: global means, global top-k."""
-        loss = self.cfg.learner.loss
-        sums = torch.zeros(3, dtype=torch.float64)
-        for e in per.values():
-            m = e["mb"]["mask"]
-            sums += torch.stack([(e["old"] * m).sum(), (e["mb"]["adv"] * m).sum(), m.sum()]).double().cpu()
-        dist.all_reduce(sums)
-        n = sums[2].clamp(min=1.0)
-        mean_lp, mean_a = sums[0] / n, sums[1] / n
-        fraction = loss.cov_fraction if isinstance(loss, ClipCovLoss) else loss.kl_fraction
-        k = max(1, int(fraction * float(sums[2])))
-        gen = self._generator(batch)
-        floor = -1.0 if isinstance(loss, ClipCovLoss) else float("-inf")  # the score of a non-candidate
-        scores = []
-        for e in per.values():
-            m = e["mb"]["mask"]
-            cov = L.covariance_score(e["old"].double(), e["mb"]["adv"].double(), m, means=(mean_lp, mean_a))
-            if isinstance(loss, ClipCovLoss):
-                e["score"] = L.clip_cov_keys(L.clip_cov_candidates(cov, m, loss.cov_lb, loss.cov_ub), gen).double()
-            else:
-                eligible = L.kl_cov_eligible(cov, m)
-                # Identical responses give identical scores; a tie at the k-th value would select
-                # every tied token. A tiny deterministic offset by (rank, position) breaks ties
-                # without reordering scores that differ by more than ~1e-12.
-                pos = torch.arange(cov.numel(), dtype=torch.float64, device=cov.device).view_as(cov) / (cov.numel() + 1)
-                tie = 1e-12 * (self.rank + pos) / self.world
-                e["score"] = torch.where(eligible, cov - tie, torch.full_like(cov, float("-inf")))
-            scores.append(e["score"][e["score"] > floor])
-        kth = _global_kth_largest(torch.cat(scores).cpu() if scores else torch.zeros(0, dtype=torch.float64), k)
-        for e in per.values():
-            e["selected"] = (e["score"] >= kth) & (e["score"] > floor)
-
-    def _select_high_entropy(self, per: dict) -> None:
-        """Keep the top-rho entropy tokens of the global batch (Wang et al. 2025)."""
-        vals = [e["entropy"][e["mb"]["mask"] > 0] for e in per.values()]
-        local = torch.cat(vals).cpu() if vals else torch.zeros(0)
-        count = torch.tensor([float(local.numel())], dtype=torch.float64)
-        dist.all_reduce(count)
-        kth = _global_kth_largest(local, L.high_entropy_count(float(count), self.cfg.learner.high_entropy_fraction))
-        for e in per.values():
-            e["keep"] = L.high_entropy_keep(e["entropy"], e["mb"]["mask"], kth)
-
-    def _prox(self, survey, m: int, k: int, logp: torch.Tensor, mb: dict, batch: StepBatch) -> torch.Tensor:
+    def _prox(self, before: Surveyed, m: int, logp: torch.Tensor, mb: dict, batch: StepBatch) -> torch.Tensor:
         imp = self.cfg.learner.importance
         if imp.prox == "behaviour":
             return mb["behav"]
@@ -259,9 +256,7 @@ class Trainer:
             ver = mb["versions"].double()
             alpha = ((v - ver) / (v + m / len(batch.plan) - ver)).clamp(0.0, 1.0).float()
             return mb["behav"] + alpha * (logp.detach() - mb["behav"])
-        if survey is not None:
-            return survey[(m, k)]["old"]
-        return logp.detach()
+        return before.old
 
     def _optimizer_step(self) -> bool:
         """One optimizer step at a gradient-accumulation boundary; False if it was skipped because the
@@ -285,7 +280,7 @@ class Trainer:
         t0 = time.perf_counter()
         micro = self._micro(batch)
         survey = self._survey(batch, micro) if self.needs_survey else None
-        sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
+        totals: dict[str, torch.Tensor] = {}
         grad_norms, skipped = [], []
         gen = self._generator(batch)
         self.engine.train()
@@ -298,10 +293,12 @@ class Trainer:
             if hasattr(self.engine.optimizer, "clear_backward_seen_flag"):
                 self.engine.optimizer.clear_backward_seen_flag()
             logp, entropy = self._logp_entropy(self.module, mb)
-            e = survey[(m, k)] if survey is not None else {}
-            t = Tokens(logp=logp, entropy=entropy, old=self._prox(survey, m, k, logp, mb, batch), behav=mb["behav"],
+            # The policy at the step start: surveyed, or (one mini-batch, no survey) the one just run.
+            e = survey[(m, k)] if survey is not None else Surveyed(old=logp.detach(), entropy=entropy,
+                                                                   adv=mb["adv"], mask=mb["mask"])
+            t = Tokens(logp=logp, entropy=entropy, old=self._prox(e, m, logp, mb, batch), behav=mb["behav"],
                        adv=mb["adv"], mask=mb["mask"], seq_ids=mb["seq_ids"], num_seqs=max(len(idx), 1),
-                       ref=e.get("ref"), selected=e.get("selected"), keep=e.get("keep"))
+                       ref=e.ref, selected=e.selected, keep=e.keep)
             loss, met = self.objective(t, global_tokens=float(batch.mini_tokens[m]), global_seqs=float(batch.mini_seqs[m]),
                                        par_lambda=batch.par_lambda, generator=gen)
             loss = loss * self.world
@@ -313,17 +310,8 @@ class Trainer:
                 # the forward on the placeholder input already reaches every parameter.)
                 loss = loss + 0.0 * sum(p.sum() for p in self.module.parameters())
             self.engine.backward(loss, scale_wrt_gas=False)
-            with torch.no_grad():
-                mask = t.mask
-                ent0 = e["entropy"] if e else entropy  # entropy of the policy *before* this step's updates
-                lp, a = t.old * mask, t.adv * mask
-                zero = mask.new_zeros(())
-                sums += torch.stack([
-                    mask.sum(), (ent0 * mask).sum(), met["pg_loss"].sum(), met["pg_clipfrac"].sum(),
-                    met["ppo_kl"].sum(), met["is_weight"].sum(), met["is_weight_clipfrac"].sum(),
-                    lp.sum(), a.sum(), (lp * a).sum(), zero + float(mb["input_ids"].numel() if idx else 0),
-                    zero, met.get("cov_selected", zero).sum(), zero, met.get("kl_ref", zero).sum(),
-                ]).double().cpu()
+            with torch.no_grad():  # e.entropy: the policy *before* this step's updates
+                accumulate(totals, micro_sums(t, met, e.entropy, mb["input_ids"].numel() if idx else 0))
             if k == n_micro[m] - 1:
                 applied = self._optimizer_step()
                 skipped.append(not applied)
@@ -332,8 +320,9 @@ class Trainer:
                     grad_norms.append(float(gn))
         logged_after = self.cfg.learner.log_entropy_delta
         if logged_after:
-            sums[SUM_KEYS.index("entropy_after")] = self._entropy_sum(micro)
-        sums[SUM_KEYS.index("ranks")] = 1.0 if sums[SUM_KEYS.index("tokens")] > 0 else 0.0
+            totals["entropy_after"] = self._entropy_sum(micro)
+        totals["ranks"] = 1.0 if totals.get("tokens", 0.0) > 0 else 0.0
+        sums = sum_vector(totals)
         dist.all_reduce(sums)
         return StepStats(sums=sums, grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
                          train_s=time.perf_counter() - t0, entropy_delta_logged=logged_after, skipped=skipped)
@@ -351,7 +340,7 @@ class Trainer:
 
 
 def step_metrics(stats: StepStats) -> dict[str, float]:
-    s = dict(zip(SUM_KEYS, stats.sums.tolist()))
+    s = stats.totals()
     n = max(s["tokens"], 1.0)
     mean_lp, mean_a = s["logp"] / n, s["adv"] / n
     out = {

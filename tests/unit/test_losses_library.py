@@ -32,6 +32,12 @@ MODES = {
 }
 
 
+def test_every_registered_loss_has_its_library_cases():
+    from learner.objective import LOSSES
+
+    assert set(MODES) == set(LOSSES), "a loss in learner/objective.py LOSSES without a MODES entry here goes untested"
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_zero_advantages_give_zero_loss_and_gradient(mode):
     logp, old, adv, mask = _data()

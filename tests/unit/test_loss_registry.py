@@ -1,0 +1,174 @@
+"""The loss registry (learner/objective.py LOSSES) and the train step's named metric sums (learner/trainer.py).
+
+Each registered loss owns its step-wide token choice; these tests work the choices out by hand on a step of two
+micro-batches seen by one rank (`OneRank`), where the step's statistics differ from each micro-batch's own.
+"""
+
+import typing
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from common import config as C
+from learner import losses as L
+from learner.objective import LOSSES, Objective, Surveyed, Tokens, loss_name, make_loss
+from learner.trainer import SUM_KEYS, StepStats, accumulate, micro_sums, step_metrics, sum_vector
+
+G = lambda s=0: torch.Generator().manual_seed(s)  # noqa: E731
+
+
+class OneRank:
+    """`learner.objective.Collectives` of a data-parallel group of one rank."""
+
+    rank, world = 0, 1
+
+    def sum_(self, x):
+        return x
+
+    def kth_largest(self, values, k):
+        ordered = values.double().sort(descending=True).values
+        return ordered[k - 1] if k <= ordered.numel() else torch.tensor(float("-inf"), dtype=torch.float64)
+
+
+def _lc(loss, **learner):
+    return C.LearnerConfig(loss=loss, **learner)
+
+
+def _step():
+    """Two micro-batches [1, 3]; the last token of each is padding with values that would dominate if counted.
+
+    Over the step: mean log pi_prox = (-0.5 - 2.5 - 3 - 1.5) / 4 = -1.875, mean A = 0, so
+    Cov = [[1.375 * 1, -0.625 * 1, 0], [-1.125 * -1, 0.375 * -1, 0]] = [[1.375, -0.625, 0], [1.125, -0.375, 0]].
+    Inside either micro-batch alone all A are equal, so its own Cov is 0 everywhere.
+    """
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    return [Surveyed(old=torch.tensor([[-0.5, -2.5, 9.0]]), entropy=torch.tensor([[0.1, 0.9, 5.0]]),
+                     adv=torch.tensor([[1.0, 1.0, 50.0]]), mask=mask),
+            Surveyed(old=torch.tensor([[-3.0, -1.5, 9.0]]), entropy=torch.tensor([[0.5, 0.7, 5.0]]),
+                     adv=torch.tensor([[-1.0, -1.0, 50.0]]), mask=mask)]
+
+
+def _chosen(loss_cfg, seed=0, **learner):
+    entries = _step()
+    out = make_loss(_lc(loss_cfg, **learner)).select_step(entries, OneRank(), G(seed))
+    return [s.tolist() for s in out]
+
+
+def test_registry_covers_every_configurable_loss():
+    tags = {loss_name(cls()) for cls in typing.get_args(C.LossConfig)}
+    assert set(LOSSES) == tags
+    for cls in typing.get_args(C.LossConfig):
+        assert isinstance(make_loss(_lc(cls())), LOSSES[loss_name(cls())])
+
+
+def test_unknown_loss_names_the_registered_ones():
+    class Mystery(C._Loss, tag="mystery"):
+        pass
+
+    with pytest.raises(ValueError, match=r"'mystery'; registered: cispo, clip_cov, gspo, kl_cov, ppo"):
+        make_loss(_lc(Mystery()))
+
+
+@pytest.mark.parametrize("scope", ["step", "micro_batch"])
+def test_only_covariance_losses_over_the_step_choose_step_wide(scope):
+    has = {name: make_loss(_lc(cls(), cov_scope=scope)).select_step is not None
+           for name, cls in (("ppo", C.PPOLoss), ("clip_cov", C.ClipCovLoss), ("kl_cov", C.KLCovLoss),
+                             ("gspo", C.GSPOLoss), ("cispo", C.CISPOLoss))}
+    want = scope == "step"
+    assert has == {"ppo": False, "clip_cov": want, "kl_cov": want, "gspo": False, "cispo": False}
+
+
+def test_kl_cov_step_choice_hand_computed():
+    # Eligible (Cov > 0): 1.375 and 1.125. k = max(1, int(f * 4 valid tokens)).
+    none = [[False, False, False]]
+    assert _chosen(C.KLCovLoss(kl_fraction=0.25)) == [[[True, False, False]], none]  # k = 1: 1.375
+    assert _chosen(C.KLCovLoss(kl_fraction=0.5)) == [[[True, False, False]], [[True, False, False]]]  # k = 2
+    assert _chosen(C.KLCovLoss(kl_fraction=1.0)) == [[[True, False, False]], [[True, False, False]]]  # k = 4 > 2
+    # Per micro-batch (cov_scope = "micro_batch") the same tokens have Cov 0: nothing is chosen.
+    for e in _step():
+        _, m = L.kl_cov_loss(e.old, e.old, e.adv, e.mask, kl_fraction=1.0, kl_coef=1.0)
+        assert m["cov_selected"].sum() == 0
+
+
+def test_clip_cov_step_choice_hand_computed():
+    # Candidates: lb < Cov < ub. With lb 1.2 only 1.375 is one; k = 1.
+    assert _chosen(C.ClipCovLoss(cov_fraction=0.25, cov_lb=1.2)) == [[[True, False, False]], [[False, False, False]]]
+    # lb 1.0: candidates 1.375 and 1.125; k = 2 takes both.
+    assert _chosen(C.ClipCovLoss(cov_fraction=0.5, cov_lb=1.0)) == [[[True, False, False]], [[True, False, False]]]
+    # k = 1 of the 2: one of them, drawn from the step's generator (the same seed, the same choice).
+    one = _chosen(C.ClipCovLoss(cov_fraction=0.25, cov_lb=1.0), seed=3)
+    assert sum(row[0][0] for row in one) == 1 and not any(row[0][1] or row[0][2] for row in one)
+    assert _chosen(C.ClipCovLoss(cov_fraction=0.25, cov_lb=1.0), seed=3) == one
+    seen = {str(_chosen(C.ClipCovLoss(cov_fraction=0.25, cov_lb=1.0), seed=s)) for s in range(16)}
+    assert len(seen) == 2  # both candidates get drawn
+
+
+def test_objective_select_fills_the_step_choices():
+    # High entropy: top 50 % of 4 valid tokens = 2 (0.9 and 0.7); the padded 5.0 never counts.
+    obj = Objective(_lc(C.KLCovLoss(kl_fraction=0.25), high_entropy_fraction=0.5), max_new_tokens=8)
+    assert obj.selects_over_step
+    entries = _step()
+    obj.select(entries, OneRank(), G(0))
+    assert [e.keep.tolist() for e in entries] == [[[0.0, 1.0, 0.0]], [[0.0, 1.0, 0.0]]]
+    assert [e.selected.tolist() for e in entries] == [[[True, False, False]], [[False, False, False]]]
+    # Nothing step-wide: no survey is needed for it, and select leaves the entries alone.
+    plain = Objective(_lc(C.ClipCovLoss(), cov_scope="micro_batch"), max_new_tokens=8)
+    assert not plain.selects_over_step
+    entries = _step()
+    plain.select(entries, OneRank(), G(0))
+    assert all(e.selected is None and e.keep is None for e in entries)
+
+
+def _tokens(adv, selected=None, seed=0):
+    g = G(seed)
+    logp = (-torch.rand(1, 12, generator=g) * 3).requires_grad_()
+    old = logp.detach() + 0.1 * torch.randn(1, 12, generator=g)
+    mask = torch.ones(1, 12)
+    mask[0, -2:] = 0.0
+    return Tokens(logp=logp, entropy=torch.ones(1, 12), old=old, behav=old, adv=adv * torch.ones(1, 12), mask=mask,
+                  seq_ids=torch.tensor([[0] * 6 + [1] * 6]), num_seqs=2, selected=selected)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_every_registered_loss_gives_zero_loss_and_gradient_at_zero_advantage(name):
+    cfg = next(cls() for cls in typing.get_args(C.LossConfig) if loss_name(cls()) == name)
+    loss = make_loss(_lc(cfg))
+    selected = torch.zeros(1, 12, dtype=torch.bool) if loss.select_step is not None else None
+    t = _tokens(0.0, selected)
+    tok, metrics = loss(t, G(1))
+    L.aggregate(tok, t.mask, "token-mean", global_tokens=t.mask.sum()).backward()
+    assert_close(tok, torch.zeros(1, 12))
+    assert_close(t.logp.grad, torch.zeros(1, 12))
+    assert {"pg_clipfrac", "ppo_kl"} <= set(metrics) <= set(SUM_KEYS)
+
+
+def test_registry_binds_the_config_knobs():
+    # PPO: dual_clip_c = 0 turns dual-clip off. A = -1, r = e^2 = 7.39 > c: without the cap the loss is 7.39.
+    t = Tokens(logp=torch.tensor([[2.0]]), entropy=torch.zeros(1, 1), old=torch.zeros(1, 1), behav=torch.zeros(1, 1),
+               adv=-torch.ones(1, 1), mask=torch.ones(1, 1), seq_ids=torch.zeros(1, 1, dtype=torch.long), num_seqs=1)
+    assert_close(make_loss(_lc(C.PPOLoss(dual_clip_c=0.0)))(t, G())[0], torch.tensor([[torch.e ** 2]]))
+    assert_close(make_loss(_lc(C.PPOLoss(dual_clip_c=3.0)))(t, G())[0], torch.tensor([[3.0]]))
+    # KL-Cov with a step-wide choice: the penalty kl_coef * |logp - old| = 0.5 * 2 lands on the chosen token.
+    t.selected = torch.ones(1, 1, dtype=torch.bool)
+    assert_close(make_loss(_lc(C.KLCovLoss(kl_coef=0.5)))(t, G())[0], torch.tensor([[torch.e ** 2 + 1.0]]))
+
+
+def test_step_sums_are_gathered_by_name():
+    t = _tokens(1.0)
+    metrics = {"pg_loss": t.mask * 2.0, "pg_clipfrac": t.mask * 0.5, "ppo_kl": t.mask, "is_weight": t.mask,
+               "is_weight_clipfrac": torch.zeros(1, 12)}
+    totals = {}
+    accumulate(totals, micro_sums(t, metrics, entropy_before=torch.full((1, 12), 0.25), seq_tokens=13))
+    accumulate(totals, micro_sums(t, metrics, entropy_before=torch.full((1, 12), 0.25), seq_tokens=13))
+    totals["ranks"] = 1.0
+    stats = StepStats(sums=sum_vector(totals), grad_norm=1.0, train_s=2.0, entropy_delta_logged=False, skipped=[False])
+    s = stats.totals()
+    # 10 valid tokens per micro-batch, two micro-batches; names absent from every micro-batch sum to 0.
+    assert (s["tokens"], s["entropy"], s["pg_loss"], s["pg_clipfrac"], s["seq_tokens"]) == (20.0, 5.0, 40.0, 10.0, 26.0)
+    assert s["cov_selected"] == s["kl_ref"] == s["entropy_after"] == 0.0
+    m = step_metrics(stats)
+    assert (m["actor/entropy"], m["actor/pg_loss"], m["actor/pg_clipfrac"], m["perf/learner_tokens_per_s"]) == \
+        (0.25, 2.0, 0.5, 13.0)
+    with pytest.raises(KeyError, match="'surprise'.*SUM_KEYS"):
+        sum_vector(totals | {"surprise": 1.0})
