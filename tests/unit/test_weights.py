@@ -262,3 +262,56 @@ def test_wait_until_gives_up_at_its_deadline():
     assert not wait_until(lambda: False, 0.05) and time.monotonic() - t0 >= 0.05
     flips = iter([False, False, True])
     assert wait_until(lambda: next(flips), 1.0)
+
+
+def test_model_publisher_on_rank_0_sends_the_module_through_its_channel(monkeypatch):
+    """Rank 0's one publish path: its module's buckets (assembled in one scratch buffer) go through the channel,
+    and the caller gets (seconds, bytes sent to each generator, checksum) with the receiver's checksum."""
+    from learner.publisher import ModelPublisher, WeightPublisher
+
+    monkeypatch.setattr(W, "BUCKET_NUMEL", 16)  # several buckets through the one scratch buffer
+    model = _model(9)
+    port = free_port()
+    pub = ModelPublisher(model, zero3=False, channel=WeightPublisher("127.0.0.1", port, 30))
+    lay = W.layout(model)
+    assert pub.layout == lay and pub.scratch.numel() == max(e - s for _, _, s, e in W.bucket_plan(lay))
+    got = []
+
+    def generator():
+        ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=W.pair_prefix(0, "m"))
+        while (r := ch.receive(lay)) is not None:
+            got.append(r)
+
+    t = threading.Thread(target=generator, daemon=True)
+    t.start()
+    pub.channel.join(0, "m")
+    assert wait_until(lambda: pub.channel.channels, 30, 0.01)
+    seconds, nbytes, total = pub.publish(3)
+    assert 0 <= seconds < 30 and nbytes == lay.numel * 4 and total == W.checksum(W.flatten(model), lay)
+    assert pub.counter_values()["weights/joins"] == 1
+    pub.stop()
+    t.join(30)
+    ((version, flat, received_sum),) = got
+    assert version == 3 and torch.equal(flat, W.flatten(model)) and received_sum == total
+
+
+@pytest.mark.parametrize("zero3, walked", [(False, 0), (True, 4)])
+def test_model_publisher_elsewhere_sends_nothing_and_gathers_only_under_zero3(monkeypatch, zero3, walked):
+    """A rank without a channel returns None; under ZeRO-3 it still walks every bucket (each gather is a collective
+    rank 0 waits in), and without ZeRO-3 it reads no parameter at all."""
+    import learner.publisher as P
+
+    monkeypatch.setattr(W, "BUCKET_NUMEL", 16)
+    model = _model(9)
+    assert len(W.bucket_plan(W.layout(model))) == 4  # 32, 8, 24, 3 elements: no two neighbours fit in 16
+    seen = []
+
+    def recording(module, lay, zero3_arg, scratch):
+        assert module is model and zero3_arg == zero3 and scratch is pub.scratch
+        for _, _, start, end in W.bucket_plan(lay):
+            seen.append(start)
+            yield scratch[: end - start]
+
+    monkeypatch.setattr(P, "param_buckets", recording)
+    pub = P.ModelPublisher(model, zero3=zero3, channel=None)
+    assert pub.publish(1) is None and len(seen) == walked
