@@ -38,7 +38,7 @@ Transports:
 - `rpc`: the flat fp32 vector arrives in this process over the gloo weight channel (the CPU protocol,
   `actors/actor.py` unchanged) and `load_flat` hands it to the workers bucket by bucket through
   `collective_rpc` into `CovrlWorkerExtension`. Needed when learner and generator share one GPU.
-- `nccl`: learner rank 0 broadcasts each bucket into the vLLM workers (`common/vllm_weights.NcclSender`).
+- `nccl`: learner rank 0 broadcasts each bucket into the vLLM workers (`learner/nccl.NcclSender`).
   The receiving end is vLLM's weight-transfer API (`WeightTransferConfig(backend="nccl")`,
   init_weight_transfer_engine / start_weight_update / update_weights / finish_weight_update) where the
   installed vLLM has it, else the worker extension's own NCCL group (`covrl_init_nccl`).
@@ -473,7 +473,7 @@ class VllmEngine:
         self.join_nccl(addr["host"], addr["port"], addr["world_size"], timeout_s)
 
     def receive_nccl(self, version: int) -> None:
-        """The nccl transport, per version: receive every bucket the learner's `NcclSender.send` broadcasts."""
+        """The nccl transport, per version: receive every bucket the learner's `NcclSender.send_bucket` broadcasts."""
         if self.nccl is None:
             raise RuntimeError("receive_nccl before join_nccl: the NCCL group to the learner is not built")
         metas = [VW.bucket_meta(self.lay, first, end, self.dtype) for first, end, _, _ in W.bucket_plan(self.lay)]
@@ -545,8 +545,9 @@ class CovrlWorkerExtension:
 
 
 def _self_check(argv: list[str] | None = None) -> int:
-    """`python -m actors.vllm_engine --check ...`: one generator for launch/gpu_check.py. Joins the weight
-    channel as rank 1, loads version 1, generates the prompts it is given, writes what it saw as JSON."""
+    """`python -m actors.vllm_engine --check ...`: one generator for launch/gpu_check.py. Joins the learner role's
+    weight channel as generator 0 of incarnation `--incarnation` (as an actor does), loads the version it is sent,
+    generates the prompts it is given, writes what it saw as JSON."""
     import argparse
     import json
 
@@ -554,6 +555,7 @@ def _self_check(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--weights", required=True, help="host:port of the learner's weight-channel store")
+    ap.add_argument("--incarnation", default="gpu_check", help="this generator's pair channel: W.pair_prefix(0, this)")
     ap.add_argument("--transport", choices=TRANSPORTS, required=True)
     ap.add_argument("--job", required=True, help="JSON: prompts, n, temperature, top_p, max_new_tokens, dtype, max_model_len")
     ap.add_argument("--out", required=True)
@@ -568,7 +570,6 @@ def _self_check(argv: list[str] | None = None) -> int:
         job = json.load(f)
     stops = stop_token_ids(AutoTokenizer.from_pretrained(args.model), args.model)
     host, port = args.weights.rsplit(":", 1)
-    ch = W.WeightChannel(host, int(port), 1, 2, timeout_s=600)
     api = vllm_api()
     if args.nccl_extension:
         api.native_nccl = False  # what an older vLLM without the weight-transfer API gets
@@ -576,19 +577,26 @@ def _self_check(argv: list[str] | None = None) -> int:
                         settings=VllmSettings(transport=args.transport, dtype=job["dtype"], enforce_eager=True,
                                               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=job["max_model_len"]))
     try:
-        if args.transport == "nccl":
-            engine.announce_receiver(ch.store)
-            engine.join_via_store(ch.store, 600)
-            header = torch.zeros(4, dtype=torch.int64)
-            ch._bcast(header)  # [version, numel, layout digest, flags], as WeightChannel.receive reads it
-            version = int(header[0])
-            t0 = time.perf_counter()
+        import datetime
+
+        import torch.distributed as dist
+
+        prefix = W.pair_prefix(0, args.incarnation)
+        store = dist.TCPStore(host, int(port), None, is_master=False, timeout=datetime.timedelta(seconds=600))
+        if engine.receives_weights_directly:  # before the rendezvous, so the learner's join sees it
+            engine.announce_receiver(dist.PrefixStore(prefix, store))
+        ch = W.WeightChannel(host, int(port), 1, 2, 600, prefix=prefix, store=store)
+        if engine.receives_weights_directly:
+            engine.join_via_store(dist.PrefixStore(prefix, store), 600)
+        got = ch.receive_header(engine.lay)
+        if got is None:
+            raise RuntimeError("the learner stopped the weight channel before sending version 1")
+        version, flags = got
+        t0 = time.perf_counter()
+        if flags & W.FLAG_DIRECT:
             engine.receive_nccl(version)
         else:
-            got = ch.receive(engine.lay)
-            if got is None:
-                raise RuntimeError("the learner stopped the weight channel before sending version 1")
-            version, flat, _ = got
+            flat, _ = ch.receive_buckets(engine.lay)
             t0 = time.perf_counter()
             engine.load_flat(flat, version)
         load_s = time.perf_counter() - t0

@@ -1,4 +1,4 @@
-"""Weights from the learner into vLLM: parameter names, per-bucket metadata, and the learner's NCCL sender.
+"""Weights from the learner into vLLM: parameter names, per-bucket metadata, the NCCL rendezvous.
 
 The weight channel's wire order (`common/weights.py`: `layout()` names, `bucket_plan` buckets) is the same
 for every engine. A vLLM generator loads each bucket through vLLM's `model.load_weights`, which takes
@@ -16,14 +16,13 @@ parameter of a bucket as one NCCL broadcast in that order (vLLM's unpacked NCCL 
 NCCL puts each rank on its own GPU: a learner and a generator sharing one GPU cannot share an NCCL
 group, and use the gloo channel plus an RPC into the vLLM workers instead (`actors/vllm_engine.py`).
 
-Nothing here imports vLLM or touches CUDA at import time; the learner needs vLLM installed only to
-build an `NcclSender`.
+Both ends use this module; only the learner sends, so its end of the NCCL group is `learner/nccl.py`.
+Nothing here imports vLLM or touches CUDA.
 """
 
 from __future__ import annotations
 
 import json
-import time
 
 import torch
 
@@ -126,92 +125,3 @@ def _timedelta(seconds: float):
     import datetime
 
     return datetime.timedelta(seconds=seconds)
-
-
-# ---- the learner's end of the NCCL group ----------------------------------------------------
-
-
-def wait_until(done, timeout_s: float, poll_s: float = 5e-4) -> bool:
-    """Poll `done()` until it is true (True) or `timeout_s` has passed (False). NCCL calls have no timeout of
-    their own: the sender waits on a CUDA event this way instead of blocking in `synchronize()`."""
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(poll_s)
-    return True
-
-
-class NcclTimeout(RuntimeError):
-    """A broadcast into a generator's workers did not complete in time: the generator is presumed dead."""
-
-
-class NcclSender:
-    """Rank 0 of an NCCL group whose other ranks are one generator's vLLM workers (1 + tp ranks).
-
-    Built by the learner's trainer thread, between train steps, on the learner's own device (`device`): never
-    from a helper thread, whose current device would be cuda:0, and never while DeepSpeed's collectives run.
-    The constructor blocks until every worker has joined (the generator calls vLLM's
-    `init_weight_transfer_engine`, or the worker extension's `covrl_init_nccl`, at the same time). Uses vLLM's own
-    trainer-side helper, so both ends build the group the same way.
-
-    Each bucket is broadcast on this sender's own CUDA stream and waited for with a deadline (`timeout_s`):
-    a generator that dies mid-transfer makes `send_bucket` raise `NcclTimeout` (the communicator is aborted
-    where vLLM's NCCL wrapper offers `ncclCommAbort`) instead of hanging the learner in `synchronize()`.
-    """
-
-    def __init__(self, host: str, port: int, world_size: int, device: torch.device | str | int, timeout_s: float):
-        try:
-            from vllm.distributed.weight_transfer.nccl_common import trainer_init
-        except ImportError as e:
-            raise RuntimeError(f"the NCCL weight channel into vLLM needs vllm on the learner too ({e}); "
-                               "pip install vllm==0.33.0 beside the learner, or set generator.weight_transport = \"rpc\"") from None
-        self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise ValueError(f"NcclSender on {self.device}: the NCCL weight channel sends from the learner's GPU; "
-                             "a CPU learner uses the gloo channel (generator.weight_transport = \"rpc\")")
-        self.timeout_s = timeout_s
-        with torch.cuda.device(self.device):
-            self.comm = trainer_init({"master_address": host, "master_port": port, "world_size": world_size})
-            self.stream = torch.cuda.Stream(self.device)
-
-    def send_bucket(self, lay: W.Layout, first: int, end: int, bucket: torch.Tensor, dtype: torch.dtype) -> int:
-        """Broadcast one bucket (parameters first..end-1, flat, on any device) parameter by parameter in `dtype`,
-        and wait until it has landed (at most `timeout_s`); returns bytes. The receiver reads the same parameters
-        from `bucket_meta(lay, first, end, dtype)`. On return the caller may overwrite `bucket`."""
-        ready = torch.cuda.current_stream(self.device)
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            self.stream.wait_stream(ready)  # the bucket was assembled on the trainer's stream
-            on_gpu = bucket.to(self.device, dtype, non_blocking=True)
-            sent = 0
-            for _, t in bucket_tensors(lay, first, end, on_gpu):
-                self.comm.broadcast(t, src=0, stream=self.stream)  # a split of a 1-D tensor is contiguous
-                sent += t.numel() * t.element_size()
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        if not wait_until(done.query, self.timeout_s):
-            self.abort()
-            raise NcclTimeout(f"an NCCL broadcast of {sent} bytes into a generator's vLLM workers did not complete "
-                              f"within {self.timeout_s:.0f}s (transport.weight_sync_timeout_s): the generator is "
-                              f"presumed dead and its channel is dropped")
-        return sent
-
-    def send(self, lay: W.Layout, buckets, dtype: torch.dtype) -> tuple[float, int, float]:
-        """Broadcast `buckets` (fp32, `W.bucket_plan(lay)` order, e.g. `param_buckets`) cast to the generator's
-        dtype. Returns (seconds, bytes sent, fp32 checksum as `WeightChannel.publish`)."""
-        t0 = time.perf_counter()
-        acc = W.Checksum(lay.numel)
-        sent = 0
-        for (first, end, _, _), (start, bucket) in zip(W.bucket_plan(lay), W.checked_buckets(lay, buckets), strict=True):
-            acc.add(bucket.cpu(), start)
-            sent += self.send_bucket(lay, first, end, bucket, dtype)
-        return time.perf_counter() - t0, sent, acc.total
-
-    def abort(self) -> None:
-        """Release a broadcast stuck on a dead peer: `ncclCommAbort` through vLLM's wrapper, where it has one."""
-        nccl, comm = getattr(self.comm, "nccl", None), getattr(self.comm, "comm", None)
-        if nccl is not None and comm is not None and hasattr(nccl, "ncclCommAbort"):
-            nccl.ncclCommAbort(comm)
-
-    def close(self) -> None:
-        self.comm.destroy()

@@ -1,18 +1,17 @@
-"""The weight channel: learner rank 0 broadcasts each new policy version to every generator.
+"""The weight channel's wire: how learner rank 0 sends each new policy version to a generator.
 
-A dedicated torch.distributed gloo group (NCCL on GPUs) built on its own
-TCPStore, apart from the learners' default group: rank 0 is learner rank 0,
-ranks 1..G are generators. One publish = one header broadcast
-`[version, numel, layout_hash, flags]` then the parameters as flat fp32 buckets
-in the order of `layout()`, cut at parameter boundaries by `bucket_plan` (at most
-BUCKET_NUMEL elements, or one larger parameter), so a ZeRO-3 learner can gather,
-send and free one bucket at a time and never hold the whole model. Both sides derive
-the layout from the same architecture, and the header's layout hash catches a
-generator built from another model before it loads garbage.
+One two-member torch.distributed gloo group per generator incarnation (`pair_prefix`), built on learner
+rank 0's TCPStore: rank 0 is learner rank 0, rank 1 the generator. One publish = one header broadcast
+`[version, numel, layout_hash, flags]` then the parameters as flat fp32 buckets in the order of `layout()`,
+cut at parameter boundaries by `bucket_plan` (at most BUCKET_NUMEL elements, or one larger parameter), so a
+ZeRO-3 learner can gather, send and free one bucket at a time and never hold the whole model. Both sides derive
+the layout from the same architecture, and the header's layout hash catches a generator built from another
+model before it loads garbage.
 
-Receivers block inside the collective in a thread of their own, so the learner
-never waits for a generator to finish a batch; the generator swaps the staged
-weights in between decode steps and stamps later tokens with the new version.
+This module is the wire and the receiving end; the sending end, the one publish path, is the learner's
+(`learner/publisher.py`: `ModelPublisher` over `WeightPublisher`). Receivers block inside the collective in a
+thread of their own (`actors/actor.py`), so the learner never waits for a generator to finish a batch; the
+generator swaps the staged weights in between decode steps and stamps later tokens with the new version.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import datetime
 import hashlib
 import os
 import socket
-import time
 from dataclasses import dataclass
 
 import torch
@@ -164,6 +162,9 @@ def pair_prefix(gen_id: int, incarnation: str) -> str:
 class WeightChannel:
     """A gloo group whose rank 0 (learner rank 0) broadcasts versions to ranks 1.. (generators).
 
+    The sending side is driven by `learner/publisher.py` (`send_header`, then each bucket, then `stop`); the
+    receiving side by the generator's weight thread (`receive_header`, `receive_buckets`, or `receive`).
+
     `prefix` names a group inside a shared store, so each generator incarnation can get a two-member
     channel of its own (`pair_prefix`) that is built when it joins and dropped when it dies, while the
     learner keeps one store master for all of them (`store`).
@@ -191,16 +192,9 @@ class WeightChannel:
     def send_header(self, version: int, lay: Layout, flags: int = 0) -> None:
         self._bcast(torch.tensor([version, lay.numel, lay.digest, flags], dtype=torch.int64))
 
-    def publish(self, version: int, lay: Layout, buckets) -> tuple[float, int, float]:
-        """Root side: send `buckets` (fp32 tensors following `bucket_plan(lay)`, e.g. `param_buckets`).
-        Returns (seconds, bytes sent to each receiver, checksum)."""
-        t0 = time.perf_counter()
-        acc = Checksum(lay.numel)
-        self.send_header(version, lay)
-        for start, bucket in checked_buckets(lay, buckets):
-            self._bcast(bucket)
-            acc.add(bucket, start)
-        return time.perf_counter() - t0, lay.numel * 4, acc.total
+    def send_bucket(self, bucket: torch.Tensor) -> None:
+        """Root side, after a header without FLAG_DIRECT: one fp32 host bucket of `bucket_plan`, in order."""
+        self._bcast(bucket)
 
     def stop(self) -> None:
         self._bcast(torch.tensor([-1, 0, 0, FLAG_STOP], dtype=torch.int64))

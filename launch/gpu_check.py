@@ -2,17 +2,19 @@
 
     python launch/gpu_check.py [--model DIR] [--transport auto|rpc|nccl] [--prompts 16] [--n 4]
 
-- The learner (this process, GPU 0) loads the model in fp32, perturbs every weight (version 1 must differ
-  from the checkpoint the generator starts from) and publishes version 1: over the gloo weight channel then
-  RPC into the vLLM workers (`rpc`: learner and generator share GPU 0; NCCL cannot put two ranks on one
-  GPU), or by NCCL broadcast straight into the workers (`nccl`: the generator on GPU 1; `auto` picks it
+- This process perturbs every weight of the model (version 1 must differ from the checkpoint the generator
+  starts from) and saves version 1 beside the check's logs.
+- The learner role (`python -m learner.gpu_check`, a subprocess on GPU 0: launch/ imports only common/) publishes
+  version 1 through the learner's own publish path (`learner/publisher.py`): over the generator's gloo weight
+  channel then RPC into the vLLM workers (`rpc`: learner and generator share GPU 0; NCCL cannot put two ranks on
+  one GPU), or by NCCL broadcast straight into the workers (`nccl`: the generator on GPU 1; `auto` picks it
   when two GPUs are visible).
 - The generator (`python -m actors.vllm_engine --check`, a subprocess) loads version 1, fingerprints
   `model.norm.weight` inside every vLLM worker, samples n responses per prompt at temperature 0.7, and
   reports tokens, behaviour logprobs and per-token versions.
-- The learner asserts: the weights arrived (the same fingerprint on both sides, after rounding to the
+- This process asserts: the weights arrived (the same fingerprint on both sides, after rounding to the
   generator's dtype), every token is stamped version 1, and behaviour logprobs agree with the learner's
-  recomputation at staleness 0 (mean |dlogp| under --max-dlogp; the learner uses the weights rounded to the
+  recomputation at staleness 0 (mean |dlogp| under --max-dlogp; the recomputation uses version 1 rounded to the
   generator's dtype, so what remains is bf16 arithmetic). It also prints the gap to untempered logprobs,
   which is what vLLM's default logprobs_mode would have reported. Then tokens/s and weight-sync time.
 
@@ -35,10 +37,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from common import vllm_weights as VW  # noqa: E402
-from common import weights as W  # noqa: E402
 from common.transport import free_port  # noqa: E402
 
 DEFAULT_MODEL = os.path.join(REPO, "assets", "arith-base")
+CHANNEL = "gpu_check"  # the generator's incarnation: its pair channel is W.pair_prefix(0, CHANNEL)
 
 
 def preflight() -> str | None:
@@ -99,6 +101,21 @@ def learner_logprobs(model, prompts, tokens, n: int, temperature: float):
     return tempered, raw
 
 
+def wait_roles(procs: dict, timeout_s: float) -> str | None:
+    """Wait for every role process to exit: None when all exit 0, else the name of the first that fails (or is
+    still running at `timeout_s`); the caller kills the others."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        codes = {name: proc.poll() for name, proc in procs.items()}
+        failed = [name for name, code in codes.items() if code not in (None, 0)]
+        if failed:
+            return failed[0]
+        if all(code == 0 for code in codes.values()):
+            return None
+        time.sleep(0.5)
+    return next((name for name, proc in procs.items() if proc.poll() is None), None)
+
+
 def run(model_dir: str, transport: str, *, prompts: int = 16, n: int = 4, temperature: float = 0.7,
         max_new_tokens: int = 64, dtype: str = "bfloat16", timeout_s: float = 900,
         nccl_impl: str = "native", gpu_memory_utilization: float = 0.4, tp: int = 1) -> dict:
@@ -115,54 +132,60 @@ def run(model_dir: str, transport: str, *, prompts: int = 16, n: int = 4, temper
     if transport == "rpc" and len(ids) < tp:
         raise SystemExit(f"gpu_check: --tp {tp} needs {tp} visible GPUs and {len(ids)} are visible")
     gen_device = ",".join(ids[1:1 + tp] if transport == "nccl" else ids[:tp])
-    torch.cuda.set_device(0)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt_ids = arith_prompts(tokenizer, prompts)
     wdtype = VW.torch_dtype(dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    perturbed(model)
-    lay = W.layout(model)
 
     work = tempfile.mkdtemp(prefix="gpu_check_")
-    job, out, log = (os.path.join(work, f) for f in ("job.json", "out.json", "generator.log"))
+    job, out, log, sync, learner_log = (os.path.join(work, f) for f in (
+        "job.json", "out.json", "generator.log", "learner.json", "learner.log"))
+    # Version 1, on the host: the learner role publishes this directory, and its logprobs are recomputed from it.
+    version1 = os.path.join(work, "version1")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    perturbed(model)
+    model.save_pretrained(version1)
+    del model
     max_len = max(len(p) for p in prompt_ids) + max_new_tokens + 8
     with open(job, "w") as f:
         json.dump({"prompts": prompt_ids, "n": n, "temperature": temperature, "top_p": 1.0,
                    "max_new_tokens": max_new_tokens, "dtype": dtype, "max_model_len": max_len}, f)
     port = free_port()
+    learner_argv = [sys.executable, "-m", "learner.gpu_check", "--model", version1, "--weights", f"127.0.0.1:{port}",
+                    "--out", sync, "--until", out, "--incarnation", CHANNEL, "--timeout-s", str(timeout_s)]
     argv = [sys.executable, "-m", "actors.vllm_engine", "--check", "--model", model_dir, "--weights", f"127.0.0.1:{port}",
-            "--transport", transport, "--job", job, "--out", out, "--gpu-memory-utilization", str(gpu_memory_utilization)]
+            "--incarnation", CHANNEL, "--transport", transport, "--job", job, "--out", out,
+            "--gpu-memory-utilization", str(gpu_memory_utilization)]
     if nccl_impl == "extension":
         argv.append("--nccl-extension")
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "CUDA_VISIBLE_DEVICES": gen_device, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    with open(log, "wb") as logf:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT)
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # The learner on the first GPU (the store master: started first), the generator beside it or after it.
+    roles = {"learner": (learner_argv, ids[0], learner_log), "generator": (argv, gen_device, log)}
+    procs = {}
     try:
-        ch = W.WeightChannel("127.0.0.1", port, 0, 2, timeout_s)  # waits for the generator to join
-        flat = W.flatten(model)  # fp32, on the learner's GPU
-        buckets = [flat[s:e] for _, _, s, e in W.bucket_plan(lay)]
-        if transport == "nccl":
-            nccl_port = free_port()
-            world, send_dtype = VW.offer_address(ch.store, "127.0.0.1", nccl_port, timeout_s)
-            sender = VW.NcclSender("127.0.0.1", nccl_port, world, torch.device("cuda", 0), timeout_s)
-            ch.send_header(1, lay)
-            sync_s, sent, _ = sender.send(lay, buckets, send_dtype)
-            sender.close()
-        else:
-            sync_s, sent, _ = ch.publish(1, lay, [b.cpu() for b in buckets])
-        proc.wait(timeout_s)
-    except BaseException:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        raise
-    if proc.returncode != 0 or not os.path.isfile(out):
-        with open(log, errors="replace") as f:
+        for name, (cmd, devices, path) in roles.items():
+            with open(path, "wb") as logf:
+                procs[name] = subprocess.Popen(cmd, cwd=REPO, env={**env, "CUDA_VISIBLE_DEVICES": devices},
+                                               stdout=logf, stderr=subprocess.STDOUT)
+        failed = wait_roles(procs, timeout_s)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if failed is not None or not os.path.isfile(out) or not os.path.isfile(sync):
+        name = failed or ("generator" if not os.path.isfile(out) else "learner")
+        path = roles[name][2]
+        with open(path, errors="replace") as f:
             tail = "".join(f.readlines()[-30:])
-        raise SystemExit(f"gpu_check: the generator exited with {proc.returncode}; its log ({log}) ends:\n{tail}")
+        raise SystemExit(f"gpu_check: the {name} exited with {procs[name].returncode}; its log ({path}) ends:\n{tail}")
     with open(out) as f:
         got = json.load(f)
+    with open(sync) as f:
+        published = json.load(f)
+    sync_s, sent = published["weight_sync_s"], published["bytes_sent"]
+    torch.cuda.set_device(0)
+    model = AutoModelForCausalLM.from_pretrained(version1, dtype=torch.float32).cuda().eval()
 
     # The learner's weights rounded as the generator holds them: what is left of |dlogp| is arithmetic.
     with torch.no_grad():
@@ -219,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name, (ok, detail) in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}")
+    # The first publish of a run: with nccl it includes building the generator's NCCL group.
     print(f"transport {r['transport']}: weight sync {r['weight_sync_s'] * 1e3:.1f} ms learner side "
-          f"({r['bytes_sent'] / 2**20:.1f} MiB), {r['generator_load_s'] * 1e3:.1f} ms generator side")
+          f"({r['bytes_sent'] / 2**20:.1f} MiB of fp32 parameters), {r['generator_load_s'] * 1e3:.1f} ms generator side")
     print(f"generation: {r['tokens']} tokens at {r['tokens_per_s']:.0f} tokens/s; total {time.perf_counter() - t0:.0f}s; "
           f"generator log {r['log']}")
     return 0 if all(ok for ok, _ in checks.values()) else 1

@@ -19,7 +19,10 @@ rendezvous (`common/vllm_weights.py`). Its join thread only records that; the NC
 learner's device and between train steps, so it never races DeepSpeed's own collectives. Headers still go over
 gloo, flagged `W.FLAG_DIRECT`, and each bucket is broadcast over NCCL in the generator's dtype straight into its
 workers, on the sender's own stream and with a deadline (`NcclSender`): a generator that dies mid-transfer
-is dropped after `transport.weight_sync_timeout_s` instead of hanging the learner.
+is dropped after `transport.weight_sync_timeout_s` instead of hanging the learner (`learner/nccl.py`).
+
+`ModelPublisher` (below) is the one publish path of every learner rank: it walks the module's buckets (a
+collective under ZeRO-3) and, on rank 0, hands them to this class.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch.distributed as dist
 from common import vllm_weights as VW
 from common import weights as W
 from common.transport import free_port
+from learner import nccl as N
 from learner.params import param_buckets, scratch_for
 
 log = logging.getLogger("covrl.publisher")
@@ -49,7 +53,7 @@ class WeightPublisher:
                                    wait_for_workers=False)
         self.lock = threading.Lock()  # channels, latest copy, and every send
         # gen_id -> (incarnation, gloo channel, (NCCL sender, dtype) for a direct vLLM receiver or None)
-        self.channels: dict[int, tuple[str, W.WeightChannel, tuple[VW.NcclSender, torch.dtype] | None]] = {}
+        self.channels: dict[int, tuple[str, W.WeightChannel, tuple[N.NcclSender, torch.dtype] | None]] = {}
         # Direct (NCCL) receivers whose gloo rendezvous is done; the trainer thread builds their NCCL group.
         self.pending_direct: list[tuple[int, str, W.WeightChannel, dist.Store]] = []
         self.latest: torch.Tensor | None = None
@@ -108,7 +112,7 @@ class WeightPublisher:
             try:
                 port = free_port(self.host)
                 world, dtype = VW.offer_address(store, self.host, port, self.timeout_s)
-                sender = VW.NcclSender(self.host, port, world, self.device, self.timeout_s)  # waits for the workers
+                sender = N.NcclSender(self.host, port, world, self.device, self.timeout_s)  # waits for the workers
             except Exception:  # noqa: BLE001 - a generator that died before its NCCL rendezvous: count, log, carry on
                 log.exception("generator %d (%s) never completed its NCCL rendezvous", gen_id, incarnation)
                 self.counters["weights/join_failures"] += 1
@@ -170,7 +174,7 @@ class WeightPublisher:
     @staticmethod
     def _send_bucket(ch: W.WeightChannel, direct, lay: W.Layout, first: int, end: int, bucket: torch.Tensor) -> None:
         if direct is None:
-            ch._bcast(bucket)
+            ch.send_bucket(bucket)
         else:
             direct[0].send_bucket(lay, first, end, bucket, direct[1])
 
@@ -184,7 +188,7 @@ class WeightPublisher:
         try:
             op()
             return True
-        except RuntimeError:  # gloo: the peer closed the connection; NCCL: VW.NcclTimeout
+        except RuntimeError:  # gloo: the peer closed the connection; NCCL: N.NcclTimeout
             return False
 
 

@@ -11,7 +11,7 @@ import torch
 
 from common import weights as W
 from common.transport import free_port
-from common.vllm_weights import wait_until
+from learner.nccl import wait_until
 from learner.params import param_buckets, scratch_for
 from learner.publisher import WeightPublisher
 

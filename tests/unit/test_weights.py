@@ -7,7 +7,7 @@ from torch.testing import assert_close
 
 from common import weights as W
 from common.transport import free_port
-from common.vllm_weights import wait_until
+from learner.nccl import wait_until
 
 
 def _model(seed):
@@ -45,28 +45,34 @@ def test_checksum_is_the_same_whole_or_by_buckets(monkeypatch):
     assert W.checksum(flat, lay) == pytest.approx(one.total, rel=1e-12)
 
 
-def test_broadcast_to_two_receivers_then_stop(monkeypatch):
+def test_publisher_broadcasts_to_two_generators_then_stops(monkeypatch):
+    """Each generator has its own pair channel; every version reaches both, bucket by bucket, with the sender's
+    checksum; a receiver may take each version into the vector of the one before."""
+    from learner.publisher import WeightPublisher
+
     monkeypatch.setattr(W, "BUCKET_NUMEL", 16)  # force several buckets
     port = free_port()
     src = _model(0)
     lay = W.layout(src)
-    got = {1: [], 2: []}
-
+    pub = WeightPublisher("127.0.0.1", port, 30)
+    got = {0: [], 1: []}
     reused = []
 
-    def receiver(rank):
-        ch = W.WeightChannel("127.0.0.1", port, rank, 3, 30)
-        buf = None  # rank 2 receives each version into the previous one's vector, as the actor does once applied
+    def receiver(gen_id):
+        ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=W.pair_prefix(gen_id, "x"))
+        buf = None  # generator 1 receives each version into the previous one's vector, as the actor does once applied
         while (r := ch.receive(lay, out=buf)) is not None:
-            got[rank].append((r[0], r[1].clone(), r[2]))
-            if rank == 2:
+            got[gen_id].append((r[0], r[1].clone(), r[2]))
+            if gen_id == 1:
                 reused.append(buf is not None and r[1].data_ptr() == buf.data_ptr())
                 buf = r[1]
 
-    threads = [threading.Thread(target=receiver, args=(r,)) for r in (1, 2)]
+    threads = [threading.Thread(target=receiver, args=(g,)) for g in (0, 1)]
     for t in threads:
         t.start()
-    root = W.WeightChannel("127.0.0.1", port, 0, 3, 30)
+    for g in (0, 1):
+        pub.join(g, "x")
+    assert wait_until(lambda: len(pub.channels) == 2, 30, 0.01)
     sent, sums = [], []
     for v in (1, 2):
         with torch.no_grad():
@@ -76,23 +82,25 @@ def test_broadcast_to_two_receivers_then_stop(monkeypatch):
         sent.append(flat.clone())
         buckets = [flat[s:e] for _, _, s, e in W.bucket_plan(lay)]
         assert len(buckets) > 2
-        seconds, nbytes, total = root.publish(v, lay, iter(buckets))
+        seconds, nbytes, total = pub.publish(v, lay, iter(buckets))
         assert nbytes == lay.numel * 4 and 0 < seconds < 30  # timed, and not stuck on a receiver
         sums.append(total)
-    root.stop()
+    pub.stop()
     for t in threads:
         t.join(10)
     assert reused == [False, True]
-    for rank in (1, 2):
-        assert [v for v, _, _ in got[rank]] == [1, 2]
-        for (_, flat, total), ref, sent_sum in zip(got[rank], sent, sums):
+    for gen_id in (0, 1):
+        assert [v for v, _, _ in got[gen_id]] == [1, 2]
+        for (_, flat, total), ref, sent_sum in zip(got[gen_id], sent, sums):
             assert torch.equal(flat, ref) and total == sent_sum == W.checksum(ref, lay)  # to the bit
 
 
 def test_publish_refuses_a_bucket_off_the_plan():
-    root = W.WeightChannel("127.0.0.1", free_port(), 0, 1, 30)  # no receivers: only the check runs
+    from learner.publisher import WeightPublisher
+
+    pub = WeightPublisher("127.0.0.1", free_port(), 30)  # no generators: only the check runs
     with pytest.raises(ValueError, match="the plan says"):
-        root.publish(1, W.layout(_model(0)), iter([torch.zeros(3)]))
+        pub.publish(1, W.layout(_model(0)), iter([torch.zeros(3)]))
 
 
 def test_layout_mismatch_is_a_clear_error():
@@ -184,7 +192,7 @@ def test_publisher_sends_its_own_host_copy_of_each_bucket():
 
 
 class _RecordingSender:
-    """Stands in for `VW.NcclSender` (NCCL needs GPUs): records where and how it was built and what it sent."""
+    """Stands in for `learner.nccl.NcclSender` (NCCL needs GPUs): records where and how it was built and what it sent."""
 
     built: list = []
 
@@ -194,10 +202,10 @@ class _RecordingSender:
 
     def send_bucket(self, lay, first, end, bucket, dtype):
         if getattr(type(self), "fail", False):
-            from common import vllm_weights as VW
+            from learner.nccl import NcclTimeout
 
-            raise VW.NcclTimeout("stand-in: the generator died mid-transfer")
-        self.sent.append((first, end, bucket.clone()))
+            raise NcclTimeout("stand-in: the generator died mid-transfer")
+        self.sent.append((first, end, bucket.clone(), dtype))
         return bucket.numel() * 2
 
     def close(self):
@@ -209,9 +217,10 @@ def test_nccl_groups_are_built_by_the_publishing_thread_on_the_learners_device(m
     the device the learner gave the publisher (a join thread's current device would be cuda:0), and a sender
     that times out mid-transfer drops that generator instead of hanging the publish."""
     from common import vllm_weights as VW
+    from learner import nccl as N
     from learner.publisher import WeightPublisher
 
-    monkeypatch.setattr(VW, "NcclSender", _RecordingSender)
+    monkeypatch.setattr(N, "NcclSender", _RecordingSender)
     _RecordingSender.built = []
     model = _model(7)
     lay = W.layout(model)
@@ -244,7 +253,8 @@ def test_nccl_groups_are_built_by_the_publishing_thread_on_the_learners_device(m
     pub.publish(1, lay, (flat[s:e] for _, _, s, e in W.bucket_plan(lay)))
     (sender,) = _RecordingSender.built
     assert sender.thread == threading.current_thread().name and sender.device == torch.device("meta")
-    assert torch.equal(torch.cat([b for _, _, b in sender.sent]), flat)
+    assert torch.equal(torch.cat([b for _, _, b, _ in sender.sent]), flat)
+    assert {d for _, _, _, d in sender.sent} == {torch.bfloat16}  # sent in the dtype the generator announced
     _RecordingSender.fail = True
     try:
         pub.publish(2, lay, (flat[s:e] for _, _, s, e in W.bucket_plan(lay)))
@@ -315,3 +325,45 @@ def test_model_publisher_elsewhere_sends_nothing_and_gathers_only_under_zero3(mo
     monkeypatch.setattr(P, "param_buckets", recording)
     pub = P.ModelPublisher(model, zero3=zero3, channel=None)
     assert pub.publish(1) is None and len(seen) == walked
+
+
+def test_the_gpu_checks_learner_role_publishes_a_model_directory_through_the_publish_path(tiny_model_dir, tmp_path):
+    """`python -m learner.gpu_check` (launch/gpu_check.py's learner role; on the CPU here, the gloo path) hosts the
+    store, publishes the directory's weights to generator 0's pair channel, reports what the publish returned,
+    and stops the channel once the generator's report exists."""
+    import datetime
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    port = free_port()
+    out, until = str(tmp_path / "learner.json"), str(tmp_path / "generator.json")
+    proc = subprocess.Popen([sys.executable, "-m", "learner.gpu_check", "--model", tiny_model_dir, "--weights",
+                             f"127.0.0.1:{port}", "--out", out, "--until", until, "--incarnation", "t",
+                             "--timeout-s", "60"], cwd=repo, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        lay, flat = W.layout(model), W.flatten(model)
+        store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=datetime.timedelta(seconds=60))
+        ch = W.WeightChannel("127.0.0.1", port, 1, 2, 60, prefix=W.pair_prefix(0, "t"), store=store)
+        version, received, received_sum = ch.receive(lay)
+        assert version == 1 and torch.equal(received, flat)
+        assert wait_until(lambda: os.path.exists(out), 60, 0.05)
+        with open(out) as f:
+            published = json.load(f)
+        assert published["checksum"] == received_sum == W.checksum(flat, lay)
+        assert published["bytes_sent"] == lay.numel * 4 and published["weight_sync_s"] > 0
+        assert proc.poll() is None  # the channel stays open until the generator has reported
+        open(until, "w").close()
+        assert ch.receive(lay) is None  # then the learner stops it
+        assert proc.wait(60) == 0, proc.stdout.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
