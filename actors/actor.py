@@ -11,7 +11,6 @@ Three threads, one job each:
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
@@ -20,7 +19,6 @@ import time
 import uuid
 
 import torch
-import torch.distributed as dist
 
 from common import messages as M
 from common import weights as W
@@ -32,15 +30,13 @@ log = logging.getLogger("covrl.actor")
 
 
 class WeightReceiver(threading.Thread):
-    """Receives every published version; hands the newest to the main thread."""
+    """Receives every published version through the engine's weight interface (`actors/engine.py`: `Engine`);
+    hands the newest host vector to the main thread, or lets the engine load it directly."""
 
-    def __init__(self, welcome: M.Welcome, lay: W.Layout, timeout_s: float, log_path: str | None, prefix: str,
-                 engine=None):
+    def __init__(self, welcome: M.Welcome, engine, timeout_s: float, log_path: str | None, prefix: str):
         super().__init__(name="weights", daemon=True)
-        self.welcome, self.lay, self.timeout_s, self.log_path, self.prefix = welcome, lay, timeout_s, log_path, prefix
-        # An engine whose weights go straight from the learner's GPU into its workers (vLLM with the nccl
-        # transport) loads each version itself, from this thread, when its header arrives.
-        self.direct = engine if getattr(engine, "receives_weights_directly", False) else None
+        self.welcome, self.engine, self.timeout_s, self.log_path, self.prefix = welcome, engine, timeout_s, log_path, prefix
+        self.lay = W.layout(engine.model)
         self.cv = threading.Condition()
         self.staged: tuple[int, torch.Tensor] | None = None
         # A received vector nobody uses any more (applied, or replaced by a newer one before it was): the next
@@ -54,32 +50,23 @@ class WeightReceiver(threading.Thread):
 
     def run(self) -> None:
         try:
-            host, port = self.welcome.weight_addr.rsplit(":", 1)
-            store = None
-            if self.direct is not None:  # announce the NCCL receiver before the rendezvous, so the learner's join sees it
-                store = dist.TCPStore(host, int(port), None, is_master=False,
-                                      timeout=datetime.timedelta(seconds=self.timeout_s))
-                self.direct.announce_receiver(dist.PrefixStore(self.prefix, store))
-            ch = W.WeightChannel(host, int(port), self.welcome.weight_rank, self.welcome.weight_world, self.timeout_s,
-                                 prefix=self.prefix, store=store)
-            if self.direct is not None:
-                self.direct.join_via_store(dist.PrefixStore(self.prefix, store), self.timeout_s)
+            ch = self.engine.join_weights(self.welcome.weight_addr, self.prefix, self.timeout_s,
+                                          self.welcome.weight_rank, self.welcome.weight_world)
             while (got := ch.receive_header(self.lay)) is not None:
                 version, flags = got
-                if flags & W.FLAG_DIRECT:
-                    self.direct.receive_nccl(version)  # pauses generation, loads, stamps the version, resumes
-                    staged, weights_sum = None, None
-                else:
-                    with self.cv:
-                        buf, self.spare = self.spare, None
-                    flat, weights_sum = ch.receive_buckets(self.lay, out=buf)
-                    staged = (version, flat)
+                with self.cv:
+                    buf, self.spare = self.spare, None
+                # The host vector, or None when the engine has loaded the version itself (vLLM, nccl transport).
+                received = self.engine.receive_weights(ch, self.lay, version, flags, out=buf)
+                staged, weights_sum = (None, None) if received is None else ((version, received[0]), received[1])
                 if self.log_path:
                     with open(self.log_path, "a") as f:
                         f.write(json.dumps({"version": version, "checksum": weights_sum, "t": time.time(),
                                             "channel": self.prefix, "direct": staged is None}) + "\n")
                 with self.cv:
-                    if self.staged is not None and staged is not None:  # never applied: its vector is free
+                    if staged is None:
+                        self.spare = buf  # not received into
+                    elif self.staged is not None:  # never applied: its vector is free
                         self.spare = self.staged[1]
                     self.staged, self.latest = staged, version
                     self.cv.notify_all()
@@ -91,16 +78,16 @@ class WeightReceiver(threading.Thread):
                 self.finished = True
                 self.cv.notify_all()
 
-    def apply(self, engine) -> None:
+    def apply(self) -> None:
         """Swap in the newest staged weights, if any (called between forwards)."""
         with self.cv:
             staged, self.staged = self.staged, None
         if staged is not None:
-            engine.load_flat(staged[1], staged[0])
+            self.engine.load_flat(staged[1], staged[0])
             with self.cv:
                 self.spare = staged[1]  # load_flat copied it into the model (Engine.load_flat keeps no reference)
 
-    def wait_for(self, version: int, engine, timeout_s: float) -> None:
+    def wait_for(self, version: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         with self.cv:
             while self.latest < version and not self.finished:
@@ -108,7 +95,7 @@ class WeightReceiver(threading.Thread):
                     raise TimeoutError(f"weights of version {version} did not arrive within {timeout_s:.0f}s")
         if self.error is not None:
             raise RuntimeError("weight receiver failed") from self.error
-        self.apply(engine)
+        self.apply()
 
 
 class Heartbeat(threading.Thread):
@@ -148,8 +135,8 @@ def run_actor(cfg: Config, *, engine, tokenizer, hub_addr: str, key: bytes, run_
     log_path = os.path.join(run_dir, "generators", f"gen{gen_id}.jsonl") if run_dir else None
     if log_path:
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    receiver = WeightReceiver(welcome, W.layout(engine.model), cfg.transport.weight_sync_timeout_s, log_path,
-                              W.pair_prefix(gen_id, incarnation), engine=engine)
+    receiver = WeightReceiver(welcome, engine, cfg.transport.weight_sync_timeout_s, log_path,
+                              W.pair_prefix(gen_id, incarnation))
     receiver.start()
     beat = Heartbeat(hub_addr, key, gen_id, incarnation, cfg.transport.heartbeat_s, receiver)
     beat.start()
@@ -189,10 +176,10 @@ def run_actor(cfg: Config, *, engine, tokenizer, hub_addr: str, key: bytes, run_
 def rollout(work: M.Work, *, engine, tokenizer, pool, receiver, gen_id: int, incarnation: str, wait_s: float) -> list[M.RolloutGroup]:
     """Generate and score one Work message: the named steps of the actor loop."""
     if receiver is not None:
-        receiver.wait_for(work.policy_version, engine, wait_s)
+        receiver.wait_for(work.policy_version, wait_s)
     t0 = time.perf_counter()
     prompts = [M.as_array(it.prompt_ids, M.TOKEN_DTYPE).tolist() for it in work.items]
-    hook = (lambda: receiver.apply(engine)) if receiver is not None else None
+    hook = receiver.apply if receiver is not None else None
     groups = engine.generate(prompts, work.group_size, work.sampling, [it.seed for it in work.items], before_forward=hook)
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
     answers = [it.answer for it in work.items for _ in range(work.group_size)]
@@ -220,7 +207,7 @@ def evaluate(work: M.EvalWork, *, engine, tokenizer, pool, receiver, gen_id: int
     the weights cannot change under us; no mid-generation swap hook is installed.
     """
     if receiver is not None:
-        receiver.wait_for(work.policy_version, engine, wait_s)
+        receiver.wait_for(work.policy_version, wait_s)
     if engine.version != work.policy_version:
         raise RuntimeError(f"eval of version {work.policy_version} asked, but the engine holds version {engine.version}: "
                            "the hub published newer weights before this eval finished (a hub bug)")

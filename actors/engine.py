@@ -40,14 +40,18 @@ logprobs to float rounding (fp32: within 2e-5, same tokens).
 
 from __future__ import annotations
 
+import datetime
 import logging
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from common import weights as W
 from common.messages import SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -62,9 +66,25 @@ class Completion:
     finish_reason: str  # "stop" | "length"
 
 
-class Engine(Protocol):
+class Engine(ABC):
+    """What a generator process drives: generation, and taking in the learner's new weights.
+
+    `version` is the policy version of the weights the engine holds. It stamps every token, and it is the one
+    owner of the policy version in a generator process (actors/actor.py reads it, never copies it); only the
+    engine sets it, as it loads a version (`load_flat`, or a direct receive).
+
+    Weights come over this generator's pair channel to learner rank 0 (`common/weights.py`): the actor's weight
+    thread calls `join_weights` once, then `receive_weights` after each header. By default the buckets come over
+    gloo into a host vector that `receive_weights` returns and the main thread hands to `load_flat` between
+    forwards (the torch engine; vLLM with the rpc transport). An engine whose weights bypass this process (vLLM
+    with the nccl transport) overrides the rendezvous hooks, to announce its receiver before the rendezvous and
+    join its own group after it, and loads each version flagged `W.FLAG_DIRECT` itself, from the weight thread.
+    """
+
+    model: torch.nn.Module  # the architecture; `W.layout(engine.model)` is the weight channel's layout
     version: int
 
+    @abstractmethod
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -74,9 +94,39 @@ class Engine(Protocol):
         before_forward: Callable[[], None] | None = None,
     ) -> list[list[Completion]]: ...
 
+    @abstractmethod
     def load_flat(self, flat: torch.Tensor, version: int) -> None:
         """Load a flat fp32 parameter vector (layout order) as `version`. Must not keep `flat` after returning:
         the weight receiver reuses its memory for the next version."""
+
+    def join_weights(self, weight_addr: str, prefix: str, timeout_s: float, rank: int = 1,
+                     world: int = 2) -> W.WeightChannel:
+        """This generator's channel to learner rank 0: rank `rank` of the group under `prefix` (`W.pair_prefix`)
+        in the learner's store at `weight_addr`. Blocks until the learner has joined it too."""
+        host, port = weight_addr.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), None, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+        pair = dist.PrefixStore(prefix, store)
+        self._before_weight_rendezvous(pair)
+        ch = W.WeightChannel(host, int(port), rank, world, timeout_s, prefix=prefix, store=store)
+        self._after_weight_rendezvous(pair, timeout_s)
+        return ch
+
+    def _before_weight_rendezvous(self, store: dist.Store) -> None:
+        """Tell the learner, in the pair channel's store, what it must know before it admits this channel."""
+
+    def _after_weight_rendezvous(self, store: dist.Store, timeout_s: float) -> None:
+        """Join whatever else the learner builds for this channel once it has admitted it."""
+
+    def receive_weights(self, ch: W.WeightChannel, lay: W.Layout, version: int, flags: int,
+                        out: torch.Tensor | None = None) -> tuple[torch.Tensor, float] | None:
+        """The buckets that follow a header of `version`: (flat fp32 host vector, checksum), for `load_flat`
+        between forwards; or None when the engine has loaded `version` itself (then `self.version == version`).
+        `out`: a free vector of the model's size to receive into."""
+        if flags & W.FLAG_DIRECT:
+            raise RuntimeError("weight channel: the learner flagged this version as sent over NCCL into vLLM workers, "
+                               f"but this generator's {type(self).__name__} announced no NCCL receiver (a learner bug: "
+                               "it must decide per channel from the generator's announcement, common/vllm_weights.py)")
+        return ch.receive_buckets(lay, out)
 
 
 def hash32(x):
@@ -126,7 +176,7 @@ def row_seeds(seeds: Sequence[int], n: int, device: torch.device | str = "cpu") 
     return hash32(hash32(base) + j * 0x27D4EB2F)
 
 
-class TorchEngine:
+class TorchEngine(Engine):
     """The torch sampler on `device` ("cpu", "cuda", "cuda:1", ...), the model's weights in `dtype`.
 
     The model is loaded on the host, then moved to `device`; `self.device` is where its parameters ended up
@@ -149,9 +199,7 @@ class TorchEngine:
         blocking copy (copy_'s default) returns only once the data has arrived, so `flat` is free to reuse on
         return; on CUDA it is also ordered after the kernels already queued on the current stream (a swap between
         forwards never races the step before it). One host-to-device copy per parameter."""
-        from common.weights import load_flat
-
-        load_flat(self.model, flat)
+        W.load_flat(self.model, flat)
         self.version = version
 
     @torch.inference_mode()

@@ -35,10 +35,11 @@ A weight update (chosen once, at setup) pauses generation, loads, stamps the ver
   under the new weights. That departs from the CPU sampler (which keeps the KV of earlier tokens),
   because vLLM's prefix cache would otherwise hand old-weight KV to new requests.
 Transports:
-- `rpc`: the flat fp32 vector arrives in this process over the gloo weight channel (the CPU protocol,
-  `actors/actor.py` unchanged) and `load_flat` hands it to the workers bucket by bucket through
+- `rpc`: the flat fp32 vector arrives in this process over the gloo weight channel (the `Engine` interface's
+  default, as for the torch engine) and `load_flat` hands it to the workers bucket by bucket through
   `collective_rpc` into `CovrlWorkerExtension`. Needed when learner and generator share one GPU.
-- `nccl`: learner rank 0 broadcasts each bucket into the vLLM workers (`learner/nccl.NcclSender`).
+- `nccl`: learner rank 0 broadcasts each bucket into the vLLM workers (`learner/nccl.NcclSender`); this
+  engine's `receive_weights` loads each version flagged `FLAG_DIRECT` from the actor's weight thread.
   The receiving end is vLLM's weight-transfer API (`WeightTransferConfig(backend="nccl")`,
   init_weight_transfer_engine / start_weight_update / update_weights / finish_weight_update) where the
   installed vLLM has it, else the worker extension's own NCCL group (`covrl_init_nccl`).
@@ -62,7 +63,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from actors.engine import Completion, hash32
+from actors.engine import Completion, Engine, hash32
 from common import vllm_weights as VW
 from common import weights as W
 from common.config import GeneratorConfig, RunConfig
@@ -302,8 +303,12 @@ def meta_model(model_path: str) -> torch.nn.Module:
 # ---- the engine ----------------------------------------------------------------------------
 
 
-class VllmEngine:
-    """The Engine interface (actors/engine.py) over vLLM's AsyncLLM."""
+class VllmEngine(Engine):
+    """The Engine interface (actors/engine.py) over vLLM's AsyncLLM.
+
+    Weights: with the rpc transport, the interface's default (gloo into this process, then `load_flat` into the
+    workers); with nccl, the rendezvous hooks announce the receiver and join the learner's NCCL group, and
+    `receive_weights` loads each FLAG_DIRECT version straight into the workers (`receive_nccl`)."""
 
     def __init__(self, model_path: str, *, stop_ids: Sequence[int], settings: VllmSettings = VllmSettings(),
                  llm=None, api=None):
@@ -460,8 +465,24 @@ class VllmEngine:
     @property
     def receives_weights_directly(self) -> bool:
         """True with the nccl transport: buckets go from the learner's GPU into the workers, not through
-        this process; the actor's weight receiver then calls `receive_nccl` on each header."""
+        this process (`receive_weights` then calls `receive_nccl` on each header)."""
         return self.settings.transport == "nccl"
+
+    # ---- the Engine's weight interface ----
+
+    def _before_weight_rendezvous(self, store) -> None:
+        if self.receives_weights_directly:  # before the rendezvous, so the learner's join thread sees it
+            self.announce_receiver(store)
+
+    def _after_weight_rendezvous(self, store, timeout_s: float) -> None:
+        if self.receives_weights_directly:
+            self.join_via_store(store, timeout_s)
+
+    def receive_weights(self, ch, lay, version: int, flags: int, out=None):
+        if flags & W.FLAG_DIRECT and self.receives_weights_directly:
+            self.receive_nccl(version)  # pauses generation, loads, stamps the version, resumes
+            return None
+        return super().receive_weights(ch, lay, version, flags, out)
 
     def announce_receiver(self, store) -> None:
         """Before the pair channel's rendezvous: tell the learner this generator's NCCL group size and dtype."""
@@ -569,7 +590,6 @@ def _self_check(argv: list[str] | None = None) -> int:
     with open(args.job) as f:
         job = json.load(f)
     stops = stop_token_ids(AutoTokenizer.from_pretrained(args.model), args.model)
-    host, port = args.weights.rsplit(":", 1)
     api = vllm_api()
     if args.nccl_extension:
         api.native_nccl = False  # what an older vLLM without the weight-transfer API gets
@@ -577,28 +597,16 @@ def _self_check(argv: list[str] | None = None) -> int:
                         settings=VllmSettings(transport=args.transport, dtype=job["dtype"], enforce_eager=True,
                                               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=job["max_model_len"]))
     try:
-        import datetime
-
-        import torch.distributed as dist
-
-        prefix = W.pair_prefix(0, args.incarnation)
-        store = dist.TCPStore(host, int(port), None, is_master=False, timeout=datetime.timedelta(seconds=600))
-        if engine.receives_weights_directly:  # before the rendezvous, so the learner's join sees it
-            engine.announce_receiver(dist.PrefixStore(prefix, store))
-        ch = W.WeightChannel(host, int(port), 1, 2, 600, prefix=prefix, store=store)
-        if engine.receives_weights_directly:
-            engine.join_via_store(dist.PrefixStore(prefix, store), 600)
+        ch = engine.join_weights(args.weights, W.pair_prefix(0, args.incarnation), 600)
         got = ch.receive_header(engine.lay)
         if got is None:
             raise RuntimeError("the learner stopped the weight channel before sending version 1")
         version, flags = got
         t0 = time.perf_counter()
-        if flags & W.FLAG_DIRECT:
-            engine.receive_nccl(version)
-        else:
-            flat, _ = ch.receive_buckets(engine.lay)
+        received = engine.receive_weights(ch, engine.lay, version, flags)
+        if received is not None:  # the rpc transport: the vector is here; time its load into the workers
             t0 = time.perf_counter()
-            engine.load_flat(flat, version)
+            engine.load_flat(received[0], version)
         load_s = time.perf_counter() - t0
         fp = engine.fingerprint()
         sp = SamplingParams(temperature=job["temperature"], top_p=job["top_p"], max_new_tokens=job["max_new_tokens"])

@@ -1,11 +1,19 @@
+import json
+import threading
+
 import numpy as np
 import pytest
 import torch
 from torch.testing import assert_close
 
-from actors.engine import CpuEngine, TorchEngine, gumbel_noise, row_seeds, sampling_logprobs
+from actors.engine import CpuEngine, Engine, TorchEngine, gumbel_noise, row_seeds, sampling_logprobs
+from common import messages as M
+from common import vllm_weights as VW
+from common import weights as W
 from common.messages import SamplingParams
+from common.transport import free_port
 from common.weights import flatten
+from learner.nccl import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -253,3 +261,139 @@ def test_load_engine_picks_cuda_when_visible_and_caps_memory_before_loading(tiny
         E.load_engine(cfg, tiny_model_dir)
     assert events == [("cap", "cuda"), ("engine", "cuda", torch.bfloat16)]
     assert "generator engine: torch on cuda, bfloat16, allocator capped at 0.35 of the GPU" in caplog.text
+
+
+# ---- the weight interface: the actor's receiver drives every engine through `Engine` ------------------------
+
+
+class _Recorder(Engine):
+    """A minimal engine: a tiny model whose loads are recorded (what the torch engine's load_flat does, minus the
+    sampler)."""
+
+    def __init__(self):
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+        self.version = 0
+        self.loads: list[tuple[int, torch.Tensor]] = []
+
+    def generate(self, prompts, n, sampling, seeds, before_forward=None):
+        raise NotImplementedError("not generated with here")
+
+    def load_flat(self, flat, version):
+        self.loads.append((version, flat.clone()))
+        W.load_flat(self.model, flat)
+        self.version = version
+
+
+class _Direct(_Recorder):
+    """An engine whose weights bypass this process (as vLLM's nccl transport): it announces a receiver before the
+    rendezvous, reads the learner's NCCL address after it, and loads each FLAG_DIRECT version itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.address = None
+
+    def _before_weight_rendezvous(self, store):
+        VW.announce(store, tp=1, dtype=torch.bfloat16)
+
+    def _after_weight_rendezvous(self, store, timeout_s):
+        self.address = VW.read_address(store, timeout_s)
+
+    def receive_weights(self, ch, lay, version, flags, out=None):
+        if not flags & W.FLAG_DIRECT:
+            return super().receive_weights(ch, lay, version, flags, out)
+        self.version = version  # a real engine receives over its NCCL group here
+        return None
+
+
+def _welcome(port):
+    return M.Welcome(protocol_version=M.PROTOCOL_VERSION, run_id="r", weight_version=0,
+                     weight_addr=f"127.0.0.1:{port}", weight_rank=1, weight_world=2)
+
+
+def _publish(pub, engine, version):
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.add_(float(version))  # distinct weights per version, from the receiver's own model
+    lay = W.layout(engine.model)
+    flat = W.flatten(engine.model)
+    pub.publish(version, lay, (flat[s:e].clone() for _, _, s, e in W.bucket_plan(lay)))
+    return flat
+
+
+def test_the_receiver_stages_host_vectors_that_the_main_thread_loads(tmp_path):
+    """The default path (torch engine, vLLM over rpc): each version arrives in a host vector; `wait_for` applies
+    the newest; a version staged and never applied is skipped, its vector reused; the log has the checksum."""
+    from actors.actor import WeightReceiver
+    from learner.publisher import WeightPublisher
+
+    engine, sender = _Recorder(), _Recorder()
+    port = free_port()
+    pub = WeightPublisher("127.0.0.1", port, 30)
+    receiver = WeightReceiver(_welcome(port), engine, 30, str(tmp_path / "gen0.jsonl"), W.pair_prefix(0, "a"))
+    receiver.start()
+    pub.join(0, "a")
+    assert wait_until(lambda: pub.channels, 30, 0.01)
+    flats = {v: _publish(pub, sender, v) for v in (1, 2)}
+    receiver.wait_for(2, 30)
+    assert [v for v, _ in engine.loads] == [2] and torch.equal(engine.loads[0][1], flats[2])
+    assert engine.version == 2 and torch.equal(W.flatten(engine.model), flats[2])
+    pub.stop()
+    receiver.join(30)
+    logged = [json.loads(line) for line in open(tmp_path / "gen0.jsonl")]
+    lay = W.layout(engine.model)
+    assert [(r["version"], r["checksum"], r["direct"]) for r in logged] == [
+        (v, W.checksum(flats[v], lay), False) for v in (1, 2)]
+    assert receiver.error is None and receiver.finished
+
+
+def test_an_engine_that_receives_directly_joins_and_loads_through_the_same_interface(monkeypatch):
+    """A direct engine's announcement makes the learner flag its versions FLAG_DIRECT; the receiver hands each
+    to the engine (no host vector, nothing staged) and the version is the engine's at once."""
+    from actors.actor import WeightReceiver
+    from learner import nccl as N
+    from learner.publisher import WeightPublisher
+
+    class Sender:  # learner/nccl.NcclSender needs GPUs: this one sends nothing
+        def __init__(self, host, port, world_size, device, timeout_s):
+            pass
+
+        def send_bucket(self, lay, first, end, bucket, dtype):
+            return 0
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(N, "NcclSender", Sender)
+    engine = _Direct()
+    port = free_port()
+    pub = WeightPublisher("127.0.0.1", port, 30)
+    receiver = WeightReceiver(_welcome(port), engine, 30, None, W.pair_prefix(0, "d"))
+    receiver.start()
+    pub.join(0, "d")
+    assert wait_until(lambda: pub.pending_direct, 30, 0.01)
+    _publish(pub, _Recorder(), 1)  # builds the (stand-in) NCCL group, then flags version 1 direct
+    receiver.wait_for(1, 30)
+    assert engine.version == 1 and engine.loads == [] and receiver.staged is None
+    assert engine.address["world_size"] == 2  # joined the learner's group after the rendezvous
+    pub.stop()
+    receiver.join(30)
+    assert receiver.error is None
+
+
+def test_a_direct_version_for_an_engine_without_a_direct_receiver_is_a_clear_error():
+    port = free_port()
+    engine = _Recorder()
+    lay = W.layout(engine.model)
+
+    def learner():
+        ch = W.WeightChannel("127.0.0.1", port, 0, 2, 30)
+        ch.send_header(1, lay, W.FLAG_DIRECT)
+
+    t = threading.Thread(target=learner)
+    t.start()
+    ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30)
+    version, flags = ch.receive_header(lay)
+    with pytest.raises(RuntimeError, match="_Recorder announced no NCCL receiver"):
+        engine.receive_weights(ch, lay, version, flags)
+    t.join(10)
