@@ -7,6 +7,15 @@ Three threads, one job each:
   weights take effect mid-generation and every token records its version;
 - heartbeat: its own socket, so the hub knows this process is alive even
   while a long batch is generating.
+
+The policy version has one owner in this process: the engine (`engine.version`, actors/engine.py), the version of
+the weights it holds. Only the engine sets it, as it loads a version; it stamps every token, and evaluation
+checks it (`evaluate`). The weight receiver keeps no version of its own: it holds vectors in transit, each
+labelled with the version it carries (staged for the main thread, or being loaded by it), and what has
+*arrived* (`WeightReceiver.received`) is the newest of those labels, else the engine's version. That is what
+the heartbeat reports (`Heartbeat.weight_version`) and what `wait_for` waits for. A (re)started generator starts
+from the base model, version 0, whatever the learner is at: the learner sends it the latest version first thing,
+and work waits for the version it names.
 """
 
 from __future__ import annotations
@@ -38,13 +47,13 @@ class WeightReceiver(threading.Thread):
         self.welcome, self.engine, self.timeout_s, self.log_path, self.prefix = welcome, engine, timeout_s, log_path, prefix
         self.lay = W.layout(engine.model)
         self.cv = threading.Condition()
+        # Vectors in transit, with the version each carries (the engine owns the version it holds; see above):
+        # the newest received and not yet swapped in, and the one the main thread is swapping in now.
         self.staged: tuple[int, torch.Tensor] | None = None
+        self.applying: int | None = None
         # A received vector nobody uses any more (applied, or replaced by a newer one before it was): the next
         # version is received into it instead of into fresh memory.
         self.spare: torch.Tensor | None = None
-        # The engine starts from the base model: version 0, whatever the learner is at. A (re)joining generator
-        # is sent the latest version first thing, and work waits for the version it names.
-        self.latest = 0
         self.finished = False
         self.error: BaseException | None = None
 
@@ -64,11 +73,12 @@ class WeightReceiver(threading.Thread):
                         f.write(json.dumps({"version": version, "checksum": weights_sum, "t": time.time(),
                                             "channel": self.prefix, "direct": staged is None}) + "\n")
                 with self.cv:
-                    if staged is None:
+                    if staged is None:  # the engine holds `version` already
                         self.spare = buf  # not received into
-                    elif self.staged is not None:  # never applied: its vector is free
-                        self.spare = self.staged[1]
-                    self.staged, self.latest = staged, version
+                    else:
+                        if self.staged is not None:  # never applied: its vector is free
+                            self.spare = self.staged[1]
+                        self.staged = staged
                     self.cv.notify_all()
         except BaseException as e:
             log.exception("weight receiver failed")
@@ -78,19 +88,33 @@ class WeightReceiver(threading.Thread):
                 self.finished = True
                 self.cv.notify_all()
 
+    @property
+    def received(self) -> int:
+        """The newest version that has arrived: staged, being swapped in, or else the engine's own."""
+        with self.cv:
+            return self._received()
+
+    def _received(self) -> int:  # cv held
+        if self.staged is not None:
+            return self.staged[0]
+        return self.applying if self.applying is not None else self.engine.version
+
     def apply(self) -> None:
-        """Swap in the newest staged weights, if any (called between forwards)."""
+        """Swap in the newest staged weights, if any (called between forwards, from the main thread only)."""
         with self.cv:
             staged, self.staged = self.staged, None
+            self.applying = None if staged is None else staged[0]
         if staged is not None:
-            self.engine.load_flat(staged[1], staged[0])
+            self.engine.load_flat(staged[1], staged[0])  # the engine's version is staged[0] from here
             with self.cv:
+                self.applying = None
                 self.spare = staged[1]  # load_flat copied it into the model (Engine.load_flat keeps no reference)
 
     def wait_for(self, version: int, timeout_s: float) -> None:
+        """Block until `version` (or a newer one) has arrived, then swap in the newest."""
         deadline = time.monotonic() + timeout_s
         with self.cv:
-            while self.latest < version and not self.finished:
+            while self._received() < version and not self.finished:
                 if not self.cv.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() >= deadline:
                     raise TimeoutError(f"weights of version {version} did not arrive within {timeout_s:.0f}s")
         if self.error is not None:
@@ -109,7 +133,7 @@ class Heartbeat(threading.Thread):
         sock = GeneratorSocket(*self.args)
         try:
             while not self.stop.wait(self.period_s):
-                sock.send(M.Heartbeat(gen_id=self.gen_id, incarnation=self.incarnation, weight_version=self.receiver.latest))
+                sock.send(M.Heartbeat(gen_id=self.gen_id, incarnation=self.incarnation, weight_version=self.receiver.received))
         finally:
             sock.close()
 

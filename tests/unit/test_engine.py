@@ -397,3 +397,63 @@ def test_a_direct_version_for_an_engine_without_a_direct_receiver_is_a_clear_err
     with pytest.raises(RuntimeError, match="_Recorder announced no NCCL receiver"):
         engine.receive_weights(ch, lay, version, flags)
     t.join(10)
+
+
+def test_the_engine_owns_the_version_and_the_receiver_reports_what_has_arrived():
+    """One owner: `engine.version` is the version of the weights held (tokens, eval). What has arrived (the
+    heartbeat's weight_version, what wait_for waits for) is a staged vector's version, or the one being swapped
+    in, else the engine's: never behind the engine, never ahead of what was received."""
+    from actors.actor import Heartbeat, WeightReceiver
+    from common.transport import HubSocket
+    from learner.publisher import WeightPublisher
+
+    class Gated(_Recorder):  # a load the test holds open, to look at the versions while it runs
+        def __init__(self):
+            super().__init__()
+            self.entered, self.release = threading.Event(), threading.Event()
+
+        def load_flat(self, flat, version):
+            self.entered.set()
+            assert self.release.wait(30)
+            super().load_flat(flat, version)
+
+    engine, port, key = Gated(), free_port(), b"k" * 32
+    pub = WeightPublisher("127.0.0.1", port, 30)
+    receiver = WeightReceiver(_welcome(port), engine, 30, None, W.pair_prefix(0, "v"))
+    hub = HubSocket("127.0.0.1", 0, key)
+    beat = Heartbeat(hub.address, key, 0, "v", 0.02, receiver)
+    try:
+        receiver.start()
+        beat.start()
+        assert receiver.received == 0 == engine.version  # the base model, before anything arrives
+        pub.join(0, "v")
+        assert wait_until(lambda: pub.channels, 30, 0.01)
+        _publish(pub, _Recorder(), 1)
+        assert wait_until(lambda: receiver.staged is not None, 30, 0.01)
+        assert receiver.received == 1 and engine.version == 0  # arrived, not yet the engine's
+        applying = threading.Thread(target=receiver.apply)
+        applying.start()
+        assert engine.entered.wait(30)
+        assert receiver.received == 1 and receiver.staged is None and engine.version == 0  # being swapped in
+
+        def beats():
+            while True:
+                got = hub.recv(5)
+                assert got is not None, "no heartbeat within 5 s"
+                yield got[1].weight_version
+
+        stream = beats()
+        assert 1 in stream  # beats sent before version 1 arrived report 0; then 1, and never back while it loads
+        assert [next(stream) for _ in range(3)] == [1, 1, 1]
+        engine.release.set()
+        applying.join(30)
+        assert engine.version == 1 == receiver.received and receiver.applying is None
+        receiver.wait_for(1, 1)  # already there: returns at once, nothing more to load
+        assert [v for v, _ in engine.loads] == [1]
+    finally:
+        engine.release.set()
+        beat.stop.set()
+        pub.stop()
+        receiver.join(30)
+        beat.join(5)
+        hub.close()
