@@ -77,3 +77,14 @@ def test_no_import_cycles():
         if m not in state:
             visit(m, [m])
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_only_the_engine_and_the_nccl_sender_import_vllm():
+    """vLLM is a GPU-only dependency: the vLLM engine imports it, and the learner's NCCL sender (vLLM's NCCL
+    wrapper); nothing in common/ does, so the CPU product never reaches for it."""
+    users = set()
+    for pkg in PACKAGES:
+        for root, _, files in os.walk(os.path.join(REPO, pkg)):
+            users.update(os.path.relpath(os.path.join(root, f), REPO) for f in files
+                         if f.endswith(".py") and "vllm" in _imports(os.path.join(root, f)))
+    assert users == {"actors/vllm_engine.py", "learner/nccl.py"}, sorted(users)
