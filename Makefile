@@ -1,6 +1,8 @@
 # Two commands set up everything on a fresh machine: `make demo` and `make test`.
 # Both create and reuse .venv; the CPU build of torch is installed first, pinned,
-# so nothing pulls a CUDA build.
+# so nothing pulls a CUDA build. covrl itself is installed last, editable and without
+# its dependencies (already there): the packages import from this checkout and the
+# launchers are console scripts (.venv/bin/covrl-cluster, covrl-study, ...; pyproject.toml).
 PY      := .venv/bin/python
 STAMP   := .venv/.covrl-deps
 DEPS    := pyproject.toml
@@ -21,10 +23,11 @@ $(STAMP): $(DEPS)
 	$(PY) -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
 		print("\n".join(p["dependencies"] + p["optional-dependencies"]["test"]))' > .venv/requirements.txt
 	$(PY) -m pip install -q -r .venv/requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) launch/cluster.py --gens 1 --learners 1 --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
+	.venv/bin/covrl-cluster --gens 1 --learners 1 --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests/unit tests/integration
@@ -47,8 +50,9 @@ $(BSTAMP): $(DEPS)
 	touch $(BSTAMP)
 
 # The GPU environment (.venv-gpu): vLLM from the gpu extra with its own torch 2.14.0 (CUDA build, ~9 GB),
-# then covrl's dependencies. vLLM 0.33.0 is installed --no-deps and its declared requirements after it,
-# with certifi unpinned: it asks for certifi>=2026.10.19, which the registry did not have on 2026-11-22.
+# then covrl's dependencies, then covrl itself (editable, as in .venv). vLLM 0.33.0 is installed --no-deps and its
+# declared requirements after it, with certifi unpinned: it asks for certifi>=2026.10.19, which the registry did not
+# have on 2026-11-22.
 venv-gpu: $(GSTAMP)
 
 $(GSTAMP): $(DEPS)
@@ -63,6 +67,7 @@ $(GSTAMP): $(DEPS)
 	$(GPY) -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
 		print("\n".join(p["dependencies"] + p["optional-dependencies"]["test"]))' >> .venv-gpu/requirements.txt
 	$(GPY) -m pip install -q -r .venv-gpu/requirements.txt
+	$(GPY) -m pip install -q --no-deps -e .
 	touch $(GSTAMP)
 
 # Needs no GPU: the names, signatures and config objects actors/vllm_engine.py uses exist in the installed vLLM.
@@ -108,10 +113,12 @@ gpu-wheels:
 	@ls -1 .whl; du -sh .whl
 
 # The one command for a machine with one NVIDIA GPU (no registry, no .venv): the carried wheels into /tmp/site,
-# then every stage of launch/gpu_proof.py. Results in $OUT (the device tool's folder) or runs/gpu-proof; the runs
-# themselves (checkpoints, the 0.5B model) in /tmp/covrl-gpu-proof. E.g. GPU_PROOF_ARGS="--stages z3 --no-z3-resume".
+# then every stage of launch/gpu_proof.py, run as a module from the repo root (covrl is not installed there; `-m`
+# puts the checkout on sys.path and the script puts it on its children's PYTHONPATH). Results in $OUT (the device
+# tool's folder) or runs/gpu-proof; the runs themselves (checkpoints, the 0.5B model) in /tmp/covrl-gpu-proof.
+# E.g. GPU_PROOF_ARGS="--stages z3 --no-z3-resume".
 gpu-proof:
 	@if [ -d .whl ]; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 		--target /tmp/site .whl/*.whl || exit 1; fi
-	PYTHONPATH=/tmp/site$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PY) launch/gpu_proof.py \
+	PYTHONPATH=/tmp/site$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PY) -m launch.gpu_proof \
 		--out $${OUT:-runs/gpu-proof} --work $${GPU_PROOF_WORK:-/tmp/covrl-gpu-proof} $(GPU_PROOF_ARGS)

@@ -1,4 +1,5 @@
-"""The one entry point: `python launch/cluster.py --gens G --learners L [...]`.
+"""The one entry point: `covrl-cluster --gens G --learners L [...]` (also `python -m launch.cluster` or
+`python launch/cluster.py` from the repo root, with covrl installed: `make venv`).
 
 Resolves the config, prepares the run directory (config.toml, secret.key,
 cluster.json), starts L learner ranks and G generators from one list of
@@ -26,16 +27,13 @@ import time
 import uuid
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from common.cluster import (MEMORY_FRACTION_ENV, ClusterInfo, PlacementError, check_colocation,  # noqa: E402
-                            clear_learners_ready, colocated_memory_fractions, learners_ready, place_gpus, read_cluster,
-                            write_cluster)
-from common.config import ConfigError, load_config, to_toml, with_absolute_paths  # noqa: E402
-from common.data import REPO_ROOT, model_dir  # noqa: E402
-from common.metrics import read_metrics  # noqa: E402
-from common.transport import create_secret, free_port, port_in_use  # noqa: E402
-from common.checkpoints import complete_checkpoints, latest_checkpoint  # noqa: E402
+from common.checkpoints import complete_checkpoints, latest_checkpoint
+from common.cluster import (MEMORY_FRACTION_ENV, ClusterInfo, PlacementError, check_colocation, clear_learners_ready,
+                            colocated_memory_fractions, learners_ready, place_gpus, read_cluster, write_cluster)
+from common.config import ConfigError, load_config, to_toml, with_absolute_paths
+from common.data import REPO_ROOT, model_dir
+from common.metrics import read_metrics
+from common.transport import create_secret, free_port, port_in_use
 
 GRACE_S = 10.0
 
@@ -64,7 +62,7 @@ def due(spec: RoleSpec, run_dir: str) -> bool:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python launch/cluster.py", description="Run covrl: generators + learner ranks.")
+    ap = argparse.ArgumentParser(prog="covrl-cluster", description="Run covrl: generators + learner ranks.")
     ap.add_argument("--gens", type=int, default=None, help="generator processes (default 1; on --resume, as before)")
     ap.add_argument("--learners", type=int, default=None,
                     help="learner ranks in one DeepSpeed world (default 1; on --resume it must stay as it was)")

@@ -1,4 +1,4 @@
-"""Fit R = -a exp(H) + b on a run: `python launch/fit_law.py RUN_DIR [--on eval|train] [--plot PATH]`.
+"""Fit R = -a exp(H) + b on a run: `covrl-fit-law RUN_DIR [--on eval|train] [--plot PATH]`.
 
 Reads RUN_DIR/metrics.jsonl, prints a, b, R^2, the ceiling b - a and the early-prediction check
 (fit on the first 15 % of points, RMSE on the rest), writes RUN_DIR/law_fit.json and a plot of the
@@ -19,15 +19,13 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from common.lawfit import MIN_FIT_POINTS as MIN_POINTS  # noqa: E402
-from common.lawfit import early_prediction, eval_points, fit_law, train_points  # noqa: E402
-from common.metrics import read_metrics  # noqa: E402
+from common.lawfit import MIN_FIT_POINTS as MIN_POINTS
+from common.lawfit import early_prediction, eval_points, fit_law, train_points
+from common.metrics import read_metrics
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python launch/fit_law.py")
+    ap = argparse.ArgumentParser(prog="covrl-fit-law")
     ap.add_argument("run_dir")
     ap.add_argument("--on", choices=["train", "eval"],
                     help=f"point source (default: eval if the run has >= {MIN_POINTS} eval points, else train)")

@@ -1,6 +1,6 @@
 """GPU self-check: one vLLM generator and one learner, weights across, logprobs compared.
 
-    python launch/gpu_check.py [--model DIR] [--transport auto|rpc|nccl] [--prompts 16] [--n 4]
+    covrl-gpu-check [--model DIR] [--transport auto|rpc|nccl] [--prompts 16] [--n 4]
 
 - This process perturbs every weight of the model (version 1 must differ from the checkpoint the generator
   starts from) and saves version 1 beside the check's logs.
@@ -33,11 +33,10 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from common import vllm_weights as VW
+from common.transport import free_port
 
-from common import vllm_weights as VW  # noqa: E402
-from common.transport import free_port  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT_MODEL = os.path.join(REPO, "assets", "arith-base")
 CHANNEL = "gpu_check"  # the generator's incarnation: its pair channel is W.pair_prefix(0, CHANNEL)
@@ -209,7 +208,7 @@ def run(model_dir: str, transport: str, *, prompts: int = 16, n: int = 4, temper
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python launch/gpu_check.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="covrl-gpu-check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="local Hugging Face model directory (default: built-in arith-base)")
     ap.add_argument("--transport", choices=("auto", "rpc", "nccl"), default="auto")
     ap.add_argument("--nccl-impl", choices=("native", "extension"), default="native",

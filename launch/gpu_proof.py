@@ -1,8 +1,12 @@
 """GPU proof: one command that shows, on a machine with one NVIDIA GPU, that covrl's GPU path works end to end,
 and measures it.
 
-    python launch/gpu_proof.py [--out DIR] [--work DIR] [--stages tests,z1,throughput,z3] [--rehearse-cpu]
-    python launch/gpu_proof.py --record DIR/gpu_proof.json [MORE.json ...]   # into tests/bench/results.json
+    python3 -m launch.gpu_proof [--out DIR] [--work DIR] [--stages tests,z1,throughput,z3] [--rehearse-cpu]
+    python3 -m launch.gpu_proof --record DIR/gpu_proof.json [MORE.json ...]   # into tests/bench/results.json
+
+Run it from the repository root: a GPU machine without covrl installed finds the packages there (`-m` puts the
+current directory on sys.path); with covrl installed, `covrl-gpu-proof` is the same command. Every child process
+(the GPU tests, the cluster runs, the throughput workers) gets the repository root on PYTHONPATH.
 
 Everything a stage needs is checked first (CUDA, the packages, the colocated placement, the engine's device
 argument); a missing piece is one line on stderr and exit 2, before anything runs. Then the stages, in the
@@ -61,6 +65,7 @@ import argparse
 import datetime
 import glob
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -75,13 +80,12 @@ import time
 from dataclasses import dataclass, replace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 STAGES = ("tests", "z1", "throughput", "z3")
 RESULT_TAG = "GPU_PROOF_RESULT "  # tests/gpu/proof_workers.py prints its result after this tag
 # The throughput workers import the learner and the engine, which launch/ never does (tests/unit/test_imports.py):
 # they live with the GPU tests and run as child processes (one CUDA context each, freed when they exit).
-WORKER_SCRIPT = os.path.join(REPO, "tests", "gpu", "proof_workers.py")
+WORKER_MODULE = "tests.gpu.proof_workers"
 BASE_MODEL = os.path.join(REPO, "assets", "arith-base")
 RESULTS = os.path.join(REPO, "tests", "bench", "results.json")
 # Peak dense bf16 tensor-core FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name(); first match wins.
@@ -208,13 +212,22 @@ def source_digest(repo: str = REPO) -> str:
     the copy has no .git."""
     h = hashlib.sha256()
     files = [os.path.join(repo, "pyproject.toml")]
-    for d in ("actors", "common", "learner", "launch"):
+    for d in ("actors", "broker", "common", "learner", "launch"):
         files += glob.glob(os.path.join(repo, d, "**", "*.py"), recursive=True)
     for path in sorted(files):
         h.update(os.path.relpath(path, repo).encode() + b"\0")
         with open(path, "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]
+
+
+def invocation() -> str:
+    """How this process was started, as one would type it again: `python3 -m launch.gpu_proof`, the console script
+    or the file, relative to the repository root."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    if spec is not None and spec.name == "launch.gpu_proof":
+        return "python3 -m launch.gpu_proof"
+    return os.path.relpath(sys.argv[0], REPO) if os.path.isabs(sys.argv[0]) else sys.argv[0]
 
 
 def peak_flops(device_name: str) -> float | None:
@@ -326,6 +339,10 @@ def preflight(args, scale: Scale) -> tuple[dict, list[str]]:
         print(f"error: {text}", file=sys.stderr)
         raise SystemExit(2)
 
+    if importlib.util.find_spec("common") is None:
+        fail(f"covrl's packages (common/, learner/, actors/) are not importable: run from the repository root as "
+             f"`python3 -m launch.gpu_proof ...` (not `python3 launch/gpu_proof.py`), or install covrl (`make venv`); "
+             f"this file is {os.path.abspath(__file__)}")
     try:
         import torch
     except ImportError:
@@ -505,7 +522,7 @@ LEARNER_LINE = re.compile(r"learner: ZeRO-(\d+), optimizer offload (\S+), bf16 (
 
 def cluster_argv(ctx, run_dir: str, zero: int, steps: int, ckpt_every: int) -> list[str]:
     s = ctx.scale
-    return [ctx.args.python, os.path.join(REPO, "launch", "cluster.py"), "--gens", "1", "--learners", "1", "--gpus",
+    return [ctx.args.python, "-m", "launch.cluster", "--gens", "1", "--learners", "1", "--gpus",
             str(s.gpus), "--steps", str(steps), "--run-dir", run_dir, "--quiet",
             "--set", 'generator.engine="torch"', "--set", f'model.dtype="{s.dtype}"',
             "--set", f"learner.zero_stage={zero}", "--set", f"run.checkpoint_every_steps={ckpt_every}",
@@ -650,7 +667,7 @@ def stage_zero(ctx, zero: int, resume: bool) -> dict:
     first_rows = gen_logs(rrun)
     ck1 = [st for st, _ in complete_checkpoints(rrun)]
     chk(f"first half left a complete checkpoint of step {half}", half in ck1, f"complete: {ck1}")
-    argv = [args.python, os.path.join(REPO, "launch", "cluster.py"), "--resume", rrun, "--steps", str(s.steps),
+    argv = [args.python, "-m", "launch.cluster", "--resume", rrun, "--steps", str(s.steps),
             "--gpus", str(s.gpus), "--quiet"]
     code2, secs2, lines2 = run_logged(argv, log, ctx.timeout(s.run_timeout_s), env=child_env(args), graceful=True)
     for ln in launcher_key_lines(lines2):
@@ -733,7 +750,7 @@ def stage_throughput(ctx) -> dict:
 
 
 def run_worker(ctx, kind: str, spec: dict) -> tuple[int, float, list[str]]:
-    argv = [ctx.args.python, WORKER_SCRIPT, kind, json.dumps(spec)]
+    argv = [ctx.args.python, "-m", WORKER_MODULE, kind, json.dumps(spec)]
     return run_logged(argv, ctx.log, ctx.timeout(ctx.scale.worker_timeout_s), env=child_env(ctx.args))
 
 
@@ -906,8 +923,7 @@ def run_proof(args) -> int:
                      "transformers": facts["versions"].get("transformers"),
                      "deepspeed": facts["versions"].get("deepspeed"), "packages": facts["versions"]},
         "date": utc_now(), "git_commit": commit, "git_dirty": dirty, "source_digest": digest,
-        "command": " ".join([os.path.relpath(sys.argv[0], REPO) if os.path.isabs(sys.argv[0]) else sys.argv[0],
-                             *sys.argv[1:]]),
+        "command": " ".join([invocation(), *sys.argv[1:]]),
         "scale": {k: v for k, v in scale.__dict__.items()}, "placement": facts.get("placement"),
         "warnings": warnings, "stages": {},
     }
@@ -1032,7 +1048,7 @@ def record(files: list[str], force: bool, results_path: str = RESULTS) -> int:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python launch/gpu_proof.py", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python3 -m launch.gpu_proof", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="results: gpu_proof.json, stage logs, gpu_proof_logs.tar.gz "
                                   "(default runs/gpu-proof-<UTC timestamp>)")

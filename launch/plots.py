@@ -1,4 +1,10 @@
-"""PNG plots for the study report and the law-fit CLI (matplotlib, Agg canvas, no display).
+"""PNG plots for the study report and the law-fit CLI (matplotlib, Agg canvas, no display), and a command that
+plots runs' metrics against step:
+
+    covrl-plots RUN_DIR [RUN_DIR ...] [--key actor/entropy --key critic/score/mean ...] [--out DIR]
+
+one PNG per key (OUT/<key with / as _>.png), one line per run labelled by its directory name; OUT defaults to
+RUN_DIR/plots for a single run and must be given for several.
 
 Every helper takes plain data (series of (x, y) pairs keyed by label), writes one
 PNG atomically (temp file, then rename) and returns its path. Figures are built
@@ -11,13 +17,16 @@ An empty series set still yields a valid PNG that says "no data".
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
+import sys
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from common.lawfit import LawFit
+from common.lawfit import LawFit, merge_rows, row_value
+from common.metrics import read_metrics
 
 Series = dict[str, list[tuple[float, float]]]  # label -> [(x, y), ...]
 
@@ -141,3 +150,41 @@ def plot_scatter(points: Series, path: str, *, xlabel: str, ylabel: str, title: 
     ax.set_title(title)
     ax.grid(alpha=0.3)
     return _save(fig, path)
+
+
+DEFAULT_KEYS = ("actor/entropy", "critic/score/mean", "response_length/mean")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 every PNG written, 2 bad arguments or a run without any of the keys."""
+    ap = argparse.ArgumentParser(prog="covrl-plots", description="Plot metrics of one or more runs against step.")
+    ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    ap.add_argument("--key", action="append", dest="keys", metavar="KEY",
+                    help=f"metrics.jsonl key, repeatable (default: {', '.join(DEFAULT_KEYS)})")
+    ap.add_argument("--out", help="directory for the PNGs (default RUN_DIR/plots; required with several runs)")
+    args = ap.parse_args(argv)
+    keys = args.keys or list(DEFAULT_KEYS)
+    if args.out is None and len(args.run_dirs) > 1:
+        ap.error("--out is required with several runs: their plots are shared, so no one run directory owns them")
+    labels = [os.path.basename(os.path.abspath(d)) for d in args.run_dirs]
+    if len(set(labels)) != len(labels):
+        ap.error(f"runs need distinct directory names (they label the lines), got {', '.join(labels)}")
+    rows = {}
+    for label, run_dir in zip(labels, args.run_dirs):
+        rows[label] = merge_rows(read_metrics(run_dir))
+        if not rows[label]:
+            print(f"error: {run_dir}/metrics.jsonl is missing or has no rows with a step; pass a covrl run "
+                  f"directory", file=sys.stderr)
+            return 2
+        if not any(row_value(r, k) is not None for r in rows[label] for k in keys):
+            print(f"error: {run_dir}/metrics.jsonl has none of {', '.join(keys)}; pick keys it logs with --key",
+                  file=sys.stderr)
+            return 2
+    out = args.out or os.path.join(args.run_dirs[0], "plots")
+    for key in keys:
+        print(plot_metric(rows, key, os.path.join(out, key.replace("/", "_") + ".png")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Build the tiny, partially competent `arith` base model that RL starts from.
 
-    python launch/warmstart.py [--out assets/arith-base] [--seed 0] [--steps N]
+    covrl-warmstart [--out assets/arith-base] [--seed 0] [--steps N]   (or: python -m launch.warmstart ...)
 
 Steps: train a byte-level BPE on arith texts; random-init a tiny Qwen2; SFT it
 on worked solutions with the loss on the response only; measure sampled
@@ -42,22 +42,18 @@ import math
 import os
 import re
 import shutil
-import sys
 import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
+from random import Random
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `python launch/warmstart.py` finds common/
+import torch
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-import torch  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
-
-from random import Random  # noqa: E402
-
-from common.arith import SOLUTION_STYLES, ArithTask, Problem  # noqa: E402
-from common.templates import render_prompt  # noqa: E402
-from common.tokenizer import train_bpe_tokenizer  # noqa: E402
+from common.arith import SOLUTION_STYLES, ArithTask, Problem
+from common.templates import render_prompt
+from common.tokenizer import train_bpe_tokenizer
 
 VOCAB_SIZE = 512  # requested; the narrow arith corpus stops merging near 400
 MAX_PARAMS = 2_500_000  # keeps the fp32 safetensors file < 10 MB
@@ -263,8 +259,8 @@ def save_atomic(out: Path, model, tok, report: dict) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="covrl-warmstart", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="assets/arith-base")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
@@ -275,7 +271,7 @@ def main() -> None:
         help=f"cap on problems per measured set (default: {EVAL_TRAIN_PROBLEMS} train, all of each eval set); "
         "for quick smoke runs only, the committed asset is measured on the full sets",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.steps < 0 or (args.eval_problems is not None and args.eval_problems < 1):
         parser.error(f"need --steps >= 0 and --eval-problems >= 1, got {args.steps} and {args.eval_problems}")
     torch.set_num_threads(1)  # determinism, and the CI machine has 2 shared cores
@@ -313,7 +309,8 @@ def main() -> None:
     }
     save_atomic(Path(args.out), model, tok, report)
     print(f"wrote {args.out} in {time.time() - started:.0f} s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    main()  # 0 or an exception / argparse exit; no sys.exit(0), so tests can run this file in-process (runpy)

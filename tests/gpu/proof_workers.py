@@ -1,6 +1,6 @@
 """The throughput workers of launch/gpu_proof.py, each a child process (one CUDA context, freed when it exits):
 
-    python tests/gpu/proof_workers.py build-model|learner|gen SPEC_JSON
+    python -m tests.gpu.proof_workers build-model|learner|gen SPEC_JSON   (from the repository root)
 
 `build-model` writes a random-init model of the shape SPEC names (offline), `learner` times `learner.trainer.Trainer`
 train steps on synthetic batches (tokens/s and model FLOP/s per packing budget), `gen` times the torch engine's
@@ -18,7 +18,6 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
 RESULT_TAG = "GPU_PROOF_RESULT "  # the same tag as launch/gpu_proof.py reads
 BASE_MODEL = os.path.join(REPO, "assets", "arith-base")
 
@@ -190,7 +189,7 @@ WORKERS = {"build-model": worker_build_model, "learner": worker_learner, "gen": 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in WORKERS:
-        print(f"usage: python tests/gpu/proof_workers.py {{{','.join(sorted(WORKERS))}}} SPEC_JSON", file=sys.stderr)
+        print(f"usage: python -m tests.gpu.proof_workers {{{','.join(sorted(WORKERS))}}} SPEC_JSON", file=sys.stderr)
         return 2
     return WORKERS[argv[0]](json.loads(argv[1]))
 

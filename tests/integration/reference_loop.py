@@ -3,31 +3,26 @@
 Built from the same pieces as the async system (the actor's `rollout`, the
 learner's batcher and trainer), walking the same prompt order with the same
 seeds. With max_staleness_steps = 0 and one generator the async run must end
-with the same parameters. Usage:
-    python tests/integration/reference_loop.py RUN_DIR OUT.safetensors
+with the same parameters. Usage, from the repository root (covrl installed, or PYTHONPATH=.):
+    python -m tests.integration.reference_loop RUN_DIR OUT.safetensors
 (RUN_DIR/config.toml is the config; the run need not have happened.)
 """
 
 from __future__ import annotations
 
-import os
-import sys
+import torch
+from safetensors.torch import save_file
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-
-from actors.actor import rollout  # noqa: E402
-from actors.engine import CpuEngine  # noqa: E402
-from common import messages as M  # noqa: E402
-from common import weights as W  # noqa: E402
-from common.cluster import read_run_config  # noqa: E402
-from common.data import PromptSource, model_dir  # noqa: E402
-from common.rewards import RewardPool  # noqa: E402
-from learner.batch import batch_from_config  # noqa: E402
-from common.seeds import prompt_seed  # noqa: E402
-from learner.trainer import Trainer, init_distributed, thread_setup  # noqa: E402
+from actors.actor import rollout
+from actors.engine import CpuEngine
+from common import messages as M
+from common import weights as W
+from common.cluster import read_run_config
+from common.data import PromptSource, model_dir
+from common.rewards import RewardPool
+from common.seeds import prompt_seed
+from learner.batch import batch_from_config
+from learner.trainer import Trainer, init_distributed, thread_setup
 
 
 def main(run_dir: str, out: str, micro_batch_tokens: int | None = None) -> None:

@@ -3,7 +3,6 @@ runs, checksums on both sides, checkpoint and resume, the throughput workers, th
 the CPU at toy scale, so a GPU lease is never spent finding a bug in the script."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -15,7 +14,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_the_gpu_proof_passes_its_cpu_rehearsal(tmp_path):
-    out = subprocess.run([sys.executable, os.path.join(REPO, "launch", "gpu_proof.py"), "--rehearse-cpu",
+    # As `make gpu-proof` runs it on a GPU machine: a module, from the repository root.
+    out = subprocess.run([sys.executable, "-m", "launch.gpu_proof", "--rehearse-cpu",
                           "--stages", "z1,throughput", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
                          cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]

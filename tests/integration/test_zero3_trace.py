@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def test_zero3_fetch_trace_completes_so_parameters_are_prefetched():
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": REPO}
-    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "integration", "zero3_trace.py"), BASE_MODEL],
+    out = subprocess.run([sys.executable, "-m", "tests.integration.zero3_trace", BASE_MODEL],
                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

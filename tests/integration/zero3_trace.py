@@ -1,24 +1,22 @@
 """One learner rank with ZeRO-3 on the CPU: train a few steps and print DeepSpeed's parameter-fetch trace state.
 
-Run by tests/integration/test_zero3_trace.py in its own process (torch.distributed is set up once per process):
-    python tests/integration/zero3_trace.py MODEL_DIR
+Run by tests/integration/test_zero3_trace.py in its own process (torch.distributed is set up once per process),
+from the repository root:
+    python -m tests.integration.zero3_trace MODEL_DIR
 Prints one JSON line: {"complete": [bool after each step], "prefetch_bucket": int}.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from common import messages as M  # noqa: E402
-from common.config import load_config  # noqa: E402
-from learner.batch import batch_from_config  # noqa: E402
-from learner.trainer import Trainer, init_distributed, thread_setup  # noqa: E402
+from common import messages as M
+from common.config import load_config
+from learner.batch import batch_from_config
+from learner.trainer import Trainer, init_distributed, thread_setup
 
 
 def groups(rng: np.random.Generator, n: int) -> list[M.RolloutGroup]:

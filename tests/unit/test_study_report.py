@@ -1,11 +1,12 @@
-"""launch/study.py: the report from synthetic run dirs, and argument checks. Never launches cluster.py."""
+"""launch/study_report.py: the report from synthetic run dirs; launch/study.py: argument checks, resume and
+failures; covrl-plots (launch/plots.py) on the same runs. Never launches a cluster."""
 
 import datetime
 import json
 import math
 import os
 
-from launch import study
+from launch import study, study_report
 
 A, B = 0.3, 1.2  # eval law: acc = -A exp(H) + B (mean over the two data sources)
 A_TRAIN, B_TRAIN = 0.2, 0.9  # training reward law, distinct so the two tables can be told apart
@@ -61,20 +62,22 @@ def claim(report: str, tag: str) -> str:
 
 
 def render(study_dir, methods):
-    runs = [study.load_run(study_dir, m) for m in methods]
-    return study.render_report(runs, {}, NOW)
+    runs = [study_report.load_run(study_dir, m) for m in methods]
+    return study_report.render_report(runs, {}, NOW, method_overrides=study.METHODS)
 
 
 def test_report_has_every_section_and_recovers_the_law(tmp_path):
     d = make_study(tmp_path)
     meta = {"preset": "arith", "steps": STEPS, "seed": 0, "gens": 1, "learners": 1, "command": "python launch/study.py x",
             "wall_clock_s": {m: 12.5 for m in ENTROPY}, "status": {m: "ran" for m in ENTROPY}}
-    path = study.write_report(d, list(ENTROPY), meta, now=NOW)
+    path = study_report.write_report(d, list(ENTROPY), meta, now=NOW, method_overrides=study.METHODS)
     text = open(path).read()
     for heading in ("## 1. Study", "## 2. Summary", "## 3. Entropy–performance law", "## 4. Early prediction",
                     "## 5. Covariance check", "## 6. Does it match the paper?", "## 7. Plots"):
         assert heading in text
     assert "`python launch/study.py x`" in text and "2025-06-01 12:00:00" in text and "12.5" in text
+    # The header's method table shows the overrides the runner passed in.
+    assert "| clip_higher | `learner.loss.type=ppo`, `learner.loss.clip_low=0.2`, `learner.loss.clip_high=0.28` | ran |" in text
     # Eval points lie exactly on the law, so every fit and the pooled one recover a=0.3, b=1.2, R^2=1,
     # ceiling 0.9; 9 eval points per method (steps 0, 5, ..., 40), 45 pooled.
     assert "| pooled (all methods) | 45 | 0.3000 | 1.2000 | 1.000 | 0.9000 |" in text
@@ -89,7 +92,7 @@ def test_report_has_every_section_and_recovers_the_law(tmp_path):
     for tag in ("a", "b", "c", "d", "e", "f"):
         assert "**holds**" in claim(text, tag) or "does not hold" in claim(text, tag)
     assert "R² = 1.000 on 45 points" in claim(text, "d") and "**holds**" in claim(text, "d")
-    for png in study.PLOTS:
+    for png in study_report.PLOTS:
         assert f"]({png})" in text
         data = open(os.path.join(d, png), "rb").read()
         assert data[:8] == PNG_MAGIC and len(data) > 5000, png
@@ -124,7 +127,7 @@ def test_entropy_comparison_claims_flip(tmp_path):
 
 def test_missing_methods_and_keys_do_not_crash(tmp_path):
     write_run(tmp_path / "grpo", ENTROPY["grpo"], with_eval=False)
-    path = study.write_report(str(tmp_path), ["grpo", "par"], {}, now=NOW)
+    path = study_report.write_report(str(tmp_path), ["grpo", "par"], {}, now=NOW, method_overrides=study.METHODS)
     text = open(path).read()
     assert "par: not run" in text and "grpo: no eval/<ds>/acc values" in text
     assert "n/a (0 points; need 3)" in text
@@ -132,7 +135,7 @@ def test_missing_methods_and_keys_do_not_crash(tmp_path):
     assert "skipped (clip_higher was not run)" in claim(text, "c")
     assert "skipped (pooled eval fit n/a (0 points" in claim(text, "d")
     assert "**holds**" in claim(text, "a")  # training metrics alone still answer (a)
-    for png in study.PLOTS:
+    for png in study_report.PLOTS:
         assert open(os.path.join(tmp_path, png), "rb").read(8) == PNG_MAGIC
 
 
@@ -153,17 +156,17 @@ def test_cluster_command_order(tmp_path):
                                              "--study-dir", str(tmp_path), "--set", "rollout.group_size=4"]), "cmd", NOW)
     cmd = study.cluster_command(plan, "clip_higher")
     sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
-    assert cmd[1:3] == ["launch/cluster.py", "--gens"] and cmd[cmd.index("--steps") + 1] == "7"
+    assert cmd[1:4] == ["-m", "launch.cluster", "--gens"] and cmd[cmd.index("--steps") + 1] == "7"
     assert cmd[cmd.index("--run-dir") + 1] == os.path.join(str(tmp_path), "clip_higher")
     assert sets == ["run.seed=3", *study.PRESETS["arith"]["overrides"], *study.METHODS["clip_higher"], "rollout.group_size=4"]
 
 
 def test_resume_skips_complete_runs_and_rejects_incomplete(tmp_path, monkeypatch, capsys):
     def no_cluster(cmd):
-        raise AssertionError(f"a test must not launch cluster.py: {cmd}")
+        raise AssertionError(f"a test must not launch a cluster: {cmd}")
 
     monkeypatch.setattr(study, "run_method", no_cluster)
-    monkeypatch.setattr(study, "write_plots", lambda study_dir, runs: [])  # plots are tested above; keep this fast
+    monkeypatch.setattr(study_report, "write_plots", lambda study_dir, runs: [])  # plots are tested above; keep this fast
     make_study(tmp_path, methods=("grpo", "kl_cov"))
     args = ["--methods", "grpo,kl_cov", "--steps", str(STEPS), "--study-dir", str(tmp_path)]
     assert study.main(args) == 0
@@ -171,7 +174,7 @@ def test_resume_skips_complete_runs_and_rejects_incomplete(tmp_path, monkeypatch
     assert out.count("already holds a complete 40-step run; skipping") == 2
     meta = json.load(open(tmp_path / "study.json"))
     assert meta["methods"] == ["grpo", "kl_cov"] and meta["steps"] == STEPS and meta["end_time"]
-    assert "launch/study.py --methods grpo,kl_cov" in meta["command"]
+    assert "-m launch.study --methods grpo,kl_cov" in meta["command"]
     assert (tmp_path / "report.md").exists()
     # Changed settings would mix incomparable runs.
     assert study.main(args[:-2] + ["--seed", "1", "--study-dir", str(tmp_path)]) == 2
@@ -199,7 +202,7 @@ def test_runs_each_method_and_stops_on_failure(tmp_path, monkeypatch, capsys):
         return 0
 
     monkeypatch.setattr(study, "run_method", fake_cluster)
-    monkeypatch.setattr(study, "write_plots", lambda study_dir, runs: [])
+    monkeypatch.setattr(study_report, "write_plots", lambda study_dir, runs: [])
     args = ["--methods", "grpo,kl_cov,par", "--steps", "10", "--study-dir", str(tmp_path)]
     assert study.main(args) == 1
     err = capsys.readouterr().err
@@ -219,3 +222,20 @@ def test_runs_each_method_and_stops_on_failure(tmp_path, monkeypatch, capsys):
     assert meta["status"]["grpo"] == "complete before this invocation" and meta["wall_clock_s"]["grpo"] is not None
     assert meta["status"]["par"] == "ran" and meta["end_time"]
     assert (tmp_path / "report.md").exists()
+
+
+def test_plots_command_draws_runs_and_rejects_bad_input(tmp_path, capsys):
+    from launch import plots
+
+    write_run(tmp_path / "grpo", ENTROPY["grpo"])
+    write_run(tmp_path / "kl_cov", ENTROPY["kl_cov"])
+    runs = [str(tmp_path / "grpo"), str(tmp_path / "kl_cov")]
+    assert plots.main([*runs, "--key", "actor/entropy", "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "actor_entropy.png").read_bytes()[:8] == PNG_MAGIC
+    assert plots.main(runs[:1]) == 0  # one run: the default keys, into RUN_DIR/plots
+    assert sorted(os.listdir(tmp_path / "grpo" / "plots")) == ["actor_entropy.png", "critic_score_mean.png",
+                                                               "response_length_mean.png"]
+    assert plots.main([*runs[:1], "--key", "no/such_key"]) == 2
+    assert "has none of no/such_key" in capsys.readouterr().err
+    assert plots.main([str(tmp_path / "missing")]) == 2
+    assert "metrics.jsonl is missing" in capsys.readouterr().err

@@ -1,0 +1,403 @@
+"""The report of a study (launch/study.py): STUDY_DIR/report.md and its PNGs, from the runs' metrics alone.
+
+Reads STUDY_DIR/<method>/metrics.jsonl of every method and study.json's content (`meta`) and compares the
+methods against the claims of Cui et al. 2025 ("The Entropy Mechanism of RL for Reasoning LMs") and Jin et al.
+2025 (PAR): a summary, the entropy-performance law R = -a exp(H) + b per method and pooled, its early prediction,
+the covariance check, and one verdict per claim. Every number is computed from the runs' metrics; a missing run
+or key never raises, it reads n/a with the reason. `render_report` is pure (no I/O); `write_report` writes the
+PNGs and report.md (atomically). The runner passes in the overrides that make each method (its METHODS), so this
+module imports nothing of it; `covrl-study --report-only --study-dir DIR` rewrites a study's report.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+from common.lawfit import (
+    MIN_FIT_POINTS,
+    LawFit,
+    early_prediction,
+    eval_points,
+    eval_sources,
+    fit_law,
+    mean_eval_acc,
+    merge_rows,
+    pearson,
+    row_value,
+    train_points,
+)
+from common.metrics import read_metrics
+
+LAW_R2_HOLDS = 0.5  # claim (d): the pooled eval fit "holds" at R^2 >= this
+PLOTS = ["entropy.png", "eval_acc.png", "response_length.png", "law_fit.png", "cov_vs_entropy_delta.png"]
+MISSING = "n/a"
+
+
+# ---------------------------------------------------------------------------
+# Data per method
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MethodRun:
+    name: str
+    rows: list[dict]  # merged, sorted by step; empty when the run is missing
+    why_empty: str | None  # why `rows` is empty, if it is
+
+
+def load_run(study_dir: str, method: str) -> MethodRun:
+    run_dir = os.path.join(study_dir, method)
+    if not os.path.isdir(run_dir):
+        return MethodRun(method, [], f"not run (no {run_dir})")
+    rows = merge_rows(read_metrics(run_dir))
+    return MethodRun(method, rows, None if rows else f"{run_dir}/metrics.jsonl is missing or empty")
+
+
+def key_series(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    """(step, value) of every row with a numeric `key`."""
+    return [(r["step"], v) for r in rows if (v := row_value(r, key)) is not None]
+
+
+def eval_rows(rows: list[dict]) -> list[dict]:
+    """Rows holding at least one eval/<ds>/acc value."""
+    return [r for r in rows if mean_eval_acc(r) is not None]
+
+
+def pass_keys(rows: list[dict]) -> list[str]:
+    """Sorted eval/<ds>/pass@<k> keys present in any row."""
+    return sorted({k for r in rows for k in r if k.startswith("eval/") and "/pass@" in k})
+
+
+def entropy_span(rows: list[dict], fraction: float = 0.1) -> tuple[float, float] | None:
+    """(entropy at the start, entropy at the end) of a run: means of actor/entropy over the first and the last
+    `fraction` of the steps (at least one each). One step's value moves with its batch's prompts, so the verdicts
+    compare means, not single steps."""
+    return head_tail_means([v for _, v in key_series(rows, "actor/entropy")], fraction)
+
+
+def head_tail_means(values: list[float], fraction: float = 0.1) -> tuple[float, float] | None:
+    """(mean of the first `fraction` of values, mean of the last `fraction`), at least one value each."""
+    if not values:
+        return None
+    k = max(1, round(len(values) * fraction))
+    return sum(values[:k]) / k, sum(values[-k:]) / k
+
+
+def final_eval(rows: list[dict]) -> tuple[int, float] | None:
+    """(step, mean eval accuracy) of the last eval row."""
+    ev = eval_rows(rows)
+    return (ev[-1]["step"], mean_eval_acc(ev[-1])) if ev else None
+
+
+def cov_points(rows: list[dict]) -> list[tuple[float, float]]:
+    """(actor/cov_mean, actor/entropy_delta) per step holding both."""
+    return [(c, d) for r in rows if (c := row_value(r, "actor/cov_mean")) is not None
+            and (d := row_value(r, "actor/entropy_delta")) is not None]
+
+
+def try_fit(points: list[tuple[float, float]]) -> tuple[LawFit | None, str]:
+    """(fit, "") or (None, why not) for (entropy, reward) points."""
+    if len(points) < MIN_FIT_POINTS:
+        return None, f"{MISSING} ({len(points)} points; need {MIN_FIT_POINTS})"
+    try:
+        return fit_law([h for h, _ in points], [r for _, r in points]), ""
+    except ValueError as e:
+        return None, f"{MISSING} ({e})"
+
+
+def early_check(points: list[tuple[float, float]]) -> str:
+    """'fit on first k of n: RMSE x on the rest' or 'n/a (why)'."""
+    if len(points) < MIN_FIT_POINTS:
+        return f"{MISSING} ({len(points)} points)"
+    try:
+        fit, rmse = early_prediction([h for h, _ in points], [r for _, r in points])
+    except ValueError as e:
+        return f"{MISSING} ({e})"
+    return f"fit on first {fit.n} of {len(points)}: RMSE {rmse:.4f} on the other {len(points) - fit.n}"
+
+
+# ---------------------------------------------------------------------------
+# Formatting
+# ---------------------------------------------------------------------------
+
+def _f(x: float | None, digits: int = 4) -> str:
+    return MISSING if x is None else f"{x:.{digits}f}"
+
+
+def _arrow(pair: tuple[float, float] | None, digits: int = 4) -> str:
+    return MISSING if pair is None else f"{_f(pair[0], digits)} → {_f(pair[1], digits)}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _pct(start: float, end: float) -> str:
+    return f"{100 * (end - start) / abs(start):+.1f} %" if start else "n/a %"
+
+
+def _verdict(ok: bool) -> str:
+    return "**holds**" if ok else "**does not hold at this scale**"
+
+
+def _first_last(rows: list[dict], key: str) -> tuple[float, float] | None:
+    s = key_series(rows, key)
+    return (s[0][1], s[-1][1]) if s else None
+
+
+# ---------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------
+
+def section_header(runs: list[MethodRun], meta: dict, now: datetime.datetime,
+                   method_overrides: dict[str, list[str]]) -> str:
+    wall, status, overrides = meta.get("wall_clock_s", {}), meta.get("status", {}), meta.get("overrides", {})
+    procs = (f"{meta['gens']} generator(s) + {meta['learners']} learner rank(s) per run"
+             if "gens" in meta and "learners" in meta else MISSING)
+    shared = ", ".join(f"`{o}`" for o in overrides.get("preset", []) + overrides.get("user", [])) or "none"
+    lines = ["# covrl study report", "", "## 1. Study", "",
+             f"- Date: {now:%Y-%m-%d %H:%M:%S} (report written); study started {meta.get('start_time') or MISSING}, "
+             f"ended {meta.get('end_time') or MISSING}",
+             f"- Command: `{meta.get('command') or MISSING}`",
+             f"- Preset: {meta.get('preset', MISSING)}; steps: {meta.get('steps', MISSING)}; seed: {meta.get('seed', MISSING)}",
+             f"- Processes: {procs}",
+             f"- Overrides shared by every method: {shared}", "",
+             _table(["method", "method overrides", "status", "wall-clock (s)", "metrics rows"],
+                    [[r.name, ", ".join(f"`{o}`" for o in method_overrides.get(r.name, [])),
+                      status.get(r.name, MISSING), _f(wall.get(r.name), 1), str(len(r.rows))] for r in runs])]
+    notes = data_notes(runs)
+    if notes:
+        lines += ["", "Missing data (shown as n/a below):", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def data_notes(runs: list[MethodRun]) -> list[str]:
+    """One line per method and kind of missing data, saying why cells read n/a."""
+    notes = []
+    for r in runs:
+        if r.why_empty:
+            notes.append(f"{r.name}: {r.why_empty}")
+            continue
+        if not eval_rows(r.rows):
+            notes.append(f"{r.name}: no eval/<ds>/acc values (evaluation off or not reached)")
+        elif len(eval_points(r.rows)) < len(eval_rows(r.rows)):
+            notes.append(f"{r.name}: {len(eval_rows(r.rows)) - len(eval_points(r.rows))} eval row(s) without the "
+                         f"evaluated version's entropy (no actor/entropy on the next row nor entropy_delta)")
+        for key in ("actor/entropy", "actor/entropy_delta", "actor/cov_mean", "critic/score/mean", "response_length/mean"):
+            if not key_series(r.rows, key):
+                notes.append(f"{r.name}: no {key} values")
+    return notes
+
+
+def section_summary(runs: list[MethodRun]) -> str:
+    all_rows = [row for r in runs for row in r.rows]
+    sources, pkeys = eval_sources(all_rows), pass_keys(all_rows)
+    ev_rows = []
+    for r in runs:
+        ev = eval_rows(r.rows)
+        span = f"{len(ev)} (steps {ev[0]['step']}–{ev[-1]['step']})" if ev else "0"
+        cells = [r.name, span]
+        cells += [_arrow(_first_last(ev, f"eval/{ds}/acc")) for ds in sources]
+        cells.append(_arrow((mean_eval_acc(ev[0]), mean_eval_acc(ev[-1])) if ev else None))
+        cells += [_f(row_value(ev[-1], k) if ev else None) for k in pkeys]
+        ev_rows.append(cells)
+    ev_header = (["method", "evals"] + [f"acc {ds} first → last" for ds in sources] + ["mean acc first → last"]
+                 + [f"{k.removeprefix('eval/')} last" for k in pkeys])
+    tr_rows = [[r.name, str(len(key_series(r.rows, "actor/entropy"))),
+                _arrow(head_tail_means([v for _, v in key_series(r.rows, "critic/score/mean")])),
+                _arrow(entropy_span(r.rows)), _arrow(_first_last(r.rows, "response_length/mean"), 1)] for r in runs]
+    return "\n".join([
+        "## 2. Summary", "",
+        "Held-out evaluation (avg@k accuracy per data source; first eval is the base model when step 0 was evaluated):", "",
+        _table(ev_header, ev_rows), "",
+        "Training (reward and entropy: mean of the first 10 % of steps → mean of the last 10 %; "
+        "response length: first → last step):", "",
+        _table(["method", "training steps", "train reward first 10 % → last 10 %", "entropy first 10 % → last 10 %",
+                "response length first → last"], tr_rows)])
+
+
+def _fit_rows(points_by_method: dict[str, list[tuple[float, float]]]) -> list[list[str]]:
+    rows = []
+    pooled = [p for pts in points_by_method.values() for p in pts]
+    for name, pts in list(points_by_method.items()) + [("pooled (all methods)", pooled)]:
+        fit, why = try_fit(pts)
+        rows.append([name, str(len(pts))] + ([_f(fit.a), _f(fit.b), _f(fit.r2, 3), _f(fit.ceiling), ""] if fit
+                                             else [MISSING] * 4 + [why]))
+    return rows
+
+
+def section_law(eval_pts: dict, train_pts: dict) -> str:
+    header = ["fit", "points", "a", "b", "R²", "ceiling b − a", "note"]
+    return "\n".join([
+        "## 3. Entropy–performance law R = −a·exp(H) + b", "",
+        "On held-out accuracy (mean over data sources) against the evaluated version's entropy:", "",
+        _table(header, _fit_rows(eval_pts)), "",
+        "Secondary: on training reward (critic/score/mean) against the step's batch entropy:", "",
+        _table(header, _fit_rows(train_pts))])
+
+
+def section_early(eval_pts: dict, train_pts: dict) -> str:
+    return "\n".join([
+        "## 4. Early prediction (fit on the first 15 % of points, RMSE on the rest)", "",
+        _table(["method", "eval points", "training points"],
+               [[m, early_check(eval_pts[m]), early_check(train_pts[m])] for m in eval_pts])])
+
+
+def section_cov(cov_pts: dict) -> str:
+    pooled = [p for pts in cov_pts.values() for p in pts]
+    rows = []
+    for name, pts in list(cov_pts.items()) + [("pooled (all methods)", pooled)]:
+        r = pearson([c for c, _ in pts], [d for _, d in pts])
+        rows.append([name, str(len(pts)), _f(r, 3) if r is not None else f"{MISSING} (needs ≥ 3 points that vary)"])
+    return "\n".join([
+        "## 5. Covariance check", "",
+        "Pearson correlation, per step, of actor/cov_mean (mean Cov(log π, A) of the batch) with "
+        "actor/entropy_delta (entropy change of the step's update). The paper predicts a negative correlation.", "",
+        _table(["method", "steps", "Pearson r"], rows)])
+
+
+def _why_absent(by: dict[str, MethodRun], names: tuple[str, ...], has, lacking: str) -> str | None:
+    """None if every named method has the data `has(run)` checks; else why not, e.g. 'par was not run'
+    or 'grpo has <lacking>'."""
+    why = [f"{n} was not run" if n not in by or by[n].why_empty else f"{n} has {lacking}"
+           for n in names if n not in by or not has(by[n])]
+    return "; ".join(why) or None
+
+
+def claim_collapse(by: dict[str, MethodRun]) -> str:
+    """(a) GRPO's entropy falls over the run (end < start)."""
+    why = _why_absent(by, ("grpo",), lambda r: entropy_span(r.rows) is not None,
+                      "no actor/entropy values")
+    if why:
+        return f"(a) Entropy collapse under GRPO: skipped ({why})."
+    h0, h1 = entropy_span(by["grpo"].rows)
+    return (f"(a) Entropy collapse under GRPO. Paper: without entropy control, GRPO's policy entropy falls sharply "
+            f"over training. Measured: grpo entropy (mean of the first → last 10 % of steps) {h0:.4f} → {h1:.4f} "
+            f"({_pct(h0, h1)}): {_verdict(h1 < h0)}.")
+
+
+def claim_entropy_above_grpo(by: dict[str, MethodRun], tag: str, method: str, label: str, paper: str) -> str:
+    """(b)/(c) `method` ends with higher entropy than GRPO."""
+    title = f"({tag}) {label} ends with higher entropy than GRPO"
+    why = _why_absent(by, ("grpo", method), lambda r: entropy_span(r.rows) is not None,
+                      "no actor/entropy values")
+    if why:
+        return f"{title}: skipped ({why})."
+    mine, base = entropy_span(by[method].rows)[1], entropy_span(by["grpo"].rows)[1]
+    return (f"{title}. Paper: {paper}. Measured mean entropy over the last 10 % of steps: {method} {mine:.4f} vs "
+            f"grpo {base:.4f}: "
+            f"{_verdict(mine > base)}.")
+
+
+def claim_law(pooled: tuple[LawFit | None, str]) -> str:
+    """(d) the pooled eval fit has R^2 >= LAW_R2_HOLDS."""
+    fit, why = pooled
+    if fit is None:
+        return f"(d) The entropy–performance law fits: skipped (pooled eval fit {why})."
+    return (f"(d) The entropy–performance law fits. Paper: R = −a·exp(H) + b fits held-out accuracy across methods. "
+            f"Measured pooled eval fit: a = {fit.a:.4f}, b = {fit.b:.4f}, R² = {fit.r2:.3f} on {fit.n} points "
+            f"(holds at R² ≥ {LAW_R2_HOLDS}): {_verdict(fit.r2 >= LAW_R2_HOLDS)}.")
+
+
+def claim_cov(pooled_r: float | None, n_steps: int) -> str:
+    """(e) the pooled Pearson r of cov_mean vs entropy_delta is negative."""
+    if pooled_r is None:
+        return (f"(e) Covariance drives entropy change: skipped ({n_steps} steps with actor/cov_mean and "
+                f"actor/entropy_delta; need ≥ 3 that vary).")
+    return (f"(e) Covariance drives entropy change. Paper: steps whose log-prob/advantage covariance is high lower "
+            f"entropy, so the correlation is negative. Measured pooled Pearson r = {pooled_r:.3f} over {n_steps} "
+            f"steps: {_verdict(pooled_r < 0)}.")
+
+
+def claim_par(by: dict[str, MethodRun]) -> str:
+    """(f) PAR's final mean eval accuracy is above GRPO's."""
+    why = _why_absent(by, ("grpo", "par"), lambda r: final_eval(r.rows) is not None, "no eval rows")
+    if why:
+        return f"(f) PAR beats GRPO on final eval accuracy: skipped ({why})."
+    (sg, ag), (sp, ap) = final_eval(by["grpo"].rows), final_eval(by["par"].rows)
+    at = f"both at step {sg}" if sg == sp else f"grpo at step {sg}, par at step {sp}"
+    return (f"(f) PAR beats GRPO on final eval accuracy. Paper (Jin et al. 2025): entropy-guided PAR 45.66 vs GRPO "
+            f"44.12 avg@64. Measured final mean eval accuracy: par {ap:.4f} vs grpo {ag:.4f} ({at}): {_verdict(ap > ag)}.")
+
+
+def claim_lines(runs: list[MethodRun], pooled_eval_fit: tuple[LawFit | None, str], pooled_r: float | None,
+                n_cov: int) -> list[str]:
+    """The "Does it match the paper?" sentences, each with the claim, the numbers and a verdict."""
+    by = {r.name: r for r in runs}
+    cov_paper = "Clip-Cov and KL-Cov keep entropy above the GRPO baseline (KL-Cov over 10× its plateau at 7B)"
+    return [
+        claim_collapse(by),
+        claim_entropy_above_grpo(by, "b", "clip_cov", "Clip-Cov", cov_paper),
+        claim_entropy_above_grpo(by, "b", "kl_cov", "KL-Cov", cov_paper),
+        claim_entropy_above_grpo(by, "c", "clip_higher", "Clip-higher",
+                                 "raising the upper clip bound (0.28 vs 0.2) slows entropy collapse"),
+        claim_law(pooled_eval_fit),
+        claim_cov(pooled_r, n_cov),
+        claim_par(by),
+    ]
+
+
+def render_report(runs: list[MethodRun], meta: dict, now: datetime.datetime, *,
+                  method_overrides: dict[str, list[str]]) -> str:
+    """The whole report.md text (pure: no I/O). `method_overrides`: the config overrides of each method, by name."""
+    eval_pts = {r.name: [(h, a) for _, h, a in eval_points(r.rows)] for r in runs}
+    train_pts = {r.name: [(h, x) for _, h, x in train_points(r.rows)] for r in runs}
+    cov_pts = {r.name: cov_points(r.rows) for r in runs}
+    pooled_cov = [p for pts in cov_pts.values() for p in pts]
+    pooled_r = pearson([c for c, _ in pooled_cov], [d for _, d in pooled_cov])
+    pooled_fit = try_fit([p for pts in eval_pts.values() for p in pts])
+    claims = claim_lines(runs, pooled_fit, pooled_r, len(pooled_cov))
+    return "\n\n".join([
+        section_header(runs, meta, now, method_overrides),
+        section_summary(runs),
+        section_law(eval_pts, train_pts),
+        section_early(eval_pts, train_pts),
+        section_cov(cov_pts),
+        "## 6. Does it match the paper?\n\n" + "\n".join(f"- {c}" for c in claims),
+        "## 7. Plots\n\n" + "\n\n".join(f"![{p.removesuffix('.png')}]({p})" for p in PLOTS),
+    ]) + "\n"
+
+
+def write_plots(study_dir: str, runs: list[MethodRun]) -> list[str]:
+    """The report's PNGs in study_dir; returns their paths."""
+    from launch.plots import plot_law_fit, plot_lines, plot_metric, plot_scatter
+
+    rows = {r.name: r.rows for r in runs}
+    sources = eval_sources([row for r in runs for row in r.rows])
+    acc_panels = {"mean over data sources": {r.name: [(e["step"], mean_eval_acc(e)) for e in eval_rows(r.rows)] for r in runs}}
+    acc_panels |= {ds: {r.name: key_series(r.rows, f"eval/{ds}/acc") for r in runs} for ds in sources}
+    eval_pts = {r.name: [(h, a) for _, h, a in eval_points(r.rows)] for r in runs}
+    fits = {m: try_fit(pts)[0] for m, pts in eval_pts.items()}
+    pooled = try_fit([p for pts in eval_pts.values() for p in pts])[0]
+    out = os.path.join
+    return [
+        plot_metric(rows, "actor/entropy", out(study_dir, "entropy.png"), title="policy entropy (actor/entropy) vs step"),
+        plot_lines(acc_panels, out(study_dir, "eval_acc.png"), xlabel="step (policy version)", ylabel="eval accuracy",
+                   title="held-out accuracy"),
+        plot_metric(rows, "response_length/mean", out(study_dir, "response_length.png"), title="mean response length vs step"),
+        plot_law_fit(eval_pts, fits, out(study_dir, "law_fit.png"), pooled=pooled, ylabel="mean eval accuracy",
+                     title="R = −a·exp(H) + b on eval points (dashed: per method, black: pooled)"),
+        plot_scatter({r.name: cov_points(r.rows) for r in runs}, out(study_dir, "cov_vs_entropy_delta.png"),
+                     xlabel="actor/cov_mean", ylabel="actor/entropy_delta", title="covariance vs entropy change per step"),
+    ]
+
+
+def write_report(study_dir: str, methods: list[str], meta: dict, now: datetime.datetime | None = None, *,
+                 method_overrides: dict[str, list[str]]) -> str:
+    """Write STUDY_DIR/report.md and its PNGs from STUDY_DIR/<method>/metrics.jsonl; returns the report path.
+
+    `meta` is study.json's content (any key may be missing: it shows as n/a); `method_overrides` the config
+    overrides of each method, by name (a method missing from it shows none). Missing runs or keys never raise;
+    they read n/a with the reason.
+    """
+    now = now or datetime.datetime.now()
+    runs = [load_run(study_dir, m) for m in methods]
+    write_plots(study_dir, runs)
+    path = os.path.join(study_dir, "report.md")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(render_report(runs, meta, now, method_overrides=method_overrides))
+    os.replace(tmp, path)
+    return path
