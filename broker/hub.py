@@ -105,7 +105,7 @@ class Hub:
         self.weight_addr = weight_addr
         self.n_generators = n_generators
         self.on_join = on_join  # (gen_id, incarnation) -> None: builds that incarnation's weight channel
-        self.rules = GroupRules(cfg)
+        self.rules = GroupRules.of(cfg)
         self.gps = cfg.rollout.groups_per_step
         self.sampling = M.SamplingParams(
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens

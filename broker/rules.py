@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from common import messages as M
-from common.config import Config
+from common.config import Config, FilterConfig, RolloutConfig
 
 
 def overlong_penalty(lengths: np.ndarray, max_tokens: int, buffer_tokens: int, factor: float) -> np.ndarray:
@@ -43,12 +43,18 @@ def oldest_version(group: M.RolloutGroup) -> int:
 
 
 class GroupRules:
-    def __init__(self, cfg: Config):
-        self.groups_per_step = cfg.rollout.groups_per_step
-        self.max_staleness = cfg.rollout.max_staleness_steps
-        self.max_new_tokens = cfg.rollout.max_new_tokens
-        self.steps = cfg.run.steps
-        self.filter = cfg.learner.filter
+    """Built from the sections it reads: `rollout`, `learner.filter` and the run's length `run.steps`."""
+
+    def __init__(self, rollout: RolloutConfig, filter_: FilterConfig, steps: int):
+        self.groups_per_step = rollout.groups_per_step
+        self.max_staleness = rollout.max_staleness_steps
+        self.max_new_tokens = rollout.max_new_tokens
+        self.steps = steps
+        self.filter = filter_
+
+    @classmethod
+    def of(cls, cfg: Config) -> "GroupRules":
+        return cls(cfg.rollout, cfg.learner.filter, cfg.run.steps)
 
     def admit_cap(self, version: int) -> int:
         """Kept groups (issued minus filtered) that may exist while the learner is at `version`."""

@@ -137,7 +137,7 @@ def batch_from_config(groups: list[M.RolloutGroup], cfg, *, version: int, ranks:
     """`build_step_batch` with every knob read from the run config (the learner and the reference loop share it)."""
     lc = cfg.learner
     return build_step_batch(
-        groups, GroupRules(cfg).rewards(groups), version=version, ranks=ranks, mini_batches=lc.mini_batches,
+        groups, GroupRules.of(cfg).rewards(groups), version=version, ranks=ranks, mini_batches=lc.mini_batches,
         micro_batch_tokens=micro_batch_tokens or lc.micro_batch_tokens, estimator=lc.advantage,
         par_lambda=par_lambda, seed=step_seed(cfg.run.seed, version + 1),
     )

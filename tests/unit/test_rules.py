@@ -18,9 +18,9 @@ def _group(lengths, rewards, versions):
 
 
 def _rules(**filter_):
-    return GroupRules(from_dict({"run": {"steps": 10}, "rollout": {"groups_per_step": 4, "max_staleness_steps": 2,
-                                                                   "max_new_tokens": 100},
-                                 "learner": {"filter": filter_}}))
+    return GroupRules.of(from_dict({"run": {"steps": 10}, "rollout": {"groups_per_step": 4, "max_staleness_steps": 2,
+                                                                      "max_new_tokens": 100},
+                                    "learner": {"filter": filter_}}))
 
 
 def test_overlong_penalty_and_zero_spread():
