@@ -16,6 +16,10 @@ labelled with the version it carries (staged for the main thread, or being loade
 the heartbeat reports (`Heartbeat.weight_version`) and what `wait_for` waits for. A (re)started generator starts
 from the base model, version 0, whatever the learner is at: the learner sends it the latest version first thing,
 and work waits for the version it names.
+
+The main loop only ever waits for the hub in one place, its `recv` between requests, so a Stop reaches it there:
+"training finished" at the end, or "drained" when the run was scaled below this generator's id (the hub sends it
+only once every group and eval result this generator held is in). Either way it exits 0.
 """
 
 from __future__ import annotations
@@ -174,7 +178,11 @@ def run_actor(cfg: Config, *, engine, tokenizer, hub_addr: str, key: bytes, run_
                 if msg is None:
                     continue  # no work yet (admission control holds it back): ask again
                 if isinstance(msg, M.Stop):
-                    log.info("generator %d: stop (%s) after %d rollout groups", gen_id, msg.reason, sent)
+                    if msg.reason == "drained":  # the run was scaled below this id; everything we held is in
+                        log.info("generator %d drained: the run's generator target no longer includes this id; "
+                                 "exiting after %d rollout groups", gen_id, sent)
+                    else:
+                        log.info("generator %d: stop (%s) after %d rollout groups", gen_id, msg.reason, sent)
                     return 0
                 if isinstance(msg, M.Work):
                     for group in rollout(msg, engine=engine, tokenizer=tokenizer, pool=pool, receiver=receiver,

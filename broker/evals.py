@@ -88,6 +88,10 @@ class EvalSchedule:
         self.scores[t.version][t.data_source].append(res)
         return None
 
+    def holds(self, gen_id: int) -> bool:
+        """This generator has eval prompts in flight (a draining generator is stopped only once it has none)."""
+        return any(e.gen_id == gen_id for e in self.in_flight.values())
+
     def requeue(self, gen_id: int) -> int:
         """A generator is gone: its eval prompts go back to the front of the queue. Returns how many."""
         lost = [tid for tid, e in self.in_flight.items() if e.gen_id == gen_id]

@@ -24,6 +24,15 @@ Invariants
 - A rollout is accepted only for a ticket that is in flight for that generator
   incarnation; anything else is dropped with a counted reason. Malformed or
   unauthenticated frames never raise out of the loop.
+- Elastic generators: the run's generator *target* N (`generators()`, RUN_DIR/generators.json, which
+  `covrl-scale RUN_DIR --gens N` rewrites) is read again about every `target_poll_s`. Only ids 0..N-1 are
+  welcomed; a connected generator whose id is >= N is *draining*: it gets no new work (training or eval), what it
+  sends back for the tickets it holds is accepted as usual, and once it holds none the hub sends it
+  `Stop(reason="drained")`, forgets it and calls `on_leave` (the publisher closes its weight channel). So a
+  scale-down loses no prompt and trains none twice; a draining generator that dies instead is the ordinary
+  timeout case (its tickets are re-issued with their slots). Raising N again before the drain completes makes it
+  a full member again. The gauges `cluster/generators` (connected, not draining) and `cluster/generators_target`
+  are read with the counters, never snapshotted.
 
 The trainer thread talks to the hub only through `start`, `take_batch`, `set_version`, `wait_version_done`,
 `take_eval`, `stats`, `snapshot` / `restore` and `stop`, each under the hub's lock; the ZeroMQ socket belongs
@@ -37,6 +46,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from broker import state as S
 from broker.evals import EvalSchedule
@@ -87,8 +97,9 @@ class BrokerStats:
     """One consistent read of the hub's running totals (`Hub.stats`), all since the run began.
 
     filtered_groups: groups dropped by dynamic sampling; gen_tokens: tokens of every accepted group;
-    counters: the `hub/...` metrics (rejections by reason, re-issues, stale drops, lost generators,
-    hub/filtered_groups and hub/lost_prompts, which must stay 0).
+    counters: the `hub/...` metrics (rejections by reason, re-issues, stale drops, lost and drained generators,
+    hub/filtered_groups and hub/lost_prompts, which must stay 0) and the gauges `cluster/generators` (connected and
+    not draining) and `cluster/generators_target` (the run's target now).
     """
     filtered_groups: int
     gen_tokens: int
@@ -96,15 +107,26 @@ class BrokerStats:
 
 
 class Hub:
-    def __init__(self, cfg: Config, *, run_id: str, key: bytes, port: int, source: PromptSource, weight_addr: str,
-                 n_generators: int, eval_prompts: dict[str, list[Prompt]] | None = None, on_join=None):
+    def __init__(self, cfg: Config, *, run_id: str, key: bytes, host: str, port: int, source: PromptSource,
+                 weight_addr: str, generators: Callable[[], int], eval_prompts: dict[str, list[Prompt]] | None = None,
+                 on_join=None, on_leave=None, target_poll_s: float = 1.0):
+        """`host`, `port`: where the hub binds (cluster.json's hub_addr; port 0: a random one). `generators`: the
+        run's generator target now, called here once and then by the hub thread every `target_poll_s`; it must not
+        raise (an exception stops the hub like any hub-thread failure), so a reader of a file keeps its last good
+        value (learner/__main__.py). `on_join` / `on_leave`: called by the hub thread, with the lock held, when a
+        generator incarnation is welcomed / drained; neither may block."""
         self.cfg = cfg
         self.run_id = run_id
-        self.sock = HubSocket(cfg.transport.host, port, key)
+        self.sock = HubSocket(host, port, key)
         self.source = source
         self.weight_addr = weight_addr
-        self.n_generators = n_generators
+        self.generators = generators
+        self.target_poll_s = target_poll_s
+        self.target = generators()  # ids 0 .. target - 1 are wanted; connected ones above it drain
+        self._target_read_at = time.monotonic()
         self.on_join = on_join  # (gen_id, incarnation) -> None: builds that incarnation's weight channel
+        self.on_leave = on_leave  # (gen_id, incarnation) -> None: a drained incarnation's channel goes, not a failure
+        self.drained: dict[int, str] = {}  # gen_id -> its last drained incarnation, whose late frames are expected
         self.rules = GroupRules.of(cfg)
         self.gps = cfg.rollout.groups_per_step
         self.sampling = M.SamplingParams(
@@ -158,7 +180,8 @@ class Hub:
                     raise TimeoutError(
                         f"generation at version {version} not finished after {timeout_s:.0f}s: "
                         f"{len(self.evals.pending)} eval prompts queued, {len(self.evals.in_flight)} eval and "
-                        f"{len(self.in_flight)} training groups in flight, {len(self.gens)} generators connected"
+                        f"{len(self.in_flight)} training groups in flight, {len(self.gens)} generators connected "
+                        f"(target {self.target})"
                     )
                 self.cv.wait(0.5)
         return time.monotonic() - t0
@@ -182,8 +205,8 @@ class Hub:
                 if left <= 0:
                     raise TimeoutError(
                         f"no batch for step {version + 1} after {timeout_s:.0f}s: {len(self.ready)} groups ready, "
-                        f"{len(self.in_flight)} in flight, {len(self.gens)} generators connected; are generators running "
-                        f"and reaching the hub at {self.sock.address}?"
+                        f"{len(self.in_flight)} in flight, {len(self.gens)} generators connected (target {self.target}); "
+                        f"are generators running and reaching the hub at {self.sock.address}?"
                     )
                 self.cv.wait(min(left, 1.0))
 
@@ -266,12 +289,15 @@ class Hub:
             while not self._stopping.is_set():
                 got = self.sock.recv(0.05)
                 now = time.monotonic()
+                target = self._poll_target(now)  # outside the lock: it may read a file
                 if got is not None:
                     identity, msg = got
                     with self.cv:
                         self._handle(identity, msg, now)
                 with self.cv:
+                    self._set_target(target)
                     self._expire(now)
+                    self._drain()
                     self._serve_wanted()
             self._broadcast_stop("training finished")
         except BaseException as e:  # surfaced to the trainer thread by take_batch
@@ -288,6 +314,10 @@ class Hub:
             return
         gen = self.gens.get(msg.gen_id)
         if gen is None or gen.incarnation != msg.incarnation:
+            if self.drained.get(msg.gen_id) == msg.incarnation and isinstance(msg, (M.WorkRequest, M.Heartbeat)):
+                if isinstance(msg, M.WorkRequest):  # it asked before our Stop reached it: say it again
+                    self.sock.send(identity, M.Stop(reason="drained"))
+                return
             self.counts["hub/rejected/unknown_generator"] += 1
             return
         gen.last_seen = now
@@ -313,9 +343,13 @@ class Hub:
             log.warning("refused generator %s (pid %s): %s", msg.gen_id, msg.pid, reason)
             self.sock.send(identity, M.Refused(reason=reason))
             return
-        if not 0 <= msg.gen_id < self.n_generators:
+        if not 0 <= msg.gen_id < self.target:
+            reason = (f"gen_id {msg.gen_id} is outside 0..{self.target - 1}: the run's generator target is {self.target} "
+                      f"(RUN_DIR/generators.json)" + ("" if msg.gen_id < 0 else
+                      f"; to run this generator, raise it with `covrl-scale RUN_DIR --gens {msg.gen_id + 1}`"))
             self.counts["hub/rejected/handshake"] += 1
-            self.sock.send(identity, M.Refused(reason=f"gen_id {msg.gen_id} outside 0..{self.n_generators - 1}"))
+            log.warning("refused generator %s (pid %s): %s", msg.gen_id, msg.pid, reason)
+            self.sock.send(identity, M.Refused(reason=reason))
             return
         old = self.gens.get(msg.gen_id)
         if old is not None and old.incarnation != msg.incarnation:
@@ -380,6 +414,33 @@ class Hub:
                 self._requeue_generator(gen_id, "timeout")
                 del self.gens[gen_id]
 
+    def _poll_target(self, now: float) -> int | None:
+        """The run's generator target when a read is due (hub thread, lock not held), else None."""
+        if now - self._target_read_at < self.target_poll_s:
+            return None
+        self._target_read_at = now
+        return self.generators()
+
+    def _set_target(self, target: int | None) -> None:
+        if target is None or target == self.target:
+            return
+        log.info("generator target %d -> %d%s", self.target, target,
+                 f": draining ids {target}..{self.target - 1}" if target < self.target else "")
+        self.target = target
+
+    def _drain(self) -> None:
+        """Stop and forget every generator at or above the target that holds nothing any more."""
+        for gen_id in [g for g in self.gens if g >= self.target]:
+            if any(t.gen_id == gen_id for t in self.in_flight.values()) or self.evals.holds(gen_id):
+                continue  # it delivers what it holds first (or times out, and the work is re-issued)
+            gen = self.gens.pop(gen_id)
+            self.drained[gen_id] = gen.incarnation
+            if self.on_leave is not None:  # before the Stop: the channel's end is then never taken for a failure
+                self.on_leave(gen_id, gen.incarnation)
+            self.sock.send(gen.identity, M.Stop(reason="drained"))
+            self.counts["hub/generators_drained"] += 1
+            log.info("generator %d drained (target %d): stopped", gen_id, self.target)
+
     def _requeue_generator(self, gen_id: int, why: str) -> None:
         for tid, t in list(self.in_flight.items()):
             if t.gen_id == gen_id:
@@ -405,8 +466,8 @@ class Hub:
 
     def _serve_wanted(self) -> None:
         for gen_id, gen in self.gens.items():
-            if gen.wanted <= 0 or self._serve_eval(gen_id, gen):
-                continue
+            if gen_id >= self.target or gen.wanted <= 0 or self._serve_eval(gen_id, gen):
+                continue  # a draining generator gets no new work
             items = []
             while len(items) < gen.wanted:
                 t = self._next_ticket(gen_id, gen.incarnation)
@@ -460,7 +521,9 @@ class Hub:
             accounted = (self.n_trained + self.filtered + len(self.ready) + len(self.reissue)
                          + len({t.slot for t in self.in_flight.values()}))
             counters = {**self._counted(), "hub/filtered_groups": self.filtered,
-                        "hub/lost_prompts": float(self.slots - accounted)}
+                        "hub/lost_prompts": float(self.slots - accounted),
+                        "cluster/generators": float(sum(g < self.target for g in self.gens)),
+                        "cluster/generators_target": float(self.target)}
             return BrokerStats(filtered_groups=self.filtered, gen_tokens=self.gen_tokens, counters=counters)
 
     def _counted(self) -> dict[str, float]:

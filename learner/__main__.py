@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from broker.hub import Hub
-from common.cluster import mark_learners_ready, read_cluster, read_run_config
+from common.cluster import mark_learners_ready, read_cluster, read_generator_target, read_run_config
 from common.config import eval_versions
 from common.data import PromptSource, eval_sets, model_dir
 from common.metrics import MetricsWriter, keep_metrics
@@ -71,7 +71,7 @@ def main() -> int:
     if rank == 0:
         role.hub.start()
         mark_learners_ready(args.run_dir)
-        log.info("hub on %s, weight channel with %d generators ready", cluster.hub_addr, cluster.generators)
+        log.info("hub on %s, weight channels ready for %d generators", cluster.hub_addr, role.hub.target)
 
     def save(step: int, state: dict | None, hub_blob: bytes | None) -> None:
         full = full_state_dict(trainer.module, publisher.layout, zero3) if zero3 else None  # a collective under ZeRO-3
@@ -86,13 +86,39 @@ def main() -> int:
     return code
 
 
+class GeneratorTargetReader:
+    """The run's generator target, read again at each call (the hub polls it about once a second):
+    RUN_DIR/generators.json, which `covrl-scale` rewrites while the run goes on, else cluster.json's count. A file
+    that cannot be read, or that names fewer than one generator, keeps the last good value (and says so once)."""
+
+    def __init__(self, run_dir: str, default: int):
+        self.run_dir, self.default, self.last, self.warned = run_dir, default, default, ""
+
+    def __call__(self) -> int:
+        try:
+            t = read_generator_target(self.run_dir)
+            n = self.default if t is None else t.generators
+            if n < 1:
+                raise ValueError(f"generators={n}, and a run needs at least one")
+        except (OSError, ValueError) as e:  # msgspec's DecodeError and ValidationError are ValueErrors
+            if str(e) != self.warned:
+                log.warning("%s/generators.json: %s; the target stays %d (set it with covrl-scale RUN_DIR --gens N)",
+                            self.run_dir, e, self.last)
+                self.warned = str(e)
+            return self.last
+        self.last, self.warned = n, ""
+        return n
+
+
 def lead(cfg, args, cluster, tokenizer, publisher: ModelPublisher, world: int, start: int, resumed: dict | None) -> Lead:
-    """Rank 0's role: the broker (restored on resume), the metrics sink (rows after the checkpoint purged), PAR."""
+    """Rank 0's role: the broker (restored on resume), the metrics sink (rows after the checkpoint purged), PAR.
+    The hub binds cluster.json's hub_addr (the launcher's choice of this node's address), not transport.host."""
     host, port = cluster.hub_addr.rsplit(":", 1)
-    hub = Hub(cfg, run_id=cluster.run_id, key=load_secret(args.run_dir), port=int(port),
-              source=PromptSource(cfg, tokenizer), weight_addr=cluster.weight_addr, n_generators=cluster.generators,
+    hub = Hub(cfg, run_id=cluster.run_id, key=load_secret(args.run_dir), host=host, port=int(port),
+              source=PromptSource(cfg, tokenizer), weight_addr=cluster.weight_addr,
+              generators=GeneratorTargetReader(args.run_dir, cluster.generators),
               eval_prompts=eval_sets(cfg, tokenizer) if cfg.eval.every_steps else None,
-              on_join=publisher.channel.join)
+              on_join=publisher.channel.join, on_leave=publisher.channel.leave)
     par = ParSchedule(cfg.learner.par, cfg.run.steps)
     # An evaluated version's row waits for its eval results; step 0's row is the base model's evaluation.
     held = {0: {}} if 0 in eval_versions(cfg) else {}

@@ -7,7 +7,10 @@ up before it generates, and it never trusts a version number it has not received
 base model, version 0, and waits for the version its work names). `publish` sends each bucket to every
 live channel and keeps a CPU copy of the latest version for late joiners (the model's size in host
 memory on rank 0). A channel whose peer is gone fails fast (its TCP connection is closed) and is dropped
-(`weights/dropped_channels`); the hub re-issues that generator's work.
+(`weights/dropped_channels`); the hub re-issues that generator's work. A generator the hub drained (the run was
+scaled down) leaves on purpose: `leave` marks its incarnation at once and a leave thread sends it the stop header
+and drops its channel (`weights/left_channels`); whoever finds such a channel gone (a publish, a join thread that
+was still in its rendezvous) counts it as left, never as a failure.
 
 Every bucket is copied into `latest` (a host vector, pinned on a CUDA learner) and the gloo channels send
 that copy, never the caller's tensor: a CUDA learner's buckets are on its GPU, and the caller reuses one
@@ -61,6 +64,10 @@ class WeightPublisher:
         self.lay: W.Layout | None = None
         self.counters: collections.Counter[str] = collections.Counter()
         self._stopped = False
+        # Incarnations that left on purpose (`leave`). Their own lock, never held while waiting for anything, so the
+        # hub thread can mark one while a publish holds `lock`.
+        self.left: set[tuple[int, str]] = set()
+        self.left_lock = threading.Lock()
 
     # ---- called from the hub thread --------------------------------------------------
 
@@ -76,6 +83,9 @@ class WeightPublisher:
             # The announcement precedes the gloo rendezvous that just completed, so `check` cannot miss it.
             direct = store.check([VW.ANNOUNCE_KEY])
         except Exception:  # noqa: BLE001 - a generator that died before its rendezvous: count, log, carry on
+            if self._has_left(gen_id, incarnation):
+                log.info("generator %d (%s) was drained before its weight channel was built", gen_id, incarnation)
+                return
             log.exception("generator %d (%s) never completed its weight-channel rendezvous", gen_id, incarnation)
             with self.lock:
                 self.counters["weights/join_failures"] += 1
@@ -84,12 +94,41 @@ class WeightPublisher:
             if self._stopped:
                 self._try(ch.stop)
                 return
+            if self._has_left(gen_id, incarnation):  # drained while this thread waited in the rendezvous
+                self._close(ch, None)
+                self.counters["weights/left_channels"] += 1
+                return
             if direct:
                 self.pending_direct.append((gen_id, incarnation, ch, store))
                 log.info("generator %d (%s) announced an NCCL receiver: its group is built at the next publish",
                          gen_id, incarnation)
                 return
             self._admit(gen_id, incarnation, ch, None)
+
+    def leave(self, gen_id: int, incarnation: str) -> None:
+        """This incarnation leaves on purpose (the hub drained it): stop its channel and drop it without counting a
+        failure. Never blocks the caller (a publish may hold the lock): the mark is taken here, the close on a
+        thread."""
+        with self.left_lock:
+            self.left.add((gen_id, incarnation))
+        threading.Thread(target=self._leave, args=(gen_id, incarnation), name=f"leave-gen{gen_id}", daemon=True).start()
+
+    def _leave(self, gen_id: int, incarnation: str) -> None:
+        with self.lock:
+            entry = self.channels.get(gen_id)
+            if entry is not None and entry[0] == incarnation:
+                del self.channels[gen_id]
+                self._close(entry[1], entry[2])
+                self.counters["weights/left_channels"] += 1
+                log.info("generator %d (%s) left: its weight channel is closed", gen_id, incarnation)
+            for waiting in [p for p in self.pending_direct if p[:2] == (gen_id, incarnation)]:
+                self.pending_direct.remove(waiting)
+                self._close(waiting[2], None)
+                self.counters["weights/left_channels"] += 1
+
+    def _has_left(self, gen_id: int, incarnation: str) -> bool:
+        with self.left_lock:
+            return (gen_id, incarnation) in self.left
 
     def _admit(self, gen_id: int, incarnation: str, ch: W.WeightChannel, direct) -> None:
         """Catch a new channel up on the latest version and add it to the broadcast list (lock held)."""
@@ -98,7 +137,8 @@ class WeightPublisher:
                 self._send_latest(ch, direct)
             except RuntimeError:
                 log.warning("generator %d (%s) left during its catch-up", gen_id, incarnation)
-                self.counters["weights/dropped_channels"] += 1
+                self.counters["weights/left_channels" if self._has_left(gen_id, incarnation) else
+                              "weights/dropped_channels"] += 1
                 return
         self.channels[gen_id] = (incarnation, ch, direct)
         self.counters["weights/direct_channels"] += direct is not None
@@ -109,6 +149,10 @@ class WeightPublisher:
         """Build the NCCL group of every generator that announced one (trainer thread, lock held)."""
         pending, self.pending_direct = self.pending_direct, []
         for gen_id, incarnation, ch, store in pending:
+            if self._has_left(gen_id, incarnation):  # drained before its NCCL group was built (the leave thread waits)
+                self._close(ch, None)
+                self.counters["weights/left_channels"] += 1
+                continue
             try:
                 port = free_port(self.host)
                 world, dtype = VW.offer_address(store, self.host, port, self.timeout_s)
@@ -147,6 +191,9 @@ class WeightPublisher:
                     del self.channels[gen_id]
                 if live[gen_id][2] is not None:  # its NCCL communicator too (vLLM's destroy aborts it)
                     self._try(live[gen_id][2][0].close)
+                if self._has_left(gen_id, live[gen_id][0]):  # drained and gone before its leave thread got here
+                    self.counters["weights/left_channels"] += 1
+                    continue
                 self.counters["weights/dropped_channels"] += 1
                 log.warning("weight channel to generator %d failed: dropped (it rejoins when it restarts)", gen_id)
             self.latest_version = version
@@ -156,9 +203,7 @@ class WeightPublisher:
         with self.lock:
             self._stopped = True
             for _, ch, direct in self.channels.values():
-                self._try(ch.stop)
-                if direct is not None:
-                    self._try(direct[0].close)
+                self._close(ch, direct)
             self.channels.clear()
             for _, _, ch, _ in self.pending_direct:
                 self._try(ch.stop)
@@ -170,6 +215,12 @@ class WeightPublisher:
             return dict(self.counters)
 
     # ---- helpers (lock held) -----------------------------------------------------------------
+
+    def _close(self, ch: W.WeightChannel, direct) -> None:
+        """Tell the receiver to stop (it may be gone already) and close the NCCL sender, if any."""
+        self._try(ch.stop)
+        if direct is not None:
+            self._try(direct[0].close)
 
     @staticmethod
     def _send_bucket(ch: W.WeightChannel, direct, lay: W.Layout, first: int, end: int, bucket: torch.Tensor) -> None:

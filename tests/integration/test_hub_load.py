@@ -63,8 +63,8 @@ def test_thirty_two_generators_for_a_minute(tiny_model_dir, tmp_path):
                              f"rollout.max_staleness_steps={K}", "learner.filter.dynamic_sampling=false",
                              "rollout.max_new_tokens=8", "eval.every_steps=0", "run.steps=1000000",
                              "transport.generator_timeout_s=600"])
-    hub = Hub(cfg, run_id="load", key=KEY, port=0, source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)),
-              weight_addr="127.0.0.1:1", n_generators=N_GENS)
+    hub = Hub(cfg, run_id="load", key=KEY, host="127.0.0.1", port=0, source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)),
+              weight_addr="127.0.0.1:1", generators=lambda: N_GENS)
     hub.start()
     stop = threading.Event()
     gens = [FakeGenerator(hub.sock.address, i, stop) for i in range(N_GENS)]

@@ -1,4 +1,4 @@
-"""The hub against a scripted generator on loopback: handshake, hostile input, admission, re-issue."""
+"""The hub against a scripted generator on loopback: handshake, hostile input, admission, re-issue, scaling."""
 
 import contextlib
 import logging
@@ -24,8 +24,8 @@ def hub(tiny_model_dir):
     cfg = load_config(None, ["data.train_size=64", "rollout.groups_per_step=2", "rollout.group_size=2",
                              "rollout.max_staleness_steps=0", "transport.generator_timeout_s=1.5",
                              "learner.filter.dynamic_sampling=false"])
-    h = Hub(cfg, run_id="run1", key=KEY, port=0, source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)),
-            weight_addr="127.0.0.1:1", n_generators=2)
+    h = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)),
+            weight_addr="127.0.0.1:1", generators=lambda: 2)
     h.start()
     yield h
     h.stop()
@@ -122,8 +122,8 @@ def test_dead_generator_work_is_reissued_with_same_slot(hub):
 
 
 @contextlib.contextmanager
-def _eval_hub(tiny_model_dir, *extra):
-    """A hub with two small eval sets, and a generator it has welcomed; both closed on exit."""
+def _eval_hub(tiny_model_dir, *extra, target=lambda: 1, on_leave=None):
+    """A hub with two small eval sets, and a generator (id 0) it has welcomed; both closed on exit."""
     from transformers import AutoTokenizer
 
     from common.data import Prompt
@@ -134,8 +134,8 @@ def _eval_hub(tiny_model_dir, *extra):
                              "learner.filter.dynamic_sampling=false", *extra])
     prompts = {"sampled_set": [Prompt(f"Question: {i} + 1?", str(i + 1), "sampled_set", (5, 6, i)) for i in range(3)],
                "greedy_set": [Prompt("Question: 2 + 2?", "4", "greedy_set", (5, 7))]}
-    h = Hub(cfg, run_id="run1", key=KEY, port=0, source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)),
-            eval_prompts=prompts, weight_addr="127.0.0.1:1", n_generators=1)
+    h = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)),
+            eval_prompts=prompts, weight_addr="127.0.0.1:1", generators=target, on_leave=on_leave, target_poll_s=0.05)
     h.start()
     gen = GeneratorSocket(h.sock.address, KEY)
     try:
@@ -229,7 +229,7 @@ def test_snapshot_and_restore_keep_the_ledger_and_the_stream(hub, tiny_model_dir
     gen.close()
     hub.stop()
 
-    h = Hub(hub.cfg, run_id="run1", key=KEY, port=0, weight_addr="127.0.0.1:1", n_generators=2,
+    h = Hub(hub.cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, weight_addr="127.0.0.1:1", generators=lambda: 2,
             source=PromptSource(hub.cfg, AutoTokenizer.from_pretrained(tiny_model_dir)))
     h.restore(blob)
     h.start()
@@ -250,3 +250,200 @@ def test_snapshot_and_restore_keep_the_ledger_and_the_stream(hub, tiny_model_dir
     finally:
         g.close()
         h.stop()
+
+
+# ---- elastic generators: the target is read again while the hub runs ------------------------------------------
+
+@contextlib.contextmanager
+def _elastic_hub(tiny_model_dir, target: list[int], *extra):
+    """A hub whose generator target is `target[0]`, read every 50 ms; yields (hub, the on_leave calls)."""
+    from transformers import AutoTokenizer
+
+    cfg = load_config(None, ["data.train_size=64", "rollout.groups_per_step=2", "rollout.group_size=2",
+                             "rollout.max_staleness_steps=2", "learner.filter.dynamic_sampling=false",
+                             "eval.every_steps=0", *extra])
+    left = []
+    h = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, weight_addr="127.0.0.1:1",
+            source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)),
+            generators=lambda: target[0], on_leave=lambda *gen: left.append(gen), target_poll_s=0.05)
+    h.start()
+    try:
+        yield h, left
+    finally:
+        h.stop()
+
+
+def _until(hub, **gauges) -> dict:
+    """Wait (at most 5 s) until the hub's counters hold these values ("cluster__generators" for cluster/generators)."""
+    want = {k.replace("__", "/"): v for k, v in gauges.items()}
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        c = hub.stats().counters
+        if all(c.get(k) == v for k, v in want.items()):
+            return c
+        time.sleep(0.02)
+    raise AssertionError(f"counters never reached {want}: {hub.stats().counters}")
+
+
+def test_scale_down_drains_a_generator_after_its_groups_are_in_and_trains_them_once(tiny_model_dir):
+    target = [2]
+    with _elastic_hub(tiny_model_dir, target, "transport.generator_timeout_s=30") as (hub, left):
+        a, b = GeneratorSocket(hub.sock.address, KEY), GeneratorSocket(hub.sock.address, KEY)
+        try:
+            assert isinstance(_hello(a, gen_id=0, inc="a"), M.Welcome)
+            assert isinstance(_hello(b, gen_id=1, inc="b"), M.Welcome)
+            _until(hub, cluster__generators=2.0, cluster__generators_target=2.0)
+            b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
+            held = b.recv(5.0).items  # slots 0, 1
+            a.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
+            first = a.recv(5.0).items  # slots 2, 3
+            target[0] = 1  # covrl-scale RUN_DIR --gens 1: generator 1 drains
+            _until(hub, cluster__generators=1.0, cluster__generators_target=1.0)
+            b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
+            assert b.recv(0.5) is None  # no new work for a draining generator, and no Stop while it holds two groups
+            a.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
+            second = a.recv(5.0).items  # ... though there was work: admission (staleness 2) allows slots 4, 5
+            assert len(second) == 2
+            b.send(_result(held[0], gen_id=1, inc="b"))
+            assert b.recv(0.5) is None and left == []  # still holds one
+            b.send(_result(held[1], gen_id=1, inc="b"))
+            stop = b.recv(5.0)
+            assert isinstance(stop, M.Stop) and stop.reason == "drained"
+            assert left == [(1, "b")]
+            c = _until(hub, cluster__generators=1.0)
+            assert c["hub/generators_drained"] == 1
+            # Its late frames are expected, not hostile: a request is answered with Stop again, a heartbeat ignored.
+            b.send(M.Heartbeat(gen_id=1, incarnation="b", weight_version=0))
+            b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
+            assert isinstance(b.recv(5.0), M.Stop)
+            for it in [*first, *second]:
+                a.send(_result(it))
+            trained = []
+            for v in range(3):
+                batch = hub.take_batch(v, timeout_s=5)
+                trained += [(r.slot, r.group.gen_id, r.group.ticket) for r in batch]
+                hub.set_version(v + 1)
+            assert [s for s, _, _ in trained] == [0, 1, 2, 3, 4, 5]  # every slot once, the drained one's included
+            assert [(g, t) for _, g, t in trained[:2]] == [(1, held[0].ticket), (1, held[1].ticket)]
+            c = hub.stats().counters
+            assert c["hub/lost_prompts"] == 0 and c["hub/duplicate_trained_prompts"] == 0
+            assert c.get("hub/rejected/unknown_generator", 0) == 0 and c.get("hub/reissued_prompts", 0) == 0
+            # It may not come back while the target excludes it; the reason says how to allow it.
+            refused = _hello(b, gen_id=1, inc="b2")
+            assert isinstance(refused, M.Refused)
+            assert "target is 1" in refused.reason and "covrl-scale RUN_DIR --gens 2" in refused.reason
+        finally:
+            a.close()
+            b.close()
+
+
+def test_a_draining_generator_that_dies_has_its_work_reissued_and_is_not_drained(tiny_model_dir):
+    target = [2]
+    # Staleness 0: the two prompts the dying generator holds are all version 0 may issue.
+    with _elastic_hub(tiny_model_dir, target, "transport.generator_timeout_s=1.5",
+                      "rollout.max_staleness_steps=0") as (hub, left):
+        a, b = GeneratorSocket(hub.sock.address, KEY), GeneratorSocket(hub.sock.address, KEY)
+        try:
+            assert isinstance(_hello(a, gen_id=0, inc="a"), M.Welcome)
+            assert isinstance(_hello(b, gen_id=1, inc="b"), M.Welcome)
+            b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
+            lost = b.recv(5.0).items
+            target[0] = 1
+            _until(hub, cluster__generators=1.0, cluster__generators_target=1.0)
+            b.close()  # dies while draining, holding two groups
+            got, deadline = [], time.time() + 10
+            while len(got) < 2 and time.time() < deadline:
+                a.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
+                a.send(M.Heartbeat(gen_id=0, incarnation="a", weight_version=0))
+                if (w := a.recv(0.5)) is not None:
+                    got += w.items
+            assert [it.prompt_id for it in got] == [it.prompt_id for it in lost]  # re-issued, same prompts
+            for it in got:
+                a.send(_result(it))
+            assert [r.slot for r in hub.take_batch(0, timeout_s=5)] == [0, 1]
+            c = hub.stats().counters
+            assert c["hub/generator_lost/timeout"] == 1 and c["hub/reissued_prompts"] == 2
+            assert "hub/generators_drained" not in c and left == []  # a death, not a drain: the publisher finds out
+            assert c["hub/lost_prompts"] == 0
+        finally:
+            a.close()
+
+
+def test_scale_up_welcomes_new_ids_and_a_draining_generator_stays_if_the_target_rises_again(tiny_model_dir):
+    target = [1]
+    with _elastic_hub(tiny_model_dir, target, "transport.generator_timeout_s=30") as (hub, left):
+        a, b = GeneratorSocket(hub.sock.address, KEY), GeneratorSocket(hub.sock.address, KEY)
+        try:
+            assert isinstance(_hello(a, gen_id=0, inc="a"), M.Welcome)
+            refused = _hello(b, gen_id=1, inc="b")
+            assert isinstance(refused, M.Refused) and "outside 0..0" in refused.reason
+            assert "covrl-scale RUN_DIR --gens 2" in refused.reason
+            assert _until(hub, cluster__generators=1.0, cluster__generators_target=1.0)["hub/rejected/handshake"] == 1
+            target[0] = 3
+            _until(hub, cluster__generators_target=3.0)
+            assert isinstance(_hello(b, gen_id=1, inc="b"), M.Welcome)
+            _until(hub, cluster__generators=2.0)
+            b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=1))
+            held = b.recv(5.0).items
+            assert len(held) == 1
+            target[0] = 1  # generator 1 starts draining ...
+            _until(hub, cluster__generators=1.0, cluster__generators_target=1.0)
+            b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=1))
+            assert b.recv(0.5) is None
+            target[0] = 2  # ... and is wanted again before it is done: its pending request is served
+            more = b.recv(5.0)
+            assert isinstance(more, M.Work) and len(more.items) == 1
+            b.send(_result(held[0], gen_id=1, inc="b"))
+            b.send(_result(more.items[0], gen_id=1, inc="b"))
+            assert b.recv(0.5) is None and left == []
+            c = _until(hub, cluster__generators=2.0, cluster__generators_target=2.0)
+            assert "hub/generators_drained" not in c
+        finally:
+            a.close()
+            b.close()
+
+
+def test_a_draining_generator_finishes_its_eval_prompts_before_it_is_stopped(tiny_model_dir):
+    target, left = [2], []
+    with _eval_hub(tiny_model_dir, "run.deterministic=false", target=lambda: target[0],
+                   on_leave=lambda *gen: left.append(gen)) as (hub, a):
+        b = GeneratorSocket(hub.sock.address, KEY)
+        try:
+            assert isinstance(_hello(b, gen_id=1, inc="b"), M.Welcome)
+            b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=4))
+            sampled = b.recv(5.0)
+            assert isinstance(sampled, M.EvalWork) and sampled.policy_version == 0 and len(sampled.items) == 3
+            target[0] = 1
+            _until(hub, cluster__generators=1.0, cluster__generators_target=1.0)
+            b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=4))
+            assert b.recv(0.5) is None  # the greedy set's eval is queued, but not for a draining generator
+            a.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
+            greedy = a.recv(5.0)
+            assert isinstance(greedy, M.EvalWork) and greedy.k == 1
+            for it in sampled.items:
+                b.send(M.EvalResult(gen_id=1, incarnation="b", ticket=it.ticket, weight_version=0, rewards=[1.0, 0.0],
+                                    lengths=[5, 5], score_status=["ok", "ok"]))
+            stop = b.recv(5.0)
+            assert isinstance(stop, M.Stop) and stop.reason == "drained" and left == [(1, "b")]
+            a.send(_eval_result(greedy.items[0], 1, [1.0]))
+            hub.wait_version_done(0, timeout_s=5)
+            m = hub.take_eval(0)
+            assert m["eval/sampled_set/acc"] == 0.5 and m["eval/greedy_set/acc"] == 1.0  # the drained one's results count
+        finally:
+            b.close()
+
+
+def test_the_learners_target_reader_follows_generators_json_and_keeps_the_last_good_value(tmp_path, caplog):
+    from common.cluster import write_generator_target
+    from learner.__main__ import GeneratorTargetReader
+
+    read = GeneratorTargetReader(str(tmp_path), default=3)
+    assert read() == 3  # no generators.json (a run from before it existed): cluster.json's count
+    write_generator_target(str(tmp_path), 5)
+    assert read() == 5
+    (tmp_path / "generators.json").write_text('{"generators": 0}')  # by hand: not a target a run can have
+    assert read() == 5 and "a run needs at least one" in caplog.text
+    (tmp_path / "generators.json").write_text("{not json")
+    assert read() == 5 and "covrl-scale RUN_DIR --gens N" in caplog.text
+    (tmp_path / "generators.json").write_text('{"generators": 2, "revision": 7}')
+    assert read() == 2

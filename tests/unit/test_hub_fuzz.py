@@ -26,8 +26,8 @@ def hub(tiny_model_dir):
     cfg = load_config(None, ["data.train_size=64", "rollout.groups_per_step=2", "rollout.group_size=2",
                              "rollout.max_staleness_steps=0", "learner.filter.dynamic_sampling=false",
                              "rollout.max_new_tokens=8", "eval.every_steps=0"])
-    h = Hub(cfg, run_id="run1", key=KEY, port=0, source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)),
-            weight_addr="127.0.0.1:1", n_generators=2)
+    h = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)),
+            weight_addr="127.0.0.1:1", generators=lambda: 2)
     h.start()
     yield h
     h.stop()

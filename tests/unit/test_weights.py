@@ -95,6 +95,69 @@ def test_publisher_broadcasts_to_two_generators_then_stops(monkeypatch):
             assert torch.equal(flat, ref) and total == sent_sum == W.checksum(ref, lay)  # to the bit
 
 
+def test_leave_closes_a_drained_generators_channel_without_counting_a_failure():
+    """The hub drained generator 1: its receiver is told to stop, its channel goes, the count is `left` (not
+    `dropped`), and the next version reaches only generator 0."""
+    from learner.publisher import WeightPublisher
+
+    port = free_port()
+    src = _model(0)
+    lay = W.layout(src)
+    pub = WeightPublisher("127.0.0.1", port, 30)
+    got = {0: [], 1: []}
+
+    def receiver(gen_id, inc):
+        ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=W.pair_prefix(gen_id, inc))
+        while (r := ch.receive(lay)) is not None:
+            got[gen_id].append(r[0])
+
+    incarnations = {0: "x", 1: "y"}
+    threads = {g: threading.Thread(target=receiver, args=(g, inc)) for g, inc in incarnations.items()}
+    for g, t in threads.items():
+        t.start()
+        pub.join(g, incarnations[g])
+    assert wait_until(lambda: len(pub.channels) == 2, 30, 0.01)
+    flat = W.flatten(src)
+    pub.publish(1, lay, iter([flat[s:e] for _, _, s, e in W.bucket_plan(lay)]))
+    pub.leave(1, "y")
+    threads[1].join(10)
+    assert not threads[1].is_alive()  # its receiver got the stop header: it ends cleanly, as a drained generator does
+    assert wait_until(lambda: 1 not in pub.channels, 10, 0.01)
+    pub.publish(2, lay, iter([flat[s:e] for _, _, s, e in W.bucket_plan(lay)]))
+    pub.leave(0, "stale")  # another incarnation of generator 0 than the one connected: nothing to close
+    pub.stop()
+    threads[0].join(10)
+    assert got == {0: [1, 2], 1: [1]}
+    c = pub.counter_values()
+    assert c["weights/left_channels"] == 1 and c["weights/joins"] == 2 and "weights/dropped_channels" not in c
+
+
+def test_a_generator_drained_before_its_rendezvous_is_never_admitted():
+    """`leave` before the join thread's rendezvous completes: the channel is built, told to stop at once, and never
+    enters the broadcast list; it counts as left, not as a join failure."""
+    from learner.publisher import WeightPublisher
+
+    port = free_port()
+    lay = W.layout(_model(0))
+    pub = WeightPublisher("127.0.0.1", port, 30)
+    got = []
+    pub.join(0, "z")
+    pub.leave(0, "z")  # the mark is taken before this returns, so the join thread cannot miss it
+
+    def receiver():  # the generator reaches the rendezvous only now
+        ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=W.pair_prefix(0, "z"))
+        got.append(ch.receive(lay))
+
+    t = threading.Thread(target=receiver)
+    t.start()
+    t.join(30)
+    assert got == [None] and pub.channels == {}
+    assert wait_until(lambda: pub.counter_values().get("weights/left_channels") == 1, 10, 0.01)
+    c = pub.counter_values()
+    assert "weights/joins" not in c and "weights/join_failures" not in c
+    pub.stop()
+
+
 def test_publish_refuses_a_bucket_off_the_plan():
     from learner.publisher import WeightPublisher
 

@@ -1,0 +1,64 @@
+"""A real generator (`run_actor`, torch engine on the tiny model, real reward pool) scaled away while it runs: a
+real hub and a real weight publisher on loopback. Its groups are trained, it exits 0 saying it was drained, and
+its weight channel is closed as a leave, not a failure."""
+
+import logging
+import threading
+
+from actors.actor import run_actor
+from actors.engine import TorchEngine
+from broker.hub import Hub
+from common.config import load_config
+from common.data import PromptSource
+from common.transport import free_port
+from learner.nccl import wait_until
+from learner.publisher import WeightPublisher
+
+KEY = b"d" * 32
+
+
+def test_a_generator_scaled_away_delivers_its_groups_then_exits_0(tiny_model_dir, caplog):
+    from transformers import AutoTokenizer
+
+    caplog.set_level(logging.INFO, logger="covrl.actor")
+    # Staleness 0: version 0 issues exactly one step's groups, all to this generator.
+    cfg = load_config(None, ["data.train_size=64", "rollout.groups_per_step=2", "rollout.group_size=2",
+                             "rollout.max_new_tokens=8", "rollout.max_staleness_steps=0", "eval.every_steps=0",
+                             "learner.filter.dynamic_sampling=false", "transport.recv_timeout_s=1",
+                             "transport.heartbeat_s=0.5", "transport.weight_sync_timeout_s=30"])
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    wport = free_port()
+    pub = WeightPublisher("127.0.0.1", wport, 30)
+    target = [2]
+    hub = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, source=PromptSource(cfg, tok),
+              weight_addr=f"127.0.0.1:{wport}", generators=lambda: target[0], on_join=pub.join, on_leave=pub.leave,
+              target_poll_s=0.05)
+    hub.start()
+    engine = TorchEngine(tiny_model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    exit_code = []
+    gen = threading.Thread(target=lambda: exit_code.append(run_actor(
+        cfg, engine=engine, tokenizer=tok, hub_addr=hub.sock.address, key=KEY, run_id="run1", gen_id=1,
+        run_dir=None)))
+    try:
+        gen.start()
+
+        def issued() -> bool:
+            with hub.cv:
+                return hub.slots == 2
+        assert wait_until(issued, 30, 0.01), "the generator never got work"
+        target[0] = 1  # scaled down while it holds (or has just delivered) the step's two groups
+        batch = hub.take_batch(0, timeout_s=30)
+        assert [(r.slot, r.group.gen_id) for r in batch] == [(0, 1), (1, 1)]
+        gen.join(30)
+        assert exit_code == [0]
+        assert "generator 1 drained" in caplog.text
+        c = hub.stats().counters
+        assert c["hub/generators_drained"] == 1 and c["hub/lost_prompts"] == 0
+        assert c["cluster/generators"] == 0 and c["cluster/generators_target"] == 1
+        assert c.get("hub/rejected/unknown_generator", 0) == 0
+        assert wait_until(lambda: pub.counter_values().get("weights/left_channels") == 1, 10, 0.01)
+        assert pub.channels == {} and "weights/dropped_channels" not in pub.counter_values()
+    finally:
+        hub.stop()
+        pub.stop()
+        gen.join(10)
