@@ -1,14 +1,35 @@
-"""Multi-host: a generator in another network namespace reaches the hub and the weight channel
-over a veth pair, as a generator on another host would. Needs root and `ip netns`; skipped otherwise."""
+"""Multi-host through Ray: generators on another host reach the hub and the weight channel over a real network.
+
+A network namespace behind a veth pair stands in for the other host. A Ray head runs on this side, bound to the
+veth's host-side address, and offers the learner's resource; a Ray worker node runs inside the namespace, bound to
+the address there, and offers the generators'. `covrl-cluster --ray HOST:PORT` pins learner rank 0 to the head
+(so the hub, the weight channel's store and the rendezvous bind the host-side address) and both generators to the
+namespace node: every rollout and every weight version crosses the veth pair. The test checks where Ray put each
+role (RUN_DIR/placement.jsonl), that the run completes, that every version each generator holds carries the
+learner's checksum, and that what the generators sent was trained with nothing lost.
+
+Needs root and `ip netns` (skipped otherwise, with the reason). RUN_DIR is on this machine's filesystem, which the
+namespace shares, as a cluster's shared directory would be.
+
+Ray's token authentication (Ray 2.60) must be set the same way on every node and on the driver: `ray start --head`
+turns it on by itself when RAY_AUTH_MODE is unset and ~/.ray/auth_token exists, but `ray start --address=...` (a
+worker node) and `ray.init(address=HOST:PORT)` (the launcher) never do: they connect with auth disabled and the
+head refuses them ("InvalidAuthToken ... RAY_AUTH_MODE is currently 'disabled'"). So the test sets
+RAY_AUTH_MODE=token and a fresh RAY_AUTH_TOKEN in the environment that the head, the worker node and the launcher
+inherit, as a real cluster's nodes and its driver would all be given: ~/.ray is neither read nor written.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -18,6 +39,8 @@ from tests.conftest import REPO
 from tests.integration.test_cluster import SMALL, start
 
 pytestmark = pytest.mark.slow
+
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:
@@ -51,35 +74,134 @@ def netns():
         _ip("netns", "del", ns)
 
 
-def test_generator_in_another_network_namespace_trains_with_the_hub(tmp_path, netns):
-    ns, host_addr, _ = netns
-    run = tmp_path / "multihost"
-    p = start(run, "--gens", "2", "--remote-gens", "1", "--learners", "1", "--steps", "4", *SMALL,
-              "--set", f"transport.host={host_addr}")
-    remote = None
-    try:
-        deadline = time.time() + 60
-        while not (run / "cluster.json").exists():
-            assert time.time() < deadline and p.poll() is None, "the launcher never wrote cluster.json"
-            time.sleep(0.2)
-        log = open(tmp_path / "remote-gen1.log", "wb")
-        remote = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "actors", "--run-dir", str(run),
-                                   "--gen-id", "1"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}, start_new_session=True)
-        out, err = p.communicate(timeout=400)
-        assert p.returncode == 0, err[-3000:]
-        assert remote.wait(timeout=60) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-        if remote is not None and remote.poll() is None:
-            os.killpg(remote.pid, signal.SIGKILL)  # its own session: the generator and its reward workers
-    text = (tmp_path / "remote-gen1.log").read_text()
-    sent = int(text.split("after ")[-1].split(" rollout groups")[0])
-    assert sent > 0, text[-2000:]  # it generated for the run, from the other namespace
-    # Its weight channel crossed the veth pair too: from its join on, it holds what the learner published.
+def _free_port(addr: str) -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
 
-    with open(run / "generators" / "gen1.jsonl") as f:
-        got = {e["version"]: e["checksum"] for e in map(json.loads, f)}
-    published = {int(r["weights/version"]): r["weights/checksum"] for r in read_metrics(str(run))}
-    assert got and max(got) == 4 and all(published[v] == c for v, c in got.items()), (got, published)
+
+def _ray_node(argv: list[str], log_path) -> subprocess.Popen:
+    """`ray start ... --block` in a session of its own: every Ray process of the node (GCS, raylet, agents, and
+    the workers, which get process groups of their own) stays in that session."""
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _wait_started(p: subprocess.Popen, log_path, what: str, timeout_s: float = 120) -> None:
+    deadline = time.time() + timeout_s
+    while "Ray runtime started" not in log_path.read_text(errors="replace"):
+        assert p.poll() is None, f"{what} exited {p.returncode}:\n{log_path.read_text(errors='replace')[-3000:]}"
+        assert time.time() < deadline, f"{what} did not start in {timeout_s:.0f}s:\n{log_path.read_text()[-3000:]}"
+        time.sleep(0.5)
+
+
+def _session(sid: int) -> list[int]:
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.getsid(int(name)) == sid:
+                    pids.append(int(name))
+            except ProcessLookupError:
+                pass
+    return pids
+
+
+def _stop_node(p: subprocess.Popen) -> None:
+    """SIGTERM to `ray start --block` alone: it drains the node and stops its processes in order (a second or
+    two; SIGTERM to its whole group kills the GCS under the drain, which then waits 30 s for it). Then SIGKILL
+    whatever is left in its session."""
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+    for _ in range(20):
+        left = _session(p.pid)
+        if not left:
+            break
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.poll()  # reap the leader if it was SIGKILLed here
+        time.sleep(0.5)
+
+
+def test_generators_on_a_ray_node_in_another_network_namespace_train_with_the_hub(tmp_path, netns, monkeypatch):
+    ns, host_addr, ns_addr = netns
+    if shutil.which(RAY) is None:
+        pytest.skip(f"Ray's command line is not installed ({RAY})")
+    # One token for the whole cluster, in the environment of both nodes and of the launcher (see the docstring).
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    port = _free_port(host_addr)
+    temp = tempfile.mkdtemp(prefix="covrl-ray-")  # short: Ray's socket paths must fit in 107 characters
+    head_log, worker_log = tmp_path / "ray-head.log", tmp_path / "ray-worker.log"
+    nodes: list[subprocess.Popen] = []
+    p = None
+    run = tmp_path / "multihost"
+    try:
+        nodes.append(_ray_node([RAY, "start", "--head", f"--node-ip-address={host_addr}", f"--port={port}",
+                                "--num-cpus=2", '--resources={"covrl_learner": 2}', "--include-dashboard=false",
+                                f"--temp-dir={temp}/head", "--block"], head_log))
+        _wait_started(nodes[0], head_log, "the Ray head")
+        nodes.append(_ray_node(["ip", "netns", "exec", ns, RAY, "start", f"--address={host_addr}:{port}",
+                                f"--node-ip-address={ns_addr}", "--num-cpus=2", '--resources={"covrl_gen": 2}',
+                                f"--temp-dir={temp}/worker", "--block"], worker_log))
+        _wait_started(nodes[1], worker_log, "the Ray worker node in the namespace")
+        p = start(run, "--gens", "2", "--learners", "1", "--steps", "4", *SMALL, "--ray", f"{host_addr}:{port}",
+                  "--ray-learner-resources", '{"covrl_learner": 1}', "--ray-generator-resources", '{"covrl_gen": 1}')
+        out, err = p.communicate(timeout=420)
+        logs = "".join(f"\n--- {f}\n" + (run / "logs" / f).read_text(errors="replace")[-3000:]
+                       for f in sorted(os.listdir(run / "logs"))) if (run / "logs").is_dir() else ""
+        assert p.returncode == 0, f"launcher exited {p.returncode}\n{out}\n{err[-3000:]}{logs}"
+    finally:
+        if p is not None and p.poll() is None:
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for node in reversed(nodes):  # the worker node first, then the head
+            _stop_node(node)
+        shutil.rmtree(temp, ignore_errors=True)
+
+    # Where Ray put each role: the learner on the head (this side), both generators on the namespace's node.
+    with open(run / "placement.jsonl") as f:
+        placed = [json.loads(line) for line in f]
+    where = {e["role"]: e for e in placed}
+    assert len(placed) == 3 and not any(e["restarted"] for e in placed), placed  # each started once, where it stayed
+    assert where["learner0"]["ip"] == host_addr, where
+    assert where["gen0"]["ip"] == where["gen1"]["ip"] == ns_addr, where
+    assert where["gen0"]["node_id"] == where["gen1"]["node_id"] != where["learner0"]["node_id"], where
+    assert f"hub on {host_addr}:" in out, out
+
+    rows = read_metrics(str(run))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    last = rows[-1]
+    assert last["hub/lost_prompts"] == 0 and last.get("hub/duplicate_trained_prompts", 0) == 0, last
+    # The weight channel crossed the veth pair: every version each generator holds is what the learner published.
+    published = {int(r["weights/version"]): r["weights/checksum"] for r in rows}
+    assert len(set(published.values())) > 1, "weights never changed: nothing was trained"
+    for g in (0, 1):
+        with open(run / "generators" / f"gen{g}.jsonl") as f:
+            got = {e["version"]: e["checksum"] for e in map(json.loads, f)}
+        assert sorted(got) == [1, 2, 3, 4] and all(published[v] == c for v, c in got.items()), (g, got, published)
+    # What they generated, from the other namespace, was trained: they are the run's only generators, both joined
+    # the weight channels, every step trained generated tokens, and together they sent at least the
+    # 4 steps x 8 groups that were trained (some more, dropped by the filter).
+    assert all(r["weights/joins"] == 2 and r["learner/ranks_participating"] == 1 and r["response_length/mean"] > 0
+               for r in rows), rows
+    sent = []
+    for g in (0, 1):
+        text = (run / "logs" / f"gen{g}.log").read_text(errors="replace")
+        sent.append(int(text.split("after ")[-1].split(" rollout groups")[0]))
+        assert sent[-1] > 0, text[-2000:]
+    assert sum(sent) >= 4 * 8, sent
