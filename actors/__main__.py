@@ -12,6 +12,7 @@ from actors.actor import run_actor
 from actors.factory import load_engine
 from common.cluster import read_cluster, read_run_config
 from common.data import model_dir
+from common.lifeline import watch_parent
 from common.transport import load_secret
 
 
@@ -22,6 +23,7 @@ def main() -> int:
     ap.add_argument("--hub", default=None, help="host:port of the hub (default: from cluster.json)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s gen{args.gen_id} %(levelname)s %(name)s: %(message)s")
+    watch_parent()  # under Ray: die with the actor that started this process
     cfg = read_run_config(args.run_dir)
     cluster = read_cluster(args.run_dir)
     torch.set_num_threads(cfg.run.torch_threads)

@@ -19,7 +19,8 @@ and work waits for the version it names.
 
 The main loop only ever waits for the hub in one place, its `recv` between requests, so a Stop reaches it there:
 "training finished" at the end, or "drained" when the run was scaled below this generator's id (the hub sends it
-only once every group and eval result this generator held is in). Either way it exits 0.
+only once every group and eval result this generator held is in). It exits 0 at the end of training and
+`EXIT_DRAINED` when drained, so the launcher's supervisor tells a finished generator from a scaled-away one.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 
 from common import messages as M
 from common import weights as W
+from common.cluster import EXIT_DRAINED
 from common.config import Config
 from common.rewards import RewardPool
 from common.transport import GeneratorSocket
@@ -181,8 +183,8 @@ def run_actor(cfg: Config, *, engine, tokenizer, hub_addr: str, key: bytes, run_
                     if msg.reason == "drained":  # the run was scaled below this id; everything we held is in
                         log.info("generator %d drained: the run's generator target no longer includes this id; "
                                  "exiting after %d rollout groups", gen_id, sent)
-                    else:
-                        log.info("generator %d: stop (%s) after %d rollout groups", gen_id, msg.reason, sent)
+                        return EXIT_DRAINED
+                    log.info("generator %d: stop (%s) after %d rollout groups", gen_id, msg.reason, sent)
                     return 0
                 if isinstance(msg, M.Work):
                     for group in rollout(msg, engine=engine, tokenizer=tokenizer, pool=pool, receiver=receiver,

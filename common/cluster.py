@@ -151,6 +151,44 @@ def read_cluster(run_dir: str) -> ClusterInfo:
         raise FileNotFoundError(f"{path} is missing: start the run with launch/cluster.py, which writes it") from None
 
 
+TARGET_FILE = "generators.json"
+# A generator that the hub drained (its id is beyond the run's generator target) exits with this code, so the
+# launcher can tell it from one that finished with the run (0) or failed (anything else).
+EXIT_DRAINED = 64
+
+
+class GeneratorTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """RUN_DIR/generators.json: how many generators the run should have now (ids 0 .. generators - 1).
+
+    Written by the launcher as a run starts (its --gens) and by `covrl-scale RUN_DIR --gens N` while it runs; read
+    by the launcher (which starts the missing ids) and by the hub (which drains ids >= generators: no new work,
+    then Stop once what they hold is in). `revision` counts the changes, so a reader can tell a new request."""
+    generators: int
+    revision: int = 0
+
+
+def write_generator_target(run_dir: str, generators: int) -> GeneratorTarget:
+    """Atomically set the run's generator count; returns what was written (its revision one past the last)."""
+    if generators < 1:
+        raise ValueError(f"--gens {generators}: a run needs at least one generator")
+    old = read_generator_target(run_dir)
+    target = GeneratorTarget(generators, 0 if old is None else old.revision + 1)
+    path = os.path.join(run_dir, TARGET_FILE)
+    with open(path + ".tmp", "wb") as f:
+        f.write(msgspec.json.encode(target))
+    os.replace(path + ".tmp", path)
+    return target
+
+
+def read_generator_target(run_dir: str) -> GeneratorTarget | None:
+    """The current target, or None if the file is absent (a run started before it existed)."""
+    try:
+        with open(os.path.join(run_dir, TARGET_FILE), "rb") as f:
+            return msgspec.json.decode(f.read(), type=GeneratorTarget)
+    except FileNotFoundError:
+        return None
+
+
 def read_run_config(run_dir: str):
     from common.config import load_config
 

@@ -1,59 +1,43 @@
-"""The one entry point: `covrl-cluster --gens G --learners L [...]` (also `python -m launch.cluster` or
-`python launch/cluster.py` from the repo root, with covrl installed: `make venv`).
+"""The one entry point: `covrl-cluster --gens G --learners L [--ray [ADDRESS]] [...]` (also
+`python -m launch.cluster` or `python launch/cluster.py` from the repo root, with covrl installed: `make venv`).
 
-Resolves the config, prepares the run directory (config.toml, secret.key,
-cluster.json), starts L learner ranks and G generators from one list of
-`RoleSpec`s, shows a live progress line, and supervises:
-- a generator that exits with an error is restarted (3 retries, backoff 2, 4, 8 s); it rejoins
-  with a weight channel of its own and catches up on the latest version;
-- a learner rank that fails stops the run; the last checkpoint stays intact, and
-  `--resume RUN_DIR` continues from it;
-- Ctrl-C / SIGTERM: the learners finish their step and write a checkpoint (up to
-  run.stop_grace_s), then every process group this launcher started is stopped, and only
-  those; a second Ctrl-C stops at once.
-Every role runs in its own session (process group), so stopping a role also
-stops whatever it spawned (reward workers), and nothing else on the machine.
+Resolves the config, prepares the run directory (config.toml, secret.key, cluster.json, generators.json), starts
+L learner ranks and G generators (`launch/roles.py`) on this machine (`launch/local.py`) or on a Ray cluster
+(`launch/ray_backend.py`), shows a live progress line, and supervises, the same way on both:
+- a generator that exits with an error is restarted (3 retries, backoff 2, 4, 8 s); it rejoins with a weight
+  channel of its own and catches up on the latest version. Under Ray, one whose node is lost is restarted by Ray
+  on any node with room;
+- the generator count follows RUN_DIR/generators.json (`covrl-scale RUN_DIR --gens N`, `launch/scale.py`): missing
+  ids are started; ids beyond it are drained by the hub and leave (exit code EXIT_DRAINED);
+- a learner rank that fails stops the run; the last checkpoint stays intact, and `--resume RUN_DIR` continues
+  from it;
+- Ctrl-C / SIGTERM: the learners finish their step and write a checkpoint (up to run.stop_grace_s), then every
+  role this launcher started is stopped, and only those; a second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 
 from common.checkpoints import complete_checkpoints, latest_checkpoint
-from common.cluster import (MEMORY_FRACTION_ENV, ClusterInfo, PlacementError, check_colocation, clear_learners_ready,
-                            colocated_memory_fractions, learners_ready, place_gpus, read_cluster, write_cluster)
+from common.cluster import (EXIT_DRAINED, MEMORY_FRACTION_ENV, ClusterInfo, PlacementError, check_colocation,
+                            clear_learners_ready, colocated_memory_fractions, learners_ready, place_gpus, read_cluster,
+                            read_generator_target, write_cluster, write_generator_target)
 from common.config import ConfigError, load_config, to_toml, with_absolute_paths
-from common.data import REPO_ROOT, model_dir
+from common.data import model_dir
 from common.metrics import read_metrics
 from common.transport import create_secret, free_port, port_in_use
+from launch.roles import RoleSpec, generator_spec, learner_specs
 
 GRACE_S = 10.0
-
-
-@dataclass
-class RoleSpec:
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    restartable: bool
-    max_restarts: int = 3
-    restarts: int = 0
-    proc: subprocess.Popen | None = None
-    log: object = None
-    next_start: float = 0.0
-    done: bool = False
-    # Start only once the learner ranks are built (RUN_DIR/learners.ready): a generator that shares a GPU with a
-    # learner rank. vLLM measures the GPU's free memory as it starts and fails if another process frees some
-    # meanwhile, which a learner does while it loads the model and builds its DeepSpeed engine.
-    after_learners: bool = False
 
 
 def due(spec: RoleSpec, run_dir: str) -> bool:
@@ -75,11 +59,31 @@ def parse_args(argv=None):
     ap.add_argument("--gpus", type=int, default=None, help="GPUs on this node to place roles on (default: all "
                     "CUDA devices torch sees; 0: CPU only). Learners take one each, then generators --tp each")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per generator (default 1)")
-    ap.add_argument("--remote-gens", type=int, default=0, metavar="N",
-                    help="of the --gens generators, the last N are started on other hosts (python -m actors "
-                         "--run-dir RUN_DIR --gen-id I); bind the hub to a reachable address with --set transport.host=IP")
+    ap.add_argument("--ray", nargs="?", const=LOCAL_RAY, default=None, metavar="ADDRESS",
+                    help="place the roles with Ray: ADDRESS of a running cluster (host:port, or auto: the one this "
+                         "machine belongs to; covrl never stops it), or no ADDRESS: start a local Ray instance. "
+                         "RUN_DIR must be on a filesystem every node shares")
+    ap.add_argument("--ray-learner-resources", type=_resources, default=None, metavar="JSON",
+                    help='extra Ray resources in each learner rank\'s bundle, e.g. \'{"trainer_node": 1}\'')
+    ap.add_argument("--ray-generator-resources", type=_resources, default=None, metavar="JSON",
+                    help="extra Ray resources in each generator's bundle")
     ap.add_argument("--quiet", action="store_true", help="no live progress line")
     return ap.parse_args(argv)
+
+
+LOCAL_RAY = "local"
+
+
+def _resources(text: str) -> dict[str, float]:
+    try:
+        got = json.loads(text)
+        if isinstance(got, dict) and all(isinstance(k, str) and isinstance(v, (int, float)) and v > 0
+                                         for k, v in got.items()):
+            return {k: float(v) for k, v in got.items()}
+    except json.JSONDecodeError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r}: give a JSON object of resource names to positive amounts, "
+                                     f"e.g. '{{\"trainer_node\": 1}}'")
 
 
 def prepare_resume(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
@@ -99,25 +103,30 @@ def prepare_resume(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
     if learners != old.learners:
         raise ConfigError(f"--learners {learners}: the run's checkpoints are sharded over {old.learners} learner ranks; "
                           f"resume with --learners {old.learners}")
-    gens = old.generators if args.gens is None else args.gens
+    scaled = read_generator_target(run_dir)  # the count it last ran with (covrl-scale may have changed it)
+    gens = (scaled.generators if scaled else old.generators) if args.gens is None else args.gens
     if gens < 1:
         raise ConfigError(f"--gens {gens}: need at least one generator")
-    check_remote(args, gens, cfg.transport.host)
-    check_colocation(place_gpus(gpus, learners, gens - args.remote_gens, args.tp), cfg.generator)
+    check_host(cfg.transport.host)
+    check_colocation(place_gpus(gpus, learners, gens, args.tp), cfg.generator)
     if args.steps is not None:
         with open(os.path.join(run_dir, "config.toml"), "w") as f:
             f.write(to_toml(cfg))
     _check_hub_port(cfg)
     info = write_addresses(run_dir, cfg, old.run_id, gens, learners)
+    write_generator_target(run_dir, gens)
     return run_dir, cfg, info
 
 
-def write_addresses(run_dir: str, cfg, run_id: str, gens: int, learners: int) -> ClusterInfo:
+def write_addresses(run_dir: str, cfg, run_id: str, gens: int, learners: int, host: str | None = None,
+                    ports: tuple[int, int] | None = None) -> ClusterInfo:
     """cluster.json with this launch's addresses: the hub's (transport.hub_port, or a free port) and the weight
-    channel's store (a free port), both on transport.host."""
-    host = cfg.transport.host
-    info = ClusterInfo(run_id=run_id, hub_addr=f"{host}:{cfg.transport.hub_port or free_port(host)}",
-                       weight_addr=f"{host}:{free_port(host)}", generators=gens, learners=learners)
+    channel's store (a free port), both on `host` (default transport.host; under Ray, learner rank 0's node, with
+    `ports` free there)."""
+    host = host or cfg.transport.host
+    hub_port, weight_port = ports or (free_port(host), free_port(host))
+    info = ClusterInfo(run_id=run_id, hub_addr=f"{host}:{cfg.transport.hub_port or hub_port}",
+                       weight_addr=f"{host}:{weight_port}", generators=gens, learners=learners)
     write_cluster(run_dir, info)
     return info
 
@@ -129,12 +138,7 @@ def _check_hub_port(cfg) -> None:
                           f"or 0 for a free one")
 
 
-def check_remote(args, gens: int, host: str) -> None:
-    if not 0 <= args.remote_gens <= gens:
-        raise ConfigError(f"--remote-gens {args.remote_gens}: must be between 0 and --gens {gens}")
-    if args.remote_gens and host in ("127.0.0.1", "localhost", "::1"):
-        raise ConfigError(f"--remote-gens {args.remote_gens}: the hub binds {host}, which other hosts cannot reach; "
-                          f"add --set transport.host=<this host's address on the cluster network>")
+def check_host(host: str) -> None:
     if host in ("0.0.0.0", "::", ""):
         raise ConfigError(f"transport.host {host!r}: generators connect to this address, so give one of this host's "
                           f"own addresses, not a wildcard")
@@ -148,12 +152,12 @@ def prepare(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
     args.learners = 1 if args.learners is None else args.learners
     if args.gens < 1 or args.learners < 1:
         raise ConfigError(f"--gens {args.gens} --learners {args.learners}: need at least one of each")
-    placement = place_gpus(gpus, args.learners, args.gens - args.remote_gens, args.tp)  # a placement that cannot fit
+    placement = place_gpus(gpus, args.learners, args.gens, args.tp)  # a placement that cannot fit
     overrides = list(args.set) + ([f"run.steps={args.steps}"] if args.steps is not None else [])
     cfg = with_absolute_paths(load_config(args.config, overrides), os.getcwd())
     check_colocation(placement, cfg.generator)
     model_dir(cfg)  # fail now, not in every child, if the model is missing
-    check_remote(args, args.gens, cfg.transport.host)
+    check_host(cfg.transport.host)
     r = cfg.rollout
     _check_hub_port(cfg)
     per_update = r.groups_per_step * r.group_size // cfg.learner.mini_batches
@@ -174,6 +178,7 @@ def prepare(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
         f.write(to_toml(cfg))
     create_secret(run_dir)
     info = write_addresses(run_dir, cfg, uuid.uuid4().hex[:12], args.gens, args.learners)
+    write_generator_target(run_dir, args.gens)
     return run_dir, cfg, info
 
 
@@ -191,36 +196,26 @@ def visible_gpus(requested: int | None) -> int:
     return torch.cuda.device_count()
 
 
-def role_specs(run_dir: str, info: ClusterInfo, cfg, gpus: int = 0, tp: int = 1, resume: bool = False,
-               remote_gens: int = 0) -> list[RoleSpec]:
-    """The processes this launcher starts: every learner rank, and generators 0 .. gens - remote_gens - 1."""
-    local_gens = info.generators - remote_gens
-    placement = place_gpus(gpus, info.learners, local_gens, tp)
-    devices = lambda ids: {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}  # noqa: E731  ("" with no GPUs: CPU only)
-    all_learner_gpus = [g for ids in placement.learners for g in ids]
+def local_generator(run_dir: str, cfg, gen_id: int, learners: int, gens: int, gpus: int = 0, tp: int = 1) -> RoleSpec:
+    """Generator `gen_id` of `gens` on this node: its GPUs (`place_gpus`), and its memory share when colocated."""
+    placement = place_gpus(gpus, learners, gens, tp)
+    _, gen_share = colocated_memory_fractions(cfg.generator.gpu_memory_utilization)
+    return generator_spec(run_dir, gen_id, devices=placement.generators[gen_id],
+                          extra_env={MEMORY_FRACTION_ENV: str(gen_share)} if placement.colocated else None,
+                          after_learners=placement.colocated)
+
+
+def role_specs(run_dir: str, info: ClusterInfo, cfg, gpus: int = 0, tp: int = 1, resume: bool = False) -> list[RoleSpec]:
+    """The roles of a run on this node: every learner rank, and generators 0 .. info.generators - 1."""
+    placement = place_gpus(gpus, info.learners, info.generators, tp)
+    all_learner_gpus = [g for ids in placement.learners for g in ids]  # one node: every rank sees them all
     # Colocated roles cap their own CUDA allocators at their share of the GPU they share.
-    learner_share, gen_share = colocated_memory_fractions(cfg.generator.gpu_memory_utilization)
-    learner_mem = {MEMORY_FRACTION_ENV: str(learner_share)} if placement.colocated else {}
-    gen_mem = {MEMORY_FRACTION_ENV: str(gen_share)} if placement.colocated else {}
-    base = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "OMP_NUM_THREADS": str(cfg.run.torch_threads), "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    master_port = str(free_port())
-    specs = [
-        RoleSpec(f"learner{r}", [sys.executable, "-m", "learner", "--run-dir", run_dir, *(["--resume"] if resume else [])],
-                 {**base, **devices(all_learner_gpus), **learner_mem, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(info.learners),
-                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port}, restartable=False)
-        for r in range(info.learners)
-    ]
-    # A generator that dies is restarted (bounded, with backoff): it rejoins with a weight channel of its own and
-    # is sent the latest version before it generates; the hub re-issues the prompts it held.
-    specs += [
-        RoleSpec(f"gen{i}", [sys.executable, "-m", "actors", "--run-dir", run_dir, "--gen-id", str(i)],
-                 {**base, **devices(placement.generators[i]), **gen_mem}, restartable=True, max_restarts=3,
-                 after_learners=placement.colocated)
-        for i in range(local_gens)
-    ]
-    return specs
+    learner_share, _ = colocated_memory_fractions(cfg.generator.gpu_memory_utilization)
+    learner_mem = {MEMORY_FRACTION_ENV: str(learner_share)} if placement.colocated else None
+    specs = learner_specs(run_dir, info, ("127.0.0.1", free_port()), resume,
+                          devices=[all_learner_gpus] * info.learners, extra_env=learner_mem)
+    return specs + [local_generator(run_dir, cfg, i, info.learners, info.generators, gpus, tp)
+                    for i in range(info.generators)]
 
 
 def placement_line(placement, cfg) -> str:
@@ -233,56 +228,13 @@ def placement_line(placement, cfg) -> str:
     return line
 
 
-def spawn(spec: RoleSpec, run_dir: str) -> None:
-    if spec.log is None:  # a restarted role appends to the same log
-        spec.log = open(os.path.join(run_dir, "logs", f"{spec.name}.log"), "ab")
-    spec.proc = subprocess.Popen(spec.argv, env=spec.env, cwd=REPO_ROOT, stdout=spec.log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
-
-
-def _term_and_wait(procs: list[subprocess.Popen], grace_s: float) -> list[subprocess.Popen]:
-    """SIGTERM each running process's group; wait up to `grace_s` in all. Returns those still running."""
-    for p in procs:
-        if p.poll() is None:
-            _signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    return [p for p in procs if p.poll() is None]
-
-
-def drain_learners(specs: list[RoleSpec], grace_s: float) -> None:
-    """Graceful stop: SIGTERM the learner ranks (they finish the step, checkpoint and exit) while the
-    generators keep serving them; wait up to `grace_s`."""
-    for p in _term_and_wait([s.proc for s in specs if not s.restartable and s.proc is not None], grace_s):
-        print(f"learner pid {p.pid} did not finish within run.stop_grace_s={grace_s:.0f}s; stopping it without a "
-              f"final checkpoint", file=sys.stderr)
-
-
-def stop_all(specs: list[RoleSpec], extra: list[subprocess.Popen]) -> None:
-    """SIGTERM each process group we started, then SIGKILL what is left after a grace period."""
-    procs = [s.proc for s in specs if s.proc is not None] + extra
-    _term_and_wait(procs, GRACE_S)
-    for p in procs:
-        _signal_group(p, signal.SIGKILL)  # also reaps children left in the group
-        if p.poll() is None:
-            p.wait()
-
-
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(p.pid, sig)  # the group id is the pid: start_new_session=True
-    except ProcessLookupError:
-        pass
-
-
 def log_tail(run_dir: str, name: str, lines: int = 25) -> str:
     path = os.path.join(run_dir, "logs", f"{name}.log")
-    with open(path, "rb") as f:
-        return b"".join(f.readlines()[-lines:]).decode(errors="replace")
+    try:
+        with open(path, "rb") as f:
+            return b"".join(f.readlines()[-lines:]).decode(errors="replace")
+    except FileNotFoundError:
+        return f"({path} is missing)"
 
 
 def progress_line(row: dict, steps: int, k: int) -> str:
@@ -291,12 +243,11 @@ def progress_line(row: dict, steps: int, k: int) -> str:
     evals = f" | eval acc {evals}" if evals else ""
     if row.get("critic/score/mean") is None:  # row 0: the base model's evaluation only
         return f"step {row['step']}/{steps}{evals}"
+    gens = f" | gens {row['cluster/generators']:.0f}" if row.get("cluster/generators") is not None else ""
     return (f"step {row['step']}/{steps} | reward {row.get('critic/score/mean', 0):.3f} | "
             f"entropy {row.get('actor/entropy', 0):.3f} | gen {row.get('perf/gen_tokens_per_s', 0):.0f} tok/s | "
             f"staleness {row.get('staleness/mean', 0):.2f} (max {row.get('staleness/max', 0):.0f}, bound {k}) | "
-            f"{row.get('timing_s/step', 0):.2f} s/step{evals}")
-
-
+            f"{row.get('timing_s/step', 0):.2f} s/step{gens}{evals}")
 def summary(run_dir: str, cfg, elapsed: float) -> str:
     rows = read_metrics(run_dir)
     train = [r for r in rows if r.get("critic/score/mean") is not None]
@@ -327,59 +278,150 @@ def summary(run_dir: str, cfg, elapsed: float) -> str:
     return "\n".join(lines)
 
 
-def supervise(specs: list[RoleSpec], run_dir: str, cfg, quiet: bool) -> int:
-    shown = 0
-    while True:
-        time.sleep(0.5)
-        for s in specs:
-            if s.done:
+class Supervisor:
+    """Starts, restarts, scales and stops the roles through a backend (`launch/local.py`, `launch/ray_backend.py`):
+    `poll` once per tick; a run ends when every learner rank has finished (0) or one failed (1)."""
+
+    def __init__(self, backend, learners: list[RoleSpec], make_generator, run_dir: str, cfg, quiet: bool):
+        self.backend, self.learners, self.make_generator = backend, learners, make_generator
+        self.run_dir, self.cfg, self.quiet = run_dir, cfg, quiet
+        self.gens: dict[int, RoleSpec] = {}
+        self.target, self.revision = 0, None
+        self.shown = 0
+
+    def roles(self) -> list[RoleSpec]:
+        return [*self.learners, *self.gens.values()]
+
+    def follow_target(self) -> None:
+        """A new generators.json revision: start every missing id below the target (the hub drains the rest)."""
+        t = read_generator_target(self.run_dir)
+        if t is None or t.revision == self.revision:
+            return
+        if self.revision is not None:
+            print(f"\nscaling to {t.generators} generator(s) (was {self.target})", file=sys.stderr)
+        self.target, self.revision = t.generators, t.revision
+        for i in range(t.generators):
+            if i not in self.gens:
+                try:
+                    self.gens[i] = self.make_generator(i, t.generators)
+                except PlacementError as e:
+                    print(f"\ncannot start generator {i}: {e}", file=sys.stderr)
+                    break
+
+    def start_due(self) -> None:
+        for s in self.roles():
+            if not s.running and not s.done and due(s, self.run_dir):
+                self.backend.start(s)
+                s.running = True
+
+    def poll(self) -> int | None:
+        """One tick: follow the target, (re)start what is due, react to exits. The run's exit code once it ends."""
+        self.follow_target()
+        self.start_due()
+        for s in self.roles():
+            if not s.running:
                 continue
-            if s.proc is None:
-                if due(s, run_dir):
-                    spawn(s, run_dir)
-                continue
-            code = s.proc.poll()
+            code = self.backend.poll(s)
             if code is None:
                 continue
-            if not s.restartable:  # a learner rank: its failure ends the run
-                if code != 0:
-                    print(f"\n{s.name} exited with code {code}; stopping the run. Last lines of its log:\n{log_tail(run_dir, s.name)}",
-                          file=sys.stderr)
-                    return 1
-                s.done = True
-            elif code == 0:
-                s.done = True
-            elif s.restarts < s.max_restarts:
-                s.restarts += 1
-                delay = 2.0 ** s.restarts
-                print(f"\n{s.name} exited with code {code}; restart {s.restarts}/{s.max_restarts} in {delay:.0f}s", file=sys.stderr)
-                s.proc, s.next_start = None, time.monotonic() + delay
-            else:
-                print(f"\n{s.name} failed {s.restarts + 1} times; stopping the run. Last lines of its log:\n{log_tail(run_dir, s.name)}",
-                      file=sys.stderr)
-                return 1
-        rows = read_metrics(run_dir)
-        if rows and len(rows) != shown and not quiet:
-            shown = len(rows)
-            end = "\n" if not sys.stdout.isatty() else ""
-            print("\r" + progress_line(rows[-1], cfg.run.steps, cfg.rollout.max_staleness_steps), end=end, flush=True)
-        if all(s.done for s in specs if not s.restartable):
+            s.running = False
+            if (stop := self._exited(s, code)) is not None:
+                return stop
+        self.show_progress()
+        if all(s.done for s in self.learners):
             # Learners finished: generators got Stop from the hub; give them a moment to exit.
             deadline = time.monotonic() + GRACE_S
-            while time.monotonic() < deadline and any(s.proc.poll() is None for s in specs if s.proc and not s.done):
+            while time.monotonic() < deadline and any(s.running and self.backend.poll(s) is None
+                                                      for s in self.gens.values()):
                 time.sleep(0.2)
             return 0
+        return None
+
+    def _exited(self, s: RoleSpec, code: int) -> int | None:
+        if not s.is_generator:  # a learner rank: its failure ends the run
+            if code != 0:
+                print(f"\n{s.name} {self.backend.describe(s, code)}; stopping the run. Last lines of its log:\n"
+                      f"{log_tail(self.run_dir, s.name)}", file=sys.stderr)
+                return 1
+            s.done = True
+        elif code == EXIT_DRAINED:
+            self.backend.release(s)
+            del self.gens[s.gen_id]
+            if s.gen_id < self.target:  # scaled up again while it drained: a fresh one
+                self.gens[s.gen_id] = self.make_generator(s.gen_id, self.target)
+        elif code == 0:
+            s.done = True
+        elif s.restarts < s.max_restarts:
+            s.restarts += 1
+            delay = 2.0 ** s.restarts
+            print(f"\n{s.name} {self.backend.describe(s, code)}; restart {s.restarts}/{s.max_restarts} in {delay:.0f}s",
+                  file=sys.stderr)
+            s.next_start = time.monotonic() + delay
+        else:
+            print(f"\n{s.name} failed {s.restarts + 1} times ({self.backend.describe(s, code)}); stopping the run. "
+                  f"Last lines of its log:\n{log_tail(self.run_dir, s.name)}", file=sys.stderr)
+            return 1
+        return None
+
+    def show_progress(self) -> None:
+        rows = read_metrics(self.run_dir)
+        if rows and len(rows) != self.shown and not self.quiet:
+            self.shown = len(rows)
+            end = "\n" if not sys.stdout.isatty() else ""
+            print("\r" + progress_line(rows[-1], self.cfg.run.steps, self.cfg.rollout.max_staleness_steps), end=end,
+                  flush=True)
+
+    def run(self) -> int:
+        while True:
+            if (code := self.poll()) is not None:
+                return code
+            time.sleep(0.5)
+
+    def drain_learners(self, grace_s: float) -> None:
+        """Graceful stop: SIGTERM the learner ranks (they finish the step, checkpoint and exit) while the
+        generators keep serving them; wait up to `grace_s`."""
+        for s in self.backend.terminate([s for s in self.learners if s.running], grace_s):
+            print(f"{s.name} did not finish within run.stop_grace_s={grace_s:.0f}s; stopping it without a final "
+                  f"checkpoint", file=sys.stderr)
+
+
+def build(args, run_dir: str, cfg, info: ClusterInfo, gpus: int):
+    """The backend and the supervisor for this launch. Under Ray, the learner ranks are placed first: their
+    node's address and free ports there go into cluster.json."""
+    resume = bool(args.resume)
+    if args.ray is None:
+        from launch.local import LocalBackend
+
+        backend = LocalBackend(run_dir, cfg)
+        specs = role_specs(run_dir, info, cfg, gpus, args.tp, resume=resume)
+        learners = [s for s in specs if not s.is_generator]
+        make = lambda i, n: local_generator(run_dir, cfg, i, info.learners, n, gpus, args.tp)  # noqa: E731
+        return backend, Supervisor(backend, learners, make, run_dir, cfg, args.quiet), info
+    from launch.ray_backend import RayBackend
+
+    backend = RayBackend(run_dir, cfg, None if args.ray == LOCAL_RAY else args.ray, gpus=args.gpus, tp=args.tp,
+                         learners=info.learners, learner_resources=args.ray_learner_resources,
+                         generator_resources=args.ray_generator_resources)
+    try:
+        host, (hub_port, weight_port, master_port) = backend.place_learners(info.learners)
+    except BaseException:
+        backend.close(0)
+        raise
+    info = write_addresses(run_dir, cfg, info.run_id, info.generators, info.learners, host, (hub_port, weight_port))
+    learners = learner_specs(run_dir, info, (host, master_port), resume, local_rank=False)
+    make = lambda i, n: generator_spec(run_dir, i)  # noqa: E731
+    return backend, Supervisor(backend, learners, make, run_dir, cfg, args.quiet), info
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        gpus = visible_gpus(args.gpus)
+        gpus = visible_gpus(args.gpus) if args.ray is None else 0  # under Ray, Ray places the GPUs
         run_dir, cfg, info = prepare(args, gpus)
+        backend, sup, info = build(args, run_dir, cfg, info, gpus)
     except (ConfigError, FileNotFoundError, PlacementError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    specs = role_specs(run_dir, info, cfg, gpus, args.tp, resume=bool(args.resume), remote_gens=args.remote_gens)
     extra: list[subprocess.Popen] = []
     if args.tensorboard:
         port = free_port()
@@ -388,13 +430,14 @@ def main(argv=None) -> int:
                                       stderr=subprocess.DEVNULL, start_new_session=True))
         print(f"TensorBoard: http://127.0.0.1:{port}/")
     resumed = f", resuming from {ckpt[1]}" if args.resume and (ckpt := latest_checkpoint(run_dir)) else ""
+    where = "" if args.ray is None else f" on Ray ({'a local instance' if args.ray == LOCAL_RAY else args.ray})"
     print(f"covrl run {info.run_id}: {info.learners} learner rank(s), {info.generators} generator(s), {cfg.run.steps} "
-          f"steps -> {run_dir}{resumed}")
+          f"steps{where} -> {run_dir}{resumed}")
     if gpus:
-        print("  " + placement_line(place_gpus(gpus, info.learners, info.generators - args.remote_gens, args.tp), cfg))
-    for i in range(info.generators - args.remote_gens, info.generators):
-        print(f"  generator {i} is remote: on its host, with {run_dir} there too (config.toml, cluster.json, secret.key):"
-              f" python -m actors --run-dir {run_dir} --gen-id {i}")
+        print("  " + placement_line(place_gpus(gpus, info.learners, info.generators, args.tp), cfg))
+    if args.ray is not None:
+        print(f"  hub on {info.hub_addr} (learner rank 0's node); roles' nodes: {run_dir}/placement.jsonl")
+    print(f"  scale generators while it runs: covrl-scale {run_dir} --gens N")
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
@@ -402,25 +445,22 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     t0 = time.monotonic()
     clear_learners_ready(run_dir)
-    for s in specs:
-        if due(s, run_dir):
-            spawn(s, run_dir)  # the others start from the supervision loop once due
     try:
-        code = supervise(specs, run_dir, cfg, args.quiet)
+        code = sup.run()
     except KeyboardInterrupt:
         code = 130
         print(f"\ninterrupted: the learners finish their step and write a checkpoint (up to {cfg.run.stop_grace_s:.0f}s; "
               f"Ctrl-C again stops at once)", file=sys.stderr)
         try:
-            drain_learners(specs, cfg.run.stop_grace_s)
+            sup.drain_learners(cfg.run.stop_grace_s)
         except KeyboardInterrupt:
             print("second interrupt: not waiting for the checkpoint", file=sys.stderr)
         print("stopping every process this run started", file=sys.stderr)
     finally:
-        stop_all(specs, extra)
-        for s in specs:
-            if s.log:
-                s.log.close()
+        backend.close(GRACE_S)
+        for p in extra:
+            p.terminate()
+            p.wait()
     print()
     print(summary(run_dir, cfg, time.monotonic() - t0))
     return code

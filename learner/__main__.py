@@ -19,6 +19,7 @@ from broker.hub import Hub
 from common.cluster import mark_learners_ready, read_cluster, read_generator_target, read_run_config
 from common.config import eval_versions
 from common.data import PromptSource, eval_sets, model_dir
+from common.lifeline import watch_parent
 from common.metrics import MetricsWriter, keep_metrics
 from common.transport import load_secret
 from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -36,6 +37,7 @@ def main() -> int:
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in RUN_DIR")
     args = ap.parse_args()
+    watch_parent()  # under Ray: die with the actor that started this process
     # Ctrl-C / SIGTERM (the launcher's graceful stop): finish this step, write a checkpoint, exit.
     stop_requested = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

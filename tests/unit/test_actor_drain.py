@@ -1,5 +1,5 @@
 """A real generator (`run_actor`, torch engine on the tiny model, real reward pool) scaled away while it runs: a
-real hub and a real weight publisher on loopback. Its groups are trained, it exits 0 saying it was drained, and
+real hub and a real weight publisher on loopback. Its groups are trained, it exits EXIT_DRAINED saying it was drained, and
 its weight channel is closed as a leave, not a failure."""
 
 import logging
@@ -8,6 +8,7 @@ import threading
 from actors.actor import run_actor
 from actors.engine import TorchEngine
 from broker.hub import Hub
+from common.cluster import EXIT_DRAINED
 from common.config import load_config
 from common.data import PromptSource
 from common.transport import free_port
@@ -50,7 +51,7 @@ def test_a_generator_scaled_away_delivers_its_groups_then_exits_0(tiny_model_dir
         batch = hub.take_batch(0, timeout_s=30)
         assert [(r.slot, r.group.gen_id) for r in batch] == [(0, 1), (1, 1)]
         gen.join(30)
-        assert exit_code == [0]
+        assert exit_code == [EXIT_DRAINED]
         assert "generator 1 drained" in caplog.text
         c = hub.stats().counters
         assert c["hub/generators_drained"] == 1 and c["hub/lost_prompts"] == 0

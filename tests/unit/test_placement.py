@@ -65,26 +65,33 @@ def test_memory_fraction_is_read_checked_and_skipped_on_cpu(monkeypatch):
     assert calls == [(0.35, torch.device("cuda", 0)), (0.5, torch.device("cuda", 1))]
 
 
-def test_role_environment_carries_the_placement(tmp_path):
+def _environments(run_dir, info, cfg, **kw) -> dict[str, dict[str, str]]:
+    """Each role's whole environment as the local backend starts it."""
     from launch.cluster import role_specs
+    from launch.local import LocalBackend
 
+    backend = LocalBackend(run_dir, cfg)
+    return {s.name: backend.environment(s) for s in role_specs(run_dir, info, cfg, **kw)}
+
+
+def test_role_environment_carries_the_placement(tmp_path):
     info = ClusterInfo(run_id="r", hub_addr="127.0.0.1:1", weight_addr="127.0.0.1:2", generators=2, learners=2)
-    specs = {s.name: s.env for s in role_specs(str(tmp_path), info, Config(), gpus=6, tp=2)}
+    specs = _environments(str(tmp_path), info, Config(), gpus=6, tp=2)
     assert specs["learner0"]["CUDA_VISIBLE_DEVICES"] == "0,1" and specs["learner1"]["LOCAL_RANK"] == "1"
     assert specs["gen0"]["CUDA_VISIBLE_DEVICES"] == "2,3" and specs["gen1"]["CUDA_VISIBLE_DEVICES"] == "4,5"
-    cpu = {s.name: s.env for s in role_specs(str(tmp_path), info, Config())}
+    cpu = _environments(str(tmp_path), info, Config())
     assert all(env["CUDA_VISIBLE_DEVICES"] == "" for env in cpu.values())  # --gpus 0: no role sees a GPU
 
 
 def test_colocated_roles_share_one_gpu_and_split_its_memory(tmp_path):
-    from launch.cluster import placement_line, role_specs
+    from launch.cluster import placement_line
 
     info = ClusterInfo(run_id="r", hub_addr="127.0.0.1:1", weight_addr="127.0.0.1:2", generators=1, learners=1)
     cfg = Config(generator=GeneratorConfig(gpu_memory_utilization=0.35))
-    specs = {s.name: s.env for s in role_specs(str(tmp_path), info, cfg, gpus=1)}
+    specs = _environments(str(tmp_path), info, cfg, gpus=1)
     assert specs["learner0"]["CUDA_VISIBLE_DEVICES"] == specs["gen0"]["CUDA_VISIBLE_DEVICES"] == "0"
     assert specs["learner0"][MEMORY_FRACTION_ENV] == "0.6" and specs["gen0"][MEMORY_FRACTION_ENV] == "0.35"
-    apart = {s.name: s.env for s in role_specs(str(tmp_path), info, cfg, gpus=2)}
+    apart = _environments(str(tmp_path), info, cfg, gpus=2)
     assert MEMORY_FRACTION_ENV not in apart["learner0"] and MEMORY_FRACTION_ENV not in apart["gen0"]
     line = placement_line(place_gpus(1, 1, 1, 1), cfg)
     assert "learner ranks on [[0]], generators on [[0]] (colocated: each generator takes 35%" in line
