@@ -8,6 +8,7 @@ GPUs each role sees (apart, or colocated when learner and generator must share G
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -168,11 +169,18 @@ class GeneratorTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def write_generator_target(run_dir: str, generators: int) -> GeneratorTarget:
-    """Atomically set the run's generator count; returns what was written (its revision one past the last)."""
+    """Atomically set the run's generator count; returns what was written (its revision one past the last).
+
+    A damaged file (not ours, or cut short by hand) is replaced: its revision is unknown, so the new one is the
+    time in milliseconds, which no reader has seen."""
     if generators < 1:
         raise ValueError(f"--gens {generators}: a run needs at least one generator")
-    old = read_generator_target(run_dir)
-    target = GeneratorTarget(generators, 0 if old is None else old.revision + 1)
+    try:
+        old = read_generator_target(run_dir)
+        revision = 0 if old is None else old.revision + 1
+    except ValueError:
+        revision = time.time_ns() // 1_000_000
+    target = GeneratorTarget(generators, revision)
     path = os.path.join(run_dir, TARGET_FILE)
     with open(path + ".tmp", "wb") as f:
         f.write(msgspec.json.encode(target))
@@ -181,12 +189,18 @@ def write_generator_target(run_dir: str, generators: int) -> GeneratorTarget:
 
 
 def read_generator_target(run_dir: str) -> GeneratorTarget | None:
-    """The current target, or None if the file is absent (a run started before it existed)."""
+    """The current target, or None if the file is absent (a run started before it existed).
+
+    Raises ValueError naming the file and the fix when it is not a generator target."""
+    path = os.path.join(run_dir, TARGET_FILE)
     try:
-        with open(os.path.join(run_dir, TARGET_FILE), "rb") as f:
+        with open(path, "rb") as f:
             return msgspec.json.decode(f.read(), type=GeneratorTarget)
     except FileNotFoundError:
         return None
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ValueError(f"{path} is not a generator target ({e}); rewrite it with "
+                         f"`covrl-scale {run_dir} --gens N`") from None
 
 
 def read_run_config(run_dir: str):

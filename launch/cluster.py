@@ -103,7 +103,12 @@ def prepare_resume(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
     if learners != old.learners:
         raise ConfigError(f"--learners {learners}: the run's checkpoints are sharded over {old.learners} learner ranks; "
                           f"resume with --learners {old.learners}")
-    scaled = read_generator_target(run_dir)  # the count it last ran with (covrl-scale may have changed it)
+    try:
+        scaled = read_generator_target(run_dir)  # the count it last ran with (covrl-scale may have changed it)
+    except ValueError as e:
+        if args.gens is None:
+            raise ConfigError(f"{e}, or pass --gens N to --resume") from None
+        scaled = None
     gens = (scaled.generators if scaled else old.generators) if args.gens is None else args.gens
     if gens < 1:
         raise ConfigError(f"--gens {gens}: need at least one generator")
@@ -287,6 +292,7 @@ class Supervisor:
         self.run_dir, self.cfg, self.quiet = run_dir, cfg, quiet
         self.gens: dict[int, RoleSpec] = {}
         self.target, self.revision = 0, None
+        self.bad_target = ""
         self.shown = 0
 
     def roles(self) -> list[RoleSpec]:
@@ -294,7 +300,14 @@ class Supervisor:
 
     def follow_target(self) -> None:
         """A new generators.json revision: start every missing id below the target (the hub drains the rest)."""
-        t = read_generator_target(self.run_dir)
+        try:
+            t = read_generator_target(self.run_dir)
+        except ValueError as e:  # damaged by hand: keep the generators we have until covrl-scale rewrites it
+            if str(e) != self.bad_target:
+                print(f"\n{e}; keeping {self.target} generator(s)", file=sys.stderr)
+                self.bad_target = str(e)
+            return
+        self.bad_target = ""
         if t is None or t.revision == self.revision:
             return
         if self.revision is not None:

@@ -47,8 +47,12 @@ def main(argv=None) -> int:
     if args.gens < 1:
         print(f"error: --gens {args.gens}: a run needs at least one generator", file=sys.stderr)
         return 2
-    old = read_generator_target(run_dir)
-    before = old.generators if old else info.generators
+    try:
+        old = read_generator_target(run_dir)
+        before = old.generators if old else info.generators
+    except ValueError as e:
+        print(f"warning: {e}; replacing it", file=sys.stderr)
+        before = "?"
     target = write_generator_target(run_dir, args.gens)
     print(f"{run_dir}: generators {before} -> {target.generators} (request {target.revision}); "
           f"the launcher and the hub follow within a few seconds")
