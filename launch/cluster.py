@@ -253,7 +253,7 @@ def progress_line(row: dict, steps: int, k: int) -> str:
             f"entropy {row.get('actor/entropy', 0):.3f} | gen {row.get('perf/gen_tokens_per_s', 0):.0f} tok/s | "
             f"staleness {row.get('staleness/mean', 0):.2f} (max {row.get('staleness/max', 0):.0f}, bound {k}) | "
             f"{row.get('timing_s/step', 0):.2f} s/step{gens}{evals}")
-def summary(run_dir: str, cfg, elapsed: float) -> str:
+def summary(run_dir: str, cfg, elapsed: float, ray: str | None = None) -> str:
     rows = read_metrics(run_dir)
     train = [r for r in rows if r.get("critic/score/mean") is not None]
     if not train:
@@ -261,6 +261,7 @@ def summary(run_dir: str, cfg, elapsed: float) -> str:
     q = max(1, len(train) // 4)
     avg = lambda rs, k: sum(r.get(k) or 0.0 for r in rs) / len(rs)  # noqa: E731
     last = complete_checkpoints(run_dir)
+    again = "" if ray is None else " --ray" if ray == LOCAL_RAY else f" --ray {ray}"
     lines = [
         f"covrl: {len(train)} steps in {elapsed:.0f}s -> {run_dir}",
         f"  reward (critic/score/mean): first quarter {avg(train[:q], 'critic/score/mean'):.3f} -> last quarter {avg(train[-q:], 'critic/score/mean'):.3f}",
@@ -277,7 +278,7 @@ def summary(run_dir: str, cfg, elapsed: float) -> str:
     lines += [
         f"  staleness max {max(r.get('staleness/max') or 0 for r in train):.0f} (bound {cfg.rollout.max_staleness_steps})",
         f"  metrics: {run_dir}/metrics.jsonl  tensorboard: {run_dir}/tb",
-        f"  checkpoint: {last[-1][1] if last else 'none'}" + (f" (continue with --resume {run_dir})" if last and
+        f"  checkpoint: {last[-1][1] if last else 'none'}" + (f" (continue with --resume {run_dir}{again})" if last and
                                                                last[-1][0] < cfg.run.steps else ""),
     ]
     return "\n".join(lines)
@@ -475,7 +476,7 @@ def main(argv=None) -> int:
             p.terminate()
             p.wait()
     print()
-    print(summary(run_dir, cfg, time.monotonic() - t0))
+    print(summary(run_dir, cfg, time.monotonic() - t0, args.ray))
     return code
 
 
