@@ -208,8 +208,10 @@ class LearnerConfig(_Section):
     entropy_coef: Annotated[float, Meta(ge=0)] = 0.0
     high_entropy_fraction: Fraction01 = 0.0  # train only the top-rho entropy tokens (0: off; paper 0.2)
     logprob_chunk_tokens: PosInt = 1024  # tokens per lm-head chunk when computing logprobs and entropy
-    # Entropy of the same batch after the update (actor/entropy_delta): one more no-grad pass.
+    # Entropy after the update of tokens just trained on (actor/entropy_delta): one more no-grad pass, over every
+    # entropy_delta_stride-th micro-batch of each rank from the first (1: the whole batch, as before).
     log_entropy_delta: bool = True
+    entropy_delta_stride: PosInt = 8
     importance: ImportanceConfig = msgspec.field(default_factory=ImportanceConfig)
     par: ParConfig = msgspec.field(default_factory=ParConfig)
     kl: KLRefConfig = msgspec.field(default_factory=KLRefConfig)

@@ -104,6 +104,7 @@ def ds_config(cfg: Config) -> dict:
 SUM_KEYS = (
     "tokens", "entropy", "pg_loss", "pg_clipfrac", "ppo_kl", "is_weight", "is_weight_clipfrac",
     "logp", "adv", "logp_adv", "seq_tokens", "ranks", "cov_selected", "entropy_after", "kl_ref",
+    "entropy_sampled", "tokens_sampled",
 )
 
 
@@ -285,7 +286,8 @@ class Trainer:
         gen = self._generator(batch)
         self.engine.train()
         n_micro = [len(per_rank[self.rank]) for per_rank in batch.plan]
-        for m, k, idx, mb in micro:
+        sampled = self._entropy_sample(micro)
+        for i, (m, k, idx, mb) in enumerate(micro):
             self.engine.set_gradient_accumulation_boundary(k == n_micro[m] - 1)
             # We call the module, not engine.forward (which would also hook our outputs for loss scaling), so do
             # what engine.forward does first: ZeRO-3 counts micro-steps there, and with the count stuck at 0 each
@@ -311,7 +313,10 @@ class Trainer:
                 loss = loss + 0.0 * sum(p.sum() for p in self.module.parameters())
             self.engine.backward(loss, scale_wrt_gas=False)
             with torch.no_grad():  # e.entropy: the policy *before* this step's updates
-                accumulate(totals, micro_sums(t, met, e.entropy, mb["input_ids"].numel() if idx else 0))
+                own = micro_sums(t, met, e.entropy, mb["input_ids"].numel() if idx else 0)
+                if i in sampled:  # the tokens whose entropy is measured again after the update
+                    own |= {"entropy_sampled": own["entropy"], "tokens_sampled": own["tokens"]}
+                accumulate(totals, own)
             if k == n_micro[m] - 1:
                 applied = self._optimizer_step()
                 skipped.append(not applied)
@@ -320,16 +325,25 @@ class Trainer:
                     grad_norms.append(float(gn))
         logged_after = self.cfg.learner.log_entropy_delta
         if logged_after:
-            totals["entropy_after"] = self._entropy_sum(micro)
+            totals["entropy_after"] = self._entropy_sum([micro[i] for i in sorted(sampled)])
         totals["ranks"] = 1.0 if totals.get("tokens", 0.0) > 0 else 0.0
         sums = sum_vector(totals)
         dist.all_reduce(sums)
         return StepStats(sums=sums, grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
                          train_s=time.perf_counter() - t0, entropy_delta_logged=logged_after, skipped=skipped)
 
+    def _entropy_sample(self, micro: list) -> set[int]:
+        """Positions in `micro` of the micro-batches whose entropy is measured again after the update
+        (actor/entropy_delta): every `learner.entropy_delta_stride`-th non-empty one of this rank, from the first.
+        Empty when the metric is off."""
+        if not self.cfg.learner.log_entropy_delta:
+            return set()
+        filled = [i for i, (_, _, idx, _) in enumerate(micro) if idx]
+        return set(filled[::self.cfg.learner.entropy_delta_stride])
+
     @torch.no_grad()
     def _entropy_sum(self, micro: list) -> float:
-        """Sum of token entropies of the batch just trained on, under the updated policy."""
+        """Sum of token entropies of these micro-batches (just trained on), under the updated policy."""
         self.engine.eval()
         total = 0.0
         for _, _, idx, mb in micro:
@@ -360,9 +374,10 @@ def step_metrics(stats: StepStats) -> dict[str, float]:
         "learner/ranks_participating": s["ranks"],
         "perf/learner_tokens_per_s": s["seq_tokens"] / max(stats.train_s, 1e-9),
     }
-    if stats.entropy_delta_logged:
-        out["actor/entropy_after"] = s["entropy_after"] / n
-        out["actor/entropy_delta"] = (s["entropy_after"] - s["entropy"]) / n
+    if stats.entropy_delta_logged:  # over the sampled tokens (all of them with entropy_delta_stride = 1)
+        n_sampled = max(s["tokens_sampled"], 1.0)
+        out["actor/entropy_after"] = s["entropy_after"] / n_sampled
+        out["actor/entropy_delta"] = (s["entropy_after"] - s["entropy_sampled"]) / n_sampled
     return out
 
 
