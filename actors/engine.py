@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -169,6 +170,17 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
     return torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
 
 
+def forced_lengths(rseeds: torch.Tensor, median: int, sigma: float, cap: int) -> torch.Tensor:
+    """[B] response lengths of the generation-heavy benchmark workload: round(median x exp(sigma x z)) with z
+    standard normal (Box-Muller on two hashes of each row's seed, so a row's length is a pure function of its seed),
+    clipped to 1 .. cap. The mean is median x exp(sigma^2 / 2); the longest of B rows is about
+    median x exp(sigma x sqrt(2 ln B))."""
+    u1 = (hash32(rseeds ^ 0x5BD1E995).double() + 0.5) * 2.0**-32
+    u2 = (hash32(rseeds ^ 0x1B873593).double() + 0.5) * 2.0**-32
+    z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)
+    return (median * torch.exp(sigma * z)).round().clamp(1, cap).long()
+
+
 def row_seeds(seeds: Sequence[int], n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Seed of sample j of prompt i: mixes the prompt seed with j. [len(seeds) * n] int64 on `device`."""
     base = torch.tensor(list(seeds), dtype=torch.int64, device=device).repeat_interleave(n)
@@ -226,16 +238,25 @@ class TorchEngine(Engine):
         out_ver = torch.zeros((B, T), dtype=torch.int32, device=dev)
         lengths = torch.full((B,), T, dtype=torch.long, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
+        # The benchmark workload: row r stops at forced[r] tokens exactly (stop token withheld before, emitted there).
+        forced = (forced_lengths(rseeds, sampling.forced_length_median, sampling.forced_length_sigma, T)
+                  if sampling.forced_length_median else None)
         steps = 0  # columns of the output buffers written
         for t in range(T):
             hook()
             logits = step(out_tok[:, t - 1 : t] if t else None)  # [B, V]: after the prompts, then after token t-1
             if sampling.temperature > 0:
                 logp = sampling_logprobs(logits, sampling.temperature, sampling.top_p)
-                tok = gumbel_noise(rseeds, t, logp.shape[-1]).add_(logp).argmax(-1)  # in float64
+                score = gumbel_noise(rseeds, t, logp.shape[-1]).add_(logp)  # in float64
             else:  # greedy (evaluation): the logprobs reported are of the untempered distribution
                 logp = torch.log_softmax(logits.float(), dim=-1)
-                tok = logp.argmax(-1)
+                score = logp
+            if forced is not None:  # the reported logprob stays the policy's own for the token chosen
+                score = score.clone() if score is logp else score
+                score[:, self.stop_ids] = torch.where((t + 1 < forced)[:, None], -math.inf, score[:, self.stop_ids])
+                tok = torch.where(t + 1 == forced, self.stop_ids[0], score.argmax(-1))
+            else:
+                tok = score.argmax(-1)
             out_tok[:, t] = torch.where(done, self.pad, tok)
             out_lp[:, t] = logp.gather(-1, tok[:, None])[:, 0]
             out_ver[:, t] = self.version

@@ -129,9 +129,10 @@ class Hub:
         self.drained: dict[int, str] = {}  # gen_id -> its last drained incarnation, whose late frames are expected
         self.rules = GroupRules.of(cfg)
         self.gps = cfg.rollout.groups_per_step
-        self.sampling = M.SamplingParams(
-            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens
-        )
+        r = cfg.rollout
+        self.sampling = M.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                                         forced_length_median=r.forced_length_median,
+                                         forced_length_sigma=r.forced_length_sigma)
         self.cv = threading.Condition()
         self.version = 0
         self.slots = 0  # slots ever issued

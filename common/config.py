@@ -82,6 +82,11 @@ class RolloutConfig(_Section):
     max_staleness_steps: NonNegInt = 1
     # Work items a generator asks for at once; it generates them as one batch.
     groups_per_request: PosInt = 4
+    # Benchmark workload, not for training: > 0 imposes every response's length, drawn per sample from a
+    # lognormal with this median and forced_length_sigma (capped at max_new_tokens); the torch engine withholds
+    # the stop token until then and emits it there. Logprobs stay the policy's own. 0: off.
+    forced_length_median: NonNegInt = 0
+    forced_length_sigma: Annotated[float, Meta(ge=0)] = 1.0
 
 
 class RewardConfig(_Section):
@@ -338,6 +343,9 @@ def check(cfg: Config) -> None:
             f"would be scaled by the nucleus mass (below 1 even at staleness 0; learner.importance mis and geo_mask would "
             f"drop tokens) and the update biased. Train with rollout.top_p = 1 (the paper recipes do); eval.top_p may be < 1")
     g = cfg.generator
+    if cfg.rollout.forced_length_median and g.engine == "vllm":
+        raise ConfigError("rollout.forced_length_median (the generation-heavy benchmark workload) is implemented by the "
+                          "torch engine only; set generator.engine = \"torch\" or rollout.forced_length_median = 0")
     if g.weight_transport == "nccl" and g.weight_update == "finish" and not cfg.run.deterministic:
         raise ConfigError(
             "generator.weight_transport = \"nccl\" with weight_update = \"finish\" and run.deterministic = false: a vLLM "

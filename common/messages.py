@@ -20,7 +20,8 @@ from typing import Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 3  # 2: evaluation messages (EvalWork, EvalResult); 3: one weight channel per generator incarnation
+PROTOCOL_VERSION = 4  # 2: evaluation messages (EvalWork, EvalResult); 3: one weight channel per generator incarnation;
+# 4: forced response lengths in SamplingParams (the generation-heavy benchmark workload)
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -35,6 +36,10 @@ class SamplingParams(_Msg):
     temperature: float
     top_p: float
     max_new_tokens: int
+    # Benchmark workload only (rollout.forced_length_median): > 0 imposes each response's length, drawn per row
+    # from lognormal(median, sigma); see actors/engine.py `forced_lengths`.
+    forced_length_median: int = 0
+    forced_length_sigma: float = 0.0
 
 
 # ---- generator -> hub --------------------------------------------------------

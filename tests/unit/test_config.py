@@ -62,3 +62,9 @@ def test_nccl_finish_updates_that_would_hold_the_learner_are_refused():
     assert load_config(None, [*nccl, "generator.weight_update=keep"]).generator.weight_update == "keep"
     assert load_config(None, ["generator.weight_transport=nccl"]).run.deterministic  # the barrier: nothing in flight
     assert load_config(None, ["run.deterministic=false"]).generator.weight_transport == "rpc"
+
+
+def test_forced_lengths_need_the_torch_engine():
+    with pytest.raises(ConfigError, match="implemented by the torch engine only"):
+        load_config(None, ["rollout.forced_length_median=128", 'generator.engine="vllm"'])
+    assert load_config(None, ["rollout.forced_length_median=128", 'generator.engine="torch"']).rollout.forced_length_median == 128

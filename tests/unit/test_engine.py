@@ -457,3 +457,40 @@ def test_the_engine_owns_the_version_and_the_receiver_reports_what_has_arrived()
         receiver.join(30)
         beat.join(5)
         hub.close()
+
+
+def test_forced_lengths_are_heavy_tailed_and_a_pure_function_of_the_row_seed():
+    from actors.engine import forced_lengths
+
+    rs = row_seeds(list(range(2000)), 8)
+    L = forced_lengths(rs, 128, 1.0, 4096).double()
+    assert torch.equal(forced_lengths(rs[:16], 128, 1.0, 4096), L[:16].long())  # per row, whatever the batch
+    assert L.median().item() == pytest.approx(128, rel=0.05)
+    assert L.mean().item() == pytest.approx(128 * np.exp(0.5), rel=0.05)  # lognormal mean: median x exp(sigma^2/2)
+    assert forced_lengths(rs, 128, 1.0, 300).max().item() == 300 and forced_lengths(rs, 1, 5.0, 300).min().item() == 1
+
+
+def test_forced_lengths_impose_each_length_and_keep_the_policys_logprobs(engine):
+    from actors.engine import forced_lengths
+
+    sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=40, forced_length_median=12, forced_length_sigma=0.8)
+    prompt, seeds = [5, 6, 7, 8], [3, 4]
+    groups = engine.generate([prompt, prompt], 4, sp, seeds)
+    want = forced_lengths(row_seeds(seeds, 4), 12, 0.8, 40).tolist()
+    got = [len(c.token_ids) for g in groups for c in g]
+    assert got == want and len(set(got)) > 2  # each row its own length
+    stops = set(engine.stop_ids.tolist())
+    for c in (c for g in groups for c in g):
+        ids = c.token_ids.tolist()
+        assert not stops & set(ids[:-1])  # no stop token before the imposed length
+        if len(ids) < 40:
+            assert ids[-1] in stops and c.finish_reason == "stop"
+        full = torch.tensor([prompt + ids])
+        with torch.no_grad():
+            logits = engine.model(full).logits[0, len(prompt) - 1 : -1]
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        assert_close(torch.from_numpy(c.logprobs), ref, rtol=1e-4, atol=1e-4)  # the policy's own logprobs
+    plain = engine.generate([prompt], 4, SP, [3])[0]  # off (median 0): the model decides when to stop
+    again = engine.generate([prompt], 4, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=12,
+                                                       forced_length_median=0, forced_length_sigma=3.0), [3])[0]
+    assert [c.token_ids.tolist() for c in plain] == [c.token_ids.tolist() for c in again]
