@@ -96,7 +96,8 @@ class GenState:
 class BrokerStats:
     """One consistent read of the hub's running totals (`Hub.stats`), all since the run began.
 
-    filtered_groups: groups dropped by dynamic sampling; gen_tokens: tokens of every accepted group;
+    filtered_groups: groups dropped by dynamic sampling; gen_tokens: tokens of every accepted group; gen_busy_s:
+    generator seconds (generate + score, `RolloutGroup.gen_time_s`) behind every valid group received;
     counters: the `hub/...` metrics (rejections by reason, re-issues, stale drops, lost and drained generators,
     hub/filtered_groups and hub/lost_prompts, which must stay 0) and the gauges `cluster/generators` (connected and
     not draining) and `cluster/generators_target` (the run's target now).
@@ -104,6 +105,7 @@ class BrokerStats:
     filtered_groups: int
     gen_tokens: int
     counters: dict[str, float]
+    gen_busy_s: float = 0.0
 
 
 class Hub:
@@ -147,6 +149,7 @@ class Hub:
         self.gens: dict[int, GenState] = {}
         self.counts: collections.Counter = collections.Counter()
         self.gen_tokens = 0
+        self.gen_busy_s = 0.0
         # The ledger of settled slots (trained, or dropped by dynamic sampling): every slot below settled_floor,
         # plus the set above it, so it stays small however long the run.
         self.settled: set[int] = set()
@@ -389,6 +392,7 @@ class Hub:
             return
         del self.in_flight[g.ticket]
         self.gen_tokens += sum(M.n_tokens(s.token_ids) for s in g.samples)
+        self.gen_busy_s += g.gen_time_s
         if self.rules.filters_out(g, self.filtered_this_step):
             # No reward spread, no advantage: drop it and let admission issue a replacement.
             self.filtered += 1
@@ -525,7 +529,8 @@ class Hub:
                         "hub/lost_prompts": float(self.slots - accounted),
                         "cluster/generators": float(sum(g < self.target for g in self.gens)),
                         "cluster/generators_target": float(self.target)}
-            return BrokerStats(filtered_groups=self.filtered, gen_tokens=self.gen_tokens, counters=counters)
+            return BrokerStats(filtered_groups=self.filtered, gen_tokens=self.gen_tokens, counters=counters,
+                               gen_busy_s=self.gen_busy_s)
 
     def _counted(self) -> dict[str, float]:
         """The hub's counters plus the socket's rejections (lock held)."""

@@ -122,10 +122,13 @@ class Lead:
         self.extra: dict[str, float] = {}
         self.last = hub.stats()
         self.last_t = time.perf_counter()
+        self.batch_wait = 0.0
 
     def take(self, step: int) -> B.StepBatch:
         version = step - 1
+        t0 = time.perf_counter()
         groups = self.hub.take_batch(version, timeout_s=self.wait_s)
+        self.batch_wait = time.perf_counter() - t0
         self.extra = host_metrics(groups, version)
         return B.batch_from_config([r.group for r in groups], self.cfg, version=version, ranks=self.world,
                                    par_lambda=self.par.value(step))
@@ -158,6 +161,12 @@ class Lead:
             "timing_s/step": now - t0,
             "timing_s/weight_sync": published.seconds,
             "timing_s/publish_wait": published.waited_s,
+            "timing_s/batch_wait": self.batch_wait,
+            # Seconds each live generator spent neither generating nor scoring since the last row (waiting for
+            # work under admission control, or for the weights its work is pinned to); the mean over generators.
+            "timing_s/gen_idle": max(0.0, (now - self.last_t)
+                                     - (stats.gen_busy_s - self.last.gen_busy_s)
+                                     / max(stats.counters.get("cluster/generators", 1.0), 1.0)),
             "weights/bytes": float(published.nbytes),
             "weights/checksum": published.checksum,
             "weights/version": float(step),

@@ -84,6 +84,7 @@ def test_admission_control_and_staleness_zero_batches(hub):
         gen.send(_result(it))
     batch = hub.take_batch(0, timeout_s=5)
     assert [r.slot for r in batch] == [0, 1]
+    assert hub.stats().gen_busy_s == pytest.approx(0.2)  # each valid group's gen_time_s (timing_s/gen_idle)
     hub.set_version(1)
     more = gen.recv(5.0)  # the pending request is served once the version moves
     assert isinstance(more, M.Work) and more.policy_version == 1 and len(more.items) == 2

@@ -8,6 +8,7 @@ its eval results, checkpoints fall when due, a stop or a run of skipped steps en
 import threading
 
 import numpy as np
+import pytest
 import torch
 
 from broker.hub import BrokerStats
@@ -55,7 +56,9 @@ class Hub:
         return {"eval/arith/acc": version / 10}
 
     def stats(self):
-        return BrokerStats(filtered_groups=self.taken // 4, gen_tokens=6 * self.taken, counters={"hub/lost_prompts": 0.0})
+        # Generation busy 1000 s per batch taken up to step 2, then never again: idle = the whole interval.
+        return BrokerStats(filtered_groups=self.taken // 4, gen_tokens=6 * self.taken, counters={"hub/lost_prompts": 0.0},
+                           gen_busy_s=1000.0 * min(self.taken, 4))
 
     def snapshot(self):
         return b"hub"
@@ -145,6 +148,9 @@ def test_phases_in_order_and_rows_in_step_order():
     r = by_step[3]
     assert r["actor/entropy"] == 0.3 and r["weights/version"] == 3.0 and r["weights/checksum"] == 3.0
     assert r["timing_s/publish_wait"] == 0.25 and r["weights/bytes"] == 1024 and r["weights/joins"] == 1.0
+    assert by_step[2]["timing_s/gen_idle"] == 0.0  # busy beyond the interval: not idle at all
+    assert 0.0 < by_step[3]["timing_s/gen_idle"] == pytest.approx(by_step[3]["timing_s/step"], abs=0.05)
+    assert all(0.0 <= by_step[s]["timing_s/batch_wait"] <= by_step[s]["timing_s/step"] for s in (1, 2, 3, 4))
     assert [by_step[s]["filter/dropped_groups"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 0.0, 1.0]  # differences
     assert r["critic/score/mean"] == 0.5 and r["staleness/max"] == 2.0 and r["critic/advantages/mean"] == 0.0
     assert [s for s, _, _ in saves] == [3, 4] and all(v == s and blob == b"hub" for s, v, blob in saves)
