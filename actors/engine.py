@@ -242,34 +242,52 @@ class TorchEngine(Engine):
         forced = (forced_lengths(rseeds, sampling.forced_length_median, sampling.forced_length_sigma, T)
                   if sampling.forced_length_median else None)
         steps = 0  # columns of the output buffers written
+        # The stepper's rows as output rows: all B in order until rows finish; then the finished ones are dropped
+        # from the stepper (`keep`), so a heavy-tailed batch does not pay for its finished rows to the end.
+        rows, a_seeds, a_forced, a_done, last = None, rseeds, forced, done, None
+        compacts = hasattr(step, "keep")
         for t in range(T):
             hook()
-            logits = step(out_tok[:, t - 1 : t] if t else None)  # [B, V]: after the prompts, then after token t-1
+            logits = step(last)  # [A, V]: after the prompts, then after the previous token
             if sampling.temperature > 0:
                 logp = sampling_logprobs(logits, sampling.temperature, sampling.top_p)
-                score = gumbel_noise(rseeds, t, logp.shape[-1]).add_(logp)  # in float64
+                score = gumbel_noise(a_seeds, t, logp.shape[-1]).add_(logp)  # in float64
             else:  # greedy (evaluation): the logprobs reported are of the untempered distribution
                 logp = torch.log_softmax(logits.float(), dim=-1)
                 score = logp
-            if forced is not None:  # the reported logprob stays the policy's own for the token chosen
+            if a_forced is not None:  # the reported logprob stays the policy's own for the token chosen
                 score = score.clone() if score is logp else score
-                score[:, self.stop_ids] = torch.where((t + 1 < forced)[:, None], -math.inf, score[:, self.stop_ids])
-                tok = torch.where(t + 1 == forced, self.stop_ids[0], score.argmax(-1))
+                score[:, self.stop_ids] = torch.where((t + 1 < a_forced)[:, None], -math.inf, score[:, self.stop_ids])
+                tok = torch.where(t + 1 == a_forced, self.stop_ids[0], score.argmax(-1))
             else:
                 tok = score.argmax(-1)
-            out_tok[:, t] = torch.where(done, self.pad, tok)
-            out_lp[:, t] = logp.gather(-1, tok[:, None])[:, 0]
-            out_ver[:, t] = self.version
-            finished_now = torch.isin(tok, self.stop_ids) & ~done
-            lengths.masked_fill_(finished_now, t + 1)
-            done |= finished_now
+            written = torch.where(a_done, self.pad, tok)
+            lp = logp.gather(-1, tok[:, None])[:, 0]
+            finished_now = torch.isin(tok, self.stop_ids) & ~a_done
+            a_done = a_done | finished_now
+            if rows is None:
+                out_tok[:, t], out_lp[:, t], out_ver[:, t] = written, lp, self.version
+                lengths.masked_fill_(finished_now, t + 1)
+                done = a_done
+            else:
+                out_tok[rows, t], out_lp[rows, t], out_ver[rows, t] = written, lp, self.version
+                lengths[rows] = torch.where(finished_now, t + 1, lengths[rows])
+                done[rows] = a_done
+            last = written[:, None]
             steps = t + 1
             # The one host sync of a decode step (on CUDA the host waits here for the step's kernels, so the next
             # step's launches do not overlap this one's tail: tens of microseconds a token). Kept because stopping
             # as soon as every row has finished saves whole forwards, and `before_forward` must run exactly once
             # per forward (it may swap weights).
-            if bool(done.all()):
+            alive = int(a_done.numel() - a_done.sum())
+            if alive == 0:
                 break
+            if compacts and alive <= COMPACT_AT * a_done.numel():
+                keep = (~a_done).nonzero()[:, 0]
+                step.keep(keep)
+                rows = keep if rows is None else rows[keep]
+                a_seeds, a_done, last = a_seeds[keep], a_done[keep], last[keep]
+                a_forced = a_forced[keep] if a_forced is not None else None
         # To the host once per generation: the written columns of each buffer (a no-op on the CPU).
         tok_h, lp_h = out_tok[:, :steps].cpu().numpy(), out_lp[:, :steps].cpu().numpy()
         ver_h, len_h, done_h = out_ver[:, :steps].cpu().numpy(), lengths.cpu().tolist(), done.cpu().tolist()
@@ -313,6 +331,10 @@ class _HfCache:
                           use_cache=True).logits[:, -1]
 
 
+# A generation drops its finished rows from the decode batch once at most this share of its rows is still running.
+COMPACT_AT = 0.75
+
+
 class _StaticKV:
     """Llama-style decoders (Qwen2, Llama) stepped through their own modules over a preallocated KV cache.
 
@@ -335,7 +357,7 @@ class _StaticKV:
     def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, n: int, max_new_tokens: int):
         self.model, self.body = model, model.model  # ids, mask: [N, P] one left-padded row per prompt
         cfg = model.config
-        (N, P), B = ids.shape, ids.shape[0] * n
+        P, B = ids.shape[1], ids.shape[0] * n
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = self.body.layers[0].self_attn.head_dim
         dtype = self.body.embed_tokens.weight.dtype
@@ -358,6 +380,18 @@ class _StaticKV:
         self.prompt_pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, P]
         self.pos = self.prompt_pos[:, -1:].repeat_interleave(n, 0)  # [B, 1] position of each row's latest token
         self.length = 0  # cache entries filled
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Go on with these rows only (indices into the current rows, ascending): their cache entries move to the
+        front of the same buffers, in place; nothing is reallocated."""
+        A, end, kv = len(rows), self.length, self.kv_heads
+        B = self.pos.shape[0]
+        for i, (k, v) in enumerate(zip(self.keys_t, self.values)):
+            kb, vb = k.view(B, kv, self.head_dim, -1), v.view(B, kv, -1, self.head_dim)
+            kb[:A, :, :, :end] = kb[rows, :, :, :end]  # the right side is gathered into a new tensor first
+            vb[:A, :, :end] = vb[rows, :, :end]
+            self.keys_t[i], self.values[i] = k[: A * kv], v[: A * kv]
+        self.key_bias, self.pos = self.key_bias[rows], self.pos[rows]
 
     def __call__(self, last: torch.Tensor | None) -> torch.Tensor:  # None: the prompts; else [B, 1] -> [B, V]
         prefill = last is None

@@ -61,6 +61,7 @@ def host_metrics(groups: list, version: int) -> dict[str, float]:
     return {
         "critic/score/mean": float(np.mean([s.reward for s in samples])),
         "response_length/mean": float(np.mean([M.n_tokens(s.token_ids) for s in samples])),
+        "response_length/max": float(max(M.n_tokens(s.token_ids) for s in samples)),
         "staleness/mean": float(stale.mean()),
         "staleness/max": float(stale.max()),
         "reward/timeouts": float(sum(s.score_status == "timeout" for s in samples)),

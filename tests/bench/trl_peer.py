@@ -47,6 +47,10 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the single TRL process")
     ap.add_argument("--out", required=True, help="JSON file to write the measurements to")
+    ap.add_argument("--model", default=os.path.join(REPO, "assets", "arith-base"), help="model directory")
+    ap.add_argument("--forced-length-median", type=int, default=0,
+                    help="the generation-heavy workload: impose covrl's forced lengths (rollout.forced_length_median)")
+    ap.add_argument("--forced-length-sigma", type=float, default=1.0)
     return ap.parse_args(argv)
 
 
@@ -69,6 +73,50 @@ def arith_reward(prompts, completions, answer, **_):
     return [score(c, a) for c, a in zip(completions, answer)]
 
 
+def force_lengths(model, tokenizer, args) -> None:
+    """The generation-heavy workload on TRL's side: every `model.generate` call TRL makes (one per step, 16 prompts
+    x 8 rows, prompt-major) gets a logits processor imposing the very lengths covrl's torch engine imposes on the
+    same rows: `actors.engine.forced_lengths` of the same row seeds (the hub's prompt seeds, sample index j). The
+    stop token is withheld before a row's length and forced there, as in covrl."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from actors.engine import forced_lengths, row_seeds
+    from common.config import load_config
+    from common.data import PromptSource
+    from common.seeds import prompt_seed
+
+    order = PromptSource(load_config(None, [f"run.seed={args.seed}"]), tokenizer).order(0)
+    eos = tokenizer.eos_token_id
+    calls = [0]
+
+    class Forced(LogitsProcessor):
+        def __init__(self, lengths: torch.Tensor, start: int):
+            self.lengths, self.start = lengths, start
+
+        def __call__(self, input_ids, scores):
+            t = input_ids.shape[1] - self.start  # tokens generated so far in every row
+            scores[t + 1 < self.lengths, eos] = -float("inf")
+            force = t + 1 == self.lengths
+            scores[force] = -float("inf")
+            scores[force, eos] = 0.0
+            return scores
+
+    plain = model.generate
+
+    def generate(*a, **k):
+        step = calls[0]
+        calls[0] += 1
+        pids = order[step * args.groups_per_step:(step + 1) * args.groups_per_step]
+        seeds = row_seeds([prompt_seed(args.seed, 0, p) for p in pids], args.group_size)
+        lengths = forced_lengths(seeds, args.forced_length_median, args.forced_length_sigma, args.max_new_tokens)
+        if len(lengths) != k["input_ids"].shape[0]:
+            raise SystemExit(f"TRL generated {k['input_ids'].shape[0]} rows at once, expected {len(lengths)}")
+        return plain(*a, logits_processor=LogitsProcessorList([Forced(lengths, k["input_ids"].shape[1])]), **k)
+
+    model.generate = generate
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -79,11 +127,13 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    model_path = os.path.join(REPO, "assets", "arith-base")
+    model_path = args.model
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     batch = args.groups_per_step * args.group_size
     dataset = arith_dataset(tokenizer, args.steps * args.groups_per_step, args.seed)
+    if args.forced_length_median:
+        force_lengths(model, tokenizer, args)
 
     class Clock(TrainerCallback):
         """Wall time at the start of training and at the end of each optimizer step; every logged row."""

@@ -39,7 +39,8 @@ def main(run_dir: str, out: str, micro_batch_tokens: int | None = None) -> None:
     source = PromptSource(cfg, tok)
     order = source.order(0)
     gps, r = cfg.rollout.groups_per_step, cfg.rollout
-    sampling = M.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+    sampling = M.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                                forced_length_median=r.forced_length_median, forced_length_sigma=r.forced_length_sigma)
     with RewardPool.from_config(cfg.reward) as pool:
         for step in range(1, cfg.run.steps + 1):
             items = [
