@@ -182,9 +182,10 @@ def write_generator_target(run_dir: str, generators: int) -> GeneratorTarget:
         revision = time.time_ns() // 1_000_000
     target = GeneratorTarget(generators, revision)
     path = os.path.join(run_dir, TARGET_FILE)
-    with open(path + ".tmp", "wb") as f:
+    tmp = f"{path}.{os.getpid()}.tmp"  # two writers at once each rename a whole file; the last one wins
+    with open(tmp, "wb") as f:
         f.write(msgspec.json.encode(target))
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
     return target
 
 

@@ -201,9 +201,17 @@ def visible_gpus(requested: int | None) -> int:
     return torch.cuda.device_count()
 
 
-def local_generator(run_dir: str, cfg, gen_id: int, learners: int, gens: int, gpus: int = 0, tp: int = 1) -> RoleSpec:
-    """Generator `gen_id` of `gens` on this node: its GPUs (`place_gpus`), and its memory share when colocated."""
+def local_generator(run_dir: str, cfg, gen_id: int, learners: int, gens: int, gpus: int = 0, tp: int = 1,
+                    colocated: bool | None = None) -> RoleSpec:
+    """Generator `gen_id` of `gens` on this node: its GPUs (`place_gpus`), and its memory share when colocated.
+    `colocated`: the layout the run started with; a count that would change it (and move running roles' GPUs)
+    is refused."""
     placement = place_gpus(gpus, learners, gens, tp)
+    if colocated is not None and placement.colocated != colocated:
+        raise PlacementError(
+            f"{gens} generator(s) would place learners and generators {'together' if placement.colocated else 'apart'} "
+            f"on this node's {gpus} GPU(s), but the run started with them {'together' if colocated else 'apart'}; "
+            f"the running roles keep their GPUs, so scale within that layout")
     _, gen_share = colocated_memory_fractions(cfg.generator.gpu_memory_utilization)
     return generator_spec(run_dir, gen_id, devices=placement.generators[gen_id],
                           extra_env={MEMORY_FRACTION_ENV: str(gen_share)} if placement.colocated else None,
@@ -294,33 +302,42 @@ class Supervisor:
         self.gens: dict[int, RoleSpec] = {}
         self.target, self.revision = 0, None
         self.bad_target = ""
+        self.unplaced = ""
         self.shown = 0
 
     def roles(self) -> list[RoleSpec]:
         return [*self.learners, *self.gens.values()]
 
     def follow_target(self) -> None:
-        """A new generators.json revision: start every missing id below the target (the hub drains the rest)."""
+        """Follow generators.json: on a new count (or revision), forget the ids above it that are not running (the
+        hub drains the running ones); on every tick, add the missing ids below it (one that cannot be placed is
+        said once and tried again each tick)."""
         try:
             t = read_generator_target(self.run_dir)
-        except ValueError as e:  # damaged by hand: keep the generators we have until covrl-scale rewrites it
+        except (ValueError, OSError) as e:  # damaged by hand, or a shared filesystem hiccup: keep what we have
             if str(e) != self.bad_target:
                 print(f"\n{e}; keeping {self.target} generator(s)", file=sys.stderr)
                 self.bad_target = str(e)
             return
         self.bad_target = ""
-        if t is None or t.revision == self.revision:
-            return
-        if self.revision is not None:
-            print(f"\nscaling to {t.generators} generator(s) (was {self.target})", file=sys.stderr)
-        self.target, self.revision = t.generators, t.revision
-        for i in range(t.generators):
+        if t is not None and (t.revision, t.generators) != (self.revision, self.target):
+            if self.revision is not None:
+                print(f"\nscaling to {t.generators} generator(s) (was {self.target})", file=sys.stderr)
+            self.target, self.revision = t.generators, t.revision
+            for s in [s for s in self.gens.values() if s.gen_id >= self.target and not s.running]:
+                self.backend.release(s)  # waiting for a (re)start, or finished: no longer wanted
+                del self.gens[s.gen_id]
+        for i in range(self.target):
             if i not in self.gens:
                 try:
-                    self.gens[i] = self.make_generator(i, t.generators)
+                    self.gens[i] = self.make_generator(i, self.target)
                 except PlacementError as e:
-                    print(f"\ncannot start generator {i}: {e}", file=sys.stderr)
+                    if str(e) != self.unplaced:
+                        print(f"\ncannot start generator {i}: {e}; trying again while the run goes on", file=sys.stderr)
+                        self.unplaced = str(e)
                     break
+        else:
+            self.unplaced = ""
 
     def start_due(self) -> None:
         for s in self.roles():
@@ -358,11 +375,11 @@ class Supervisor:
                       f"{log_tail(self.run_dir, s.name)}", file=sys.stderr)
                 return 1
             s.done = True
-        elif code == EXIT_DRAINED:
+        elif code == EXIT_DRAINED or (code != 0 and s.gen_id >= self.target):
+            # Drained; or it ended (refused, killed) after the run was scaled below its id: it left, not failed.
+            # A fresh one starts on the next tick if the target has grown past its id again.
             self.backend.release(s)
             del self.gens[s.gen_id]
-            if s.gen_id < self.target:  # scaled up again while it drained: a fresh one
-                self.gens[s.gen_id] = self.make_generator(s.gen_id, self.target)
         elif code == 0:
             s.done = True
         elif s.restarts < s.max_restarts:
@@ -409,7 +426,8 @@ def build(args, run_dir: str, cfg, info: ClusterInfo, gpus: int):
         backend = LocalBackend(run_dir, cfg)
         specs = role_specs(run_dir, info, cfg, gpus, args.tp, resume=resume)
         learners = [s for s in specs if not s.is_generator]
-        make = lambda i, n: local_generator(run_dir, cfg, i, info.learners, n, gpus, args.tp)  # noqa: E731
+        layout = place_gpus(gpus, info.learners, info.generators, args.tp).colocated if gpus else None
+        make = lambda i, n: local_generator(run_dir, cfg, i, info.learners, n, gpus, args.tp, layout)  # noqa: E731
         return backend, Supervisor(backend, learners, make, run_dir, cfg, args.quiet), info
     from launch.ray_backend import RayBackend
 
@@ -457,6 +475,7 @@ def main(argv=None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_term)  # the terminal closed: stop as gracefully as for SIGTERM
     t0 = time.monotonic()
     clear_learners_ready(run_dir)
     try:

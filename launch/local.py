@@ -13,6 +13,7 @@ import sys
 import time
 
 from common.data import REPO_ROOT
+from common.lifeline import LIFELINE_ENV
 from launch.roles import RoleSpec, base_env
 
 
@@ -35,10 +36,15 @@ class LocalBackend:
 
     def environment(self, spec: RoleSpec) -> dict[str, str]:
         """The role's whole environment: ours, covrl's variables, its GPUs ("" on the CPU: none), its own."""
-        return {**self.base, "CUDA_VISIBLE_DEVICES": ",".join(map(str, spec.devices)), **spec.env}
+        return {**self.base, "CUDA_VISIBLE_DEVICES": ",".join(map(str, spec.devices)), **spec.env,
+                LIFELINE_ENV: str(os.getpid())}  # the role ends itself if the launcher dies (SIGKILL, lost terminal)
 
     def poll(self, spec: RoleSpec) -> int | None:
-        return self.procs[spec.name].poll()
+        p = self.procs[spec.name]
+        code = p.poll()
+        if code is not None:
+            _signal_group(p, signal.SIGKILL)  # whatever it left in its group (reward workers) goes with it
+        return code
 
     def describe(self, spec: RoleSpec, code: int) -> str:
         return f"exited with code {code}"

@@ -49,7 +49,10 @@ class RoleActor:
                 "host": socket.gethostname()}
 
     def run(self) -> int:
-        """Start the role's process and wait for it; its exit code."""
+        """Start the role's process and wait for it; its exit code. Called again while that process lives (the
+        launcher resubmits after a transient `ActorUnavailableError`), it waits for the same process."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self.proc.wait()
         if not os.path.exists(os.path.join(self.run_dir, "config.toml")):
             raise RuntimeError(f"{self.name}: {self.run_dir}/config.toml is not visible on node "
                                f"{socket.gethostname()}: put --run-dir on a filesystem every Ray node shares")
@@ -64,7 +67,12 @@ class RoleActor:
             log.flush()
             self.proc = subprocess.Popen([sys.executable, *self.argv], env=env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
-            return self.proc.wait()
+            code = self.proc.wait()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever it left in its group (reward workers) goes with it
+        except ProcessLookupError:
+            pass
+        return code
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -179,6 +187,8 @@ class RayBackend:
                 return None
             return NODE_LOST
         except (ray.exceptions.ActorDiedError, ray.exceptions.RayActorError):
+            if spec.is_generator:  # dead for good (Ray's restarts spent): a restart gets a new actor and bundle
+                self.release(spec)
             return NODE_LOST
         except ray.exceptions.RayTaskError as e:
             print(f"\n{spec.name}: {e}", file=sys.stderr)

@@ -373,6 +373,7 @@ def step_metrics(stats: StepStats) -> dict[str, float]:
         "actor/kl_ref": s["kl_ref"] / n,
         "learner/ranks_participating": s["ranks"],
         "perf/learner_tokens_per_s": s["seq_tokens"] / max(stats.train_s, 1e-9),
+        "timing_s/train": stats.train_s,
     }
     if stats.entropy_delta_logged:  # over the sampled tokens (all of them with entropy_delta_stride = 1)
         n_sampled = max(s["tokens_sampled"], 1.0)

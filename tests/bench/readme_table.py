@@ -76,11 +76,29 @@ def rows(res: dict) -> list[str]:
             f"7. peer: TRL {r['versions_bench_env']['trl']} GRPOTrainer vs covrl, same model, prompts, reward, batch, "
             f"{r['steps']} steps",
             f"steady state {c['s_per_sample_steady'] * 1e3:.1f} vs TRL {t['s_per_sample_steady'] * 1e3:.1f} ms per sample "
-            f"(TRL/covrl {r['trl_over_covrl_s_per_sample_steady']:.2f}: TRL wins); covrl without the entropy-after pass "
-            f"(`learner.log_entropy_delta=false`) {fast['s_per_sample_steady'] * 1e3:.1f} ms "
-            f"(TRL/covrl {fast['trl_over_covrl_s_per_sample_steady']:.2f}); reward over the last steps {c['reward_last']:.3f} "
+            f"(covrl/TRL {1 / r['trl_over_covrl_s_per_sample_steady']:.2f}: "
+            f"{'covrl' if r['trl_over_covrl_s_per_sample_steady'] >= 1 else 'TRL'} wins); covrl without the entropy-after "
+            f"pass (`learner.log_entropy_delta=false`) {fast['s_per_sample_steady'] * 1e3:.1f} ms "
+            f"(covrl/TRL {1 / fast['trl_over_covrl_s_per_sample_steady']:.2f}); reward over the last steps {c['reward_last']:.3f} "
             f"vs {t['reward_last']:.3f}, per-step difference {r['reward_diff_covrl_minus_trl_per_step']['mean']:+.3f} +- "
             f"{r['reward_diff_covrl_minus_trl_per_step']['standard_error']:.3f}", r))
+    if r := res.get("generation_heavy"):
+        a, L = r["async_vs_sync"], r["response_length"]
+        idle, trl = r["idle_per_step_s"]["deterministic_true"], r["vs_trl"]
+        vs_trl = (f"TRL not run ({trl['skipped']})" if "skipped" in trl else
+                  f"covrl at its defaults {trl['covrl_s_per_sample_steady'] * 1e3:.0f} vs TRL "
+                  f"{trl['trl_s_per_sample_steady'] * 1e3:.0f} ms per sample: covrl/TRL {trl['covrl_over_trl_s_per_sample']:.2f}")
+        out.append(_row(
+            "9. generation-heavy: lognormal response lengths (median 128, sigma 0.9, cap 2048), 1 generator + 1 learner",
+            f"mean length {sum(L['mean_per_step']) / len(L['mean_per_step']):.0f} tokens, longest {L['max_over_mean']:.1f}x "
+            f"the mean; async {a['async_samples_per_s']:.1f} vs sync {a['sync_samples_per_s']:.1f} samples/s = "
+            f"{_x(a['speedup'])} (bound {_x(a['overlap_bound'])}: generate {a['sync_stage_s']['generate_and_score']:.1f} s, "
+            f"train {a['sync_stage_s']['train_and_load_weights']:.1f} s per step); in-flight updates "
+            f"{_x(r['in_flight_vs_deterministic']['ratio'])} of deterministic; idle per step: learner "
+            f"{idle['learner_idle_s']:.1f} s, generator {idle['generator_idle_s']:.1f} s of {idle['step_s']:.1f} s; {vs_trl}"
+            + (f"; the simulator calibrated with these stage costs predicts {_x(sim['predicted_speedup'])}"
+               if (sim := r.get("simulator_calibrated")) else ""),
+            r))
     if r := res.get("simulate"):
         k = r["speedup_vs_colocated_sync_min_max_by_k"]
         out.append(_row(

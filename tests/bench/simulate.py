@@ -15,7 +15,9 @@ Assumptions (the model; every number is a parameter of `Workload` / `Hardware`):
    Prefill, sampling and scoring are folded into those two constants. Time is fluid: a sequence admitted in the
    middle of an iteration starts at once. `generation="static"` is the alternative (covrl's CPU engine, HF generate):
    a generator takes a batch only when it is empty and returns it when its longest response is done, every
-   iteration costing the padded batch.
+   iteration costing the padded batch. `generation="static_compact"` is covrl's torch engine since issue 16: a
+   batch is taken whole and returned whole, but a finished row leaves it, so an iteration costs the rows still
+   running.
 3. Learning: one data-parallel group of L ranks; a step costs `step_fixed_s + train_s_per_token * tokens / L`, tokens
    = prompt + response tokens of the batch (perfectly balanced shards; gradient all-reduce, optimizer and barrier are
    in `step_fixed_s`, independent of L).
@@ -72,7 +74,7 @@ class Hardware:
     train_s_per_token: float = 1.4e-4
     step_fixed_s: float = 2.0  # optimizer step, all-reduce, barrier
     weight_sync_s: float = 3.0  # broadcast 15 GB of bf16 weights at ~5 GB/s
-    generation: str = "continuous"  # "continuous" | "static"
+    generation: str = "continuous"  # "continuous" | "static" | "static_compact"
 
     def iter_s(self, active: int) -> float:
         return self.iter_base_s + self.iter_per_seq_s * active
@@ -121,6 +123,7 @@ class _Generator:
         self.heap: list[tuple[float, int]] = []  # (finish iteration, slot)
         self.epoch = 0  # invalidates scheduled events after a change
         self.busy_s = 0.0  # integral of active/slots over time
+        self.held: list[int] = []  # static_compact: finished rows of the batch still running
 
     def advance(self, t: float) -> None:
         start = max(self.t_last, self.paused_until)
@@ -130,7 +133,7 @@ class _Generator:
         self.t_last = max(self.t_last, t)
 
     def free(self) -> int:
-        if self.hw.generation == "static" and self.heap:
+        if self.hw.generation != "continuous" and self.heap:
             return 0  # a static batch takes no new work until it is done
         return self.hw.slots - len(self.heap)
 
@@ -144,6 +147,11 @@ class _Generator:
         done = []
         while self.heap and self.heap[0][0] <= self.iters + 1e-6:
             done.append(heapq.heappop(self.heap)[1])
+        if self.hw.generation == "static_compact":  # finished rows stop costing, but leave with their batch
+            self.held += done
+            if self.heap:
+                return []
+            done, self.held = self.held, []
         return done
 
 
@@ -184,7 +192,7 @@ def simulate(G: int, L: int, k: int, w: Workload, hw: Hardware, *, steps: int, w
             take = [next_slot] if hw.generation == "continuous" else list(range(next_slot, min(next_slot + gens[g].free(), cap)))
             finish = gens[g].iters + max(int(lengths[s]) for s in take)
             for s in take:
-                own = gens[g].iters + int(lengths[s]) if hw.generation == "continuous" else finish
+                own = finish if hw.generation == "static" else gens[g].iters + int(lengths[s])
                 heapq.heappush(gens[g].heap, (own, s))
                 in_flight[s] = version
             flying[version] = flying.get(version, 0) + len(take)
@@ -266,7 +274,7 @@ def generation_makespan(lengths: np.ndarray, G: int, hw: Hardware) -> float:
 
     while queue:  # initial fill: each sample to the generator with the most free slots (lowest index on ties)
         g = max(range(G), key=lambda i: (hw.slots - len(active[i]), -i))
-        if len(active[g]) >= hw.slots or (hw.generation == "static" and len(active[g])):
+        if len(active[g]) >= hw.slots or (hw.generation != "continuous" and len(active[g])):
             break
         take(g, 1 if hw.generation == "continuous" else hw.slots)
     heap = [(hw.iter_s(len(a)) * int(a.min()), g) for g, a in enumerate(active) if len(a)]

@@ -48,7 +48,8 @@ def rollout(*a, **k):
     t = time.perf_counter(); out = _rollout(*a, **k); cur["gen_s"] = time.perf_counter() - t; return out
 class Trainer(ref.Trainer):
     def train_step(self, batch, *a, **k):
-        t = time.perf_counter(); out = super().train_step(batch, *a, **k); cur["train_s"] = time.perf_counter() - t; return out
+        t = time.perf_counter(); out = super().train_step(batch, *a, **k); cur["train_s"] = time.perf_counter() - t
+        cur["tokens"] = sum(len(s.input_ids) // 4 for s in batch.samples); return out
 class Engine(ref.CpuEngine):
     def load_flat(self, flat, version):
         t = time.perf_counter(); super().load_flat(flat, version); end = time.perf_counter()

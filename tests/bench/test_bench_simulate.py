@@ -27,7 +27,7 @@ PUBLISHED = {
 }
 
 
-@pytest.mark.parametrize("generation", ["continuous", "static"])
+@pytest.mark.parametrize("generation", ["continuous", "static", "static_compact"])
 @pytest.mark.parametrize("G, L", [(3, 1), (12, 4), (8, 8)])
 def test_k0_is_the_synchronous_loop(generation, G, L):
     """Admission control with k = 0 must be generate -> train -> sync, step for step (rel. 1e-9)."""

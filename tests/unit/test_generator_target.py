@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from common.cluster import ClusterInfo, read_generator_target, write_cluster, write_generator_target
+from common.cluster import EXIT_DRAINED, ClusterInfo, read_generator_target, write_cluster, write_generator_target
 from common.config import Config, ConfigError, to_toml
 from launch import cluster as launcher
 from launch import scale
@@ -47,8 +47,10 @@ def test_the_supervisor_keeps_its_generators_while_the_file_is_damaged(tmp_path,
     started = []
 
     def make_generator(i, n):
+        from launch.roles import generator_spec
+
         started.append(i)
-        return i
+        return generator_spec(run, i)
 
     sup = launcher.Supervisor(None, [], make_generator, run, Config(), quiet=True)
     write_generator_target(run, 2)
@@ -72,3 +74,86 @@ def test_resume_with_a_damaged_file_asks_for_gens(tmp_path):
     (tmp_path / "generators.json").write_text("{}")
     with pytest.raises(ConfigError, match="pass --gens N to --resume"):
         launcher.prepare_resume(launcher.parse_args(["--resume", run]))
+
+
+class Backend:
+    """Records what the supervisor asks of a backend; `exits` are the codes its roles end with, by name."""
+
+    def __init__(self):
+        self.started, self.released, self.exits = [], [], {}
+
+    def start(self, s):
+        self.started.append(s.name)
+
+    def poll(self, s):
+        return self.exits.pop(s.name, None)
+
+    def release(self, s):
+        self.released.append(s.name)
+
+    def describe(self, s, code):
+        return f"exited with code {code}"
+
+
+def _supervisor(run, make=None):
+    from launch.roles import RoleSpec, generator_spec
+
+    backend = Backend()
+    learner = RoleSpec("learner0", "learner", [], {})
+    sup = launcher.Supervisor(backend, [learner], make or (lambda i, n: generator_spec(run, i)), run, Config(),
+                              quiet=True)
+    return sup, backend
+
+
+def test_generators_scaled_away_while_starting_or_restarting_leave_without_failing_the_run(tmp_path):
+    """1 -> 3 -> 1 while gen1 and gen2 are still starting: the hub refuses them (exit 1) and that is a leave, not a
+    failure; one waiting for a restart is dropped; 1 -> 3 again starts fresh ones."""
+    run = str(tmp_path)
+    write_generator_target(run, 1)
+    sup, backend = _supervisor(run)
+    assert sup.poll() is None and backend.started == ["learner0", "gen0"]
+    write_generator_target(run, 3)
+    assert sup.poll() is None and backend.started[-2:] == ["gen1", "gen2"]
+    backend.exits["gen2"] = 1  # crashed: restart after a backoff
+    assert sup.poll() is None and sup.gens[2].restarts == 1 and not sup.gens[2].running
+    write_generator_target(run, 1)
+    backend.exits["gen1"] = 1  # refused by the hub: its id is above the target now
+    assert sup.poll() is None, "a generator that left after a scale-down must not stop the run"
+    assert sorted(sup.gens) == [0] and sorted(backend.released) == ["gen1", "gen2"]
+    write_generator_target(run, 3)
+    assert sup.poll() is None and sorted(sup.gens) == [0, 1, 2] and backend.started[-2:] == ["gen1", "gen2"]
+    assert all(sup.gens[i].restarts == 0 for i in (1, 2))
+    backend.exits["gen1"] = EXIT_DRAINED  # drained although wanted again (the hub saw the dip): a fresh one next tick
+    assert sup.poll() is None and 1 not in sup.gens
+    assert sup.poll() is None and 1 in sup.gens and backend.started[-1] == "gen1"
+
+
+def test_a_count_written_by_hand_is_followed_and_an_unplaceable_id_is_retried(tmp_path, capsys):
+    run = str(tmp_path)
+    write_generator_target(run, 2)
+    room = [2]
+
+    def make(i, n):
+        from launch.roles import generator_spec
+
+        if i >= room[0]:
+            raise launcher.PlacementError(f"no GPU left for generator {i}")
+        return generator_spec(run, i)
+
+    sup, backend = _supervisor(run, make)
+    sup.poll()
+    (tmp_path / "generators.json").write_text('{"generators": 3}')  # revision 0 again, as DESIGN allows
+    sup.poll()
+    sup.poll()
+    assert sup.target == 3 and sorted(sup.gens) == [0, 1]
+    assert capsys.readouterr().err.count("cannot start generator 2: no GPU left") == 1  # said once
+    room[0] = 3
+    sup.poll()
+    assert sorted(sup.gens) == [0, 1, 2] and backend.started[-1] == "gen2"
+
+
+def test_a_scale_that_would_change_the_gpu_layout_is_refused():
+    cfg = Config()
+    assert launcher.local_generator("/r", cfg, 2, learners=1, gens=3, gpus=4, colocated=False).devices == [3]
+    with pytest.raises(launcher.PlacementError, match="started with them apart"):
+        launcher.local_generator("/r", cfg, 3, learners=1, gens=4, gpus=4, colocated=False)

@@ -48,7 +48,7 @@ def test_benchmark_table_matches_results_json():
         res = json.load(f)
     assert block(res) in README, "README benchmark table is stale: run `python tests/bench/readme_table.py --write`"
     verdicts = {k: v["verdict"] for k, v in res.items() if isinstance(v, dict) and "verdict" in v}
-    assert len(verdicts) == 9, sorted(verdicts)  # all eight benchmarks (6 has two parts)
+    assert len(verdicts) == 10, sorted(verdicts)  # all nine benchmarks (6 has two parts)
 
 
 def test_every_design_reference_resolves():
