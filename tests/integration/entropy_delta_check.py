@@ -11,15 +11,14 @@ import sys
 import torch
 
 from actors.actor import rollout
-from actors.engine import CpuEngine
 from common import messages as M
 from common.config import load_config
-from common.data import PromptSource, model_dir
 from common.rewards import RewardPool
 from common.seeds import prompt_seed
 from common.transport import free_port
 from learner.batch import batch_from_config
-from learner.trainer import Trainer, init_distributed, step_metrics, thread_setup
+from learner.trainer import Trainer, step_metrics
+from tests.integration.reference_loop import setup
 
 
 def entropy_sums(trainer: Trainer, micro: list) -> list[tuple[float, float]]:
@@ -33,20 +32,11 @@ def entropy_sums(trainer: Trainer, micro: list) -> list[tuple[float, float]]:
 
 
 def main(stride: int) -> None:
-    from transformers import AutoTokenizer
-
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cfg = load_config(None, ["rollout.groups_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=24",
                              "learner.micro_batch_tokens=96", "learner.lr=1e-3", f"learner.entropy_delta_stride={stride}",
                              "learner.filter.dynamic_sampling=false"])
-    thread_setup(cfg)
-    torch.manual_seed(cfg.run.seed)
-    init_distributed()
-    path = model_dir(cfg)
-    tok = AutoTokenizer.from_pretrained(path)
-    engine = CpuEngine(path, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    trainer = Trainer(cfg, path)
-    source = PromptSource(cfg, tok)
+    tok, engine, trainer, source = setup(cfg)
     r = cfg.rollout
     items = [M.WorkItem(ticket=i, prompt_id=pid, epoch=0, prompt_ids=M.to_bytes(source[pid].ids, M.TOKEN_DTYPE),
                         answer=source[pid].answer, data_source=source[pid].data_source,

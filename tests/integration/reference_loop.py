@@ -25,18 +25,22 @@ from learner.batch import batch_from_config
 from learner.trainer import Trainer, init_distributed, thread_setup
 
 
-def main(run_dir: str, out: str, micro_batch_tokens: int | None = None) -> None:
+def setup(cfg):
+    """One process's torch.distributed world of one, and what a loop needs: (tokenizer, engine, trainer, prompts)."""
     from transformers import AutoTokenizer
 
-    cfg = read_run_config(run_dir)
     thread_setup(cfg)
     torch.manual_seed(cfg.run.seed)
     init_distributed()
     path = model_dir(cfg)
     tok = AutoTokenizer.from_pretrained(path)
     engine = CpuEngine(path, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    trainer = Trainer(cfg, path)
-    source = PromptSource(cfg, tok)
+    return tok, engine, Trainer(cfg, path), PromptSource(cfg, tok)
+
+
+def main(run_dir: str, out: str, micro_batch_tokens: int | None = None) -> None:
+    cfg = read_run_config(run_dir)
+    tok, engine, trainer, source = setup(cfg)
     order = source.order(0)
     gps, r = cfg.rollout.groups_per_step, cfg.rollout
     sampling = M.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
