@@ -68,6 +68,9 @@ def parse_args(argv=None):
     ap.add_argument("--ray-generator-resources", type=_resources, default=None, metavar="JSON",
                     help="extra Ray resources in each generator's bundle")
     ap.add_argument("--quiet", action="store_true", help="no live progress line")
+    ap.add_argument("--print-config", action="store_true",
+                    help="print the resolved config (defaults, --config, --set, --steps; with --resume, the run's) as "
+                         "TOML and exit, starting nothing")
     return ap.parse_args(argv)
 
 
@@ -98,6 +101,10 @@ def prepare_resume(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
                               f"give the RUN_DIR a run was started with")
     overrides = [f"run.steps={args.steps}"] if args.steps is not None else []
     cfg = load_config(os.path.join(run_dir, "config.toml"), overrides)
+    if (last := latest_checkpoint(run_dir)) is not None and last[0] >= cfg.run.steps:
+        raise RunComplete(f"{run_dir} is complete: it trained {last[0]} of {cfg.run.steps} steps (checkpoint {last[1]}); "
+                          f"nothing to resume. To train further: covrl-cluster --resume {run_dir} --steps N "
+                          f"(N > {last[0]})")
     old = read_cluster(run_dir)
     learners = old.learners if args.learners is None else args.learners
     if learners != old.learners:
@@ -292,6 +299,21 @@ def summary(run_dir: str, cfg, elapsed: float, ray: str | None = None) -> str:
     return "\n".join(lines)
 
 
+class RunComplete(Exception):
+    """--resume of a run that already trained every step it was asked for: nothing to start."""
+
+
+def resolved_config(args):
+    """The config a launch with these arguments would run (`--print-config`), checked, nothing written."""
+    overrides = [f"run.steps={args.steps}"] if args.steps is not None else []
+    if args.resume:
+        path = os.path.join(os.path.abspath(args.resume), "config.toml")
+        if not os.path.isfile(path):
+            raise ConfigError(f"--resume {args.resume}: no config.toml, so this is not a covrl run directory")
+        return load_config(path, overrides)
+    return with_absolute_paths(load_config(args.config, list(args.set) + overrides), os.getcwd())
+
+
 class Supervisor:
     """Starts, restarts, scales and stops the roles through a backend (`launch/local.py`, `launch/ray_backend.py`):
     `poll` once per tick; a run ends when every learner rank has finished (0) or one failed (1)."""
@@ -448,9 +470,15 @@ def build(args, run_dir: str, cfg, info: ClusterInfo, gpus: int):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        if args.print_config:
+            print(to_toml(resolved_config(args)), end="")
+            return 0
         gpus = visible_gpus(args.gpus) if args.ray is None else 0  # under Ray, Ray places the GPUs
         run_dir, cfg, info = prepare(args, gpus)
         backend, sup, info = build(args, run_dir, cfg, info, gpus)
+    except RunComplete as e:
+        print(e)
+        return 0
     except (ConfigError, FileNotFoundError, PlacementError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

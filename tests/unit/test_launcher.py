@@ -1,12 +1,14 @@
-"""RUN_DIR/generators.json, the run's generator target: its revisions, and a damaged file. covrl-scale replaces a
-damaged file, the launcher's supervisor keeps the generators it has meanwhile, and --resume names the fix."""
+"""The launcher without its roles: RUN_DIR/generators.json (revisions, a damaged file: covrl-scale replaces it, the
+supervisor keeps its generators, --resume names the fix); the supervisor's scaling against a recording backend;
+the one-node GPU layout; --print-config; --resume of a finished run."""
 
 import json
+import os
 
 import pytest
 
 from common.cluster import EXIT_DRAINED, ClusterInfo, read_generator_target, write_cluster, write_generator_target
-from common.config import Config, ConfigError, to_toml
+from common.config import Config, ConfigError, load_config, to_toml
 from launch import cluster as launcher
 from launch import scale
 
@@ -157,3 +159,39 @@ def test_a_scale_that_would_change_the_gpu_layout_is_refused():
     assert launcher.local_generator("/r", cfg, 2, learners=1, gens=3, gpus=4, colocated=False).devices == [3]
     with pytest.raises(launcher.PlacementError, match="started with them apart"):
         launcher.local_generator("/r", cfg, 3, learners=1, gens=4, gpus=4, colocated=False)
+
+
+def test_print_config_prints_the_resolved_config_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    import tomllib
+
+    monkeypatch.chdir(tmp_path)
+    assert launcher.main(["--print-config", "--set", "rollout.group_size=4", "--steps", "7"]) == 0
+    printed = tomllib.loads(capsys.readouterr().out)
+    assert printed["rollout"]["group_size"] == 4 and printed["run"]["steps"] == 7
+    assert printed["learner"]["entropy_delta_stride"] == Config().learner.entropy_delta_stride  # the defaults too
+    assert os.listdir(tmp_path) == []  # no run directory
+    assert launcher.main(["--print-config", "--set", "rollout.group_size=1"]) == 2
+    assert "rollout.group_size" in capsys.readouterr().err
+
+
+def test_resume_of_a_finished_run_starts_nothing_and_says_how_to_continue(tmp_path, capsys):
+    from common.checkpoints import DS_TAG, STATE_FILE
+
+    run = str(tmp_path)
+    (tmp_path / "config.toml").write_text(to_toml(load_config(None, ["run.steps=3"])))
+    (tmp_path / "secret.key").write_bytes(b"k" * 32)
+    write_cluster(run, ClusterInfo("r", "127.0.0.1:1", "127.0.0.1:2", generators=1, learners=1))
+    step = tmp_path / "checkpoints" / "step_3"
+    (step / DS_TAG).mkdir(parents=True)
+    (step / STATE_FILE).write_text("{}")
+    before = (tmp_path / "cluster.json").read_bytes()
+    assert launcher.main(["--resume", run]) == 0
+    out = capsys.readouterr().out
+    assert "is complete: it trained 3 of 3 steps" in out and f"--resume {run} --steps N" in out
+    assert (tmp_path / "cluster.json").read_bytes() == before and not (tmp_path / "logs").exists()
+    assert not (tmp_path / "generators.json").exists()  # nothing rewritten, nothing started
+    assert launcher.main(["--resume", run, "--print-config", "--steps", "5"]) == 0
+    import tomllib
+
+    assert tomllib.loads(capsys.readouterr().out)["run"]["steps"] == 5  # what --resume --steps 5 would run
+    assert tomllib.loads((tmp_path / "config.toml").read_text())["run"]["steps"] == 3  # and the run is untouched
