@@ -23,7 +23,7 @@ def main() -> int:
     ap.add_argument("--hub", default=None, help="host:port of the hub (default: from cluster.json)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s gen{args.gen_id} %(levelname)s %(name)s: %(message)s")
-    watch_parent()  # under Ray: die with the actor that started this process
+    watch_parent()  # die with the launcher or Ray actor that started this process
     cfg = read_run_config(args.run_dir)
     cluster = read_cluster(args.run_dir)
     torch.set_num_threads(cfg.run.torch_threads)

@@ -1,10 +1,11 @@
 """A role process that dies with the process that started it.
 
-Under Ray (`launch/ray_backend.py`) each role runs as a child of a Ray actor, in a process group of its own so
-that signals reach its reward workers too. When the actor's node is lost, Ray ends the actor, but not the child
-it started; the launcher sets `COVRL_LIFELINE_PID` to the actor's pid, and `watch_parent` ends the role's whole
-process group as soon as its parent is no longer that process. So a generator never outlives its actor and keeps
-talking to the hub as a ghost of an incarnation that Ray has already restarted elsewhere.
+Each role runs in a process group of its own (so signals reach its reward workers too), as a child of the launcher
+(`launch/local.py`) or of a Ray actor (`launch/ray_backend.py`), which sets `COVRL_LIFELINE_PID` to its own pid.
+`watch_parent` ends the role's whole process group as soon as its parent is no longer that process: when Ray ends
+an actor whose node was lost (it does not end the actor's child), or when the launcher is SIGKILLed. So a
+generator never keeps talking to the hub as a ghost of an incarnation already restarted elsewhere, nor holds a
+GPU after its launcher is gone.
 """
 
 from __future__ import annotations

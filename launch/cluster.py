@@ -89,6 +89,22 @@ def _resources(text: str) -> dict[str, float]:
                                      f"e.g. '{{\"trainer_node\": 1}}'")
 
 
+class RunComplete(Exception):
+    """--resume of a run that already trained every step it was asked for: nothing to start."""
+
+
+def resolved_config(args):
+    """The config a launch with these arguments runs (and `--print-config` prints): defaults, --config, --set,
+    --steps; with --resume, the run's own with --steps. Checked; nothing written."""
+    overrides = [f"run.steps={args.steps}"] if args.steps is not None else []
+    if args.resume:
+        path = os.path.join(os.path.abspath(args.resume), "config.toml")
+        if not os.path.isfile(path):
+            raise ConfigError(f"--resume {args.resume}: no config.toml, so this is not a covrl run directory")
+        return load_config(path, overrides)
+    return with_absolute_paths(load_config(args.config, list(args.set) + overrides), os.getcwd())
+
+
 def prepare_resume(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
     """The run directory of a stopped run, its config (only --steps may change) and fresh addresses."""
     run_dir = os.path.abspath(args.resume)
@@ -99,8 +115,7 @@ def prepare_resume(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
         if not os.path.exists(os.path.join(run_dir, name)):
             raise ConfigError(f"--resume {args.resume}: {name} is missing, so this is not a covrl run directory; "
                               f"give the RUN_DIR a run was started with")
-    overrides = [f"run.steps={args.steps}"] if args.steps is not None else []
-    cfg = load_config(os.path.join(run_dir, "config.toml"), overrides)
+    cfg = resolved_config(args)
     if (last := latest_checkpoint(run_dir)) is not None and last[0] >= cfg.run.steps:
         raise RunComplete(f"{run_dir} is complete: it trained {last[0]} of {cfg.run.steps} steps (checkpoint {last[1]}); "
                           f"nothing to resume. To train further: covrl-cluster --resume {run_dir} --steps N "
@@ -165,8 +180,7 @@ def prepare(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
     if args.gens < 1 or args.learners < 1:
         raise ConfigError(f"--gens {args.gens} --learners {args.learners}: need at least one of each")
     placement = place_gpus(gpus, args.learners, args.gens, args.tp)  # a placement that cannot fit
-    overrides = list(args.set) + ([f"run.steps={args.steps}"] if args.steps is not None else [])
-    cfg = with_absolute_paths(load_config(args.config, overrides), os.getcwd())
+    cfg = resolved_config(args)
     check_colocation(placement, cfg.generator)
     model_dir(cfg)  # fail now, not in every child, if the model is missing
     check_host(cfg.transport.host)
@@ -268,6 +282,8 @@ def progress_line(row: dict, steps: int, k: int) -> str:
             f"entropy {row.get('actor/entropy', 0):.3f} | gen {row.get('perf/gen_tokens_per_s', 0):.0f} tok/s | "
             f"staleness {row.get('staleness/mean', 0):.2f} (max {row.get('staleness/max', 0):.0f}, bound {k}) | "
             f"{row.get('timing_s/step', 0):.2f} s/step{gens}{evals}")
+
+
 def summary(run_dir: str, cfg, elapsed: float, ray: str | None = None) -> str:
     rows = read_metrics(run_dir)
     train = [r for r in rows if r.get("critic/score/mean") is not None]
@@ -297,21 +313,6 @@ def summary(run_dir: str, cfg, elapsed: float, ray: str | None = None) -> str:
                                                                last[-1][0] < cfg.run.steps else ""),
     ]
     return "\n".join(lines)
-
-
-class RunComplete(Exception):
-    """--resume of a run that already trained every step it was asked for: nothing to start."""
-
-
-def resolved_config(args):
-    """The config a launch with these arguments would run (`--print-config`), checked, nothing written."""
-    overrides = [f"run.steps={args.steps}"] if args.steps is not None else []
-    if args.resume:
-        path = os.path.join(os.path.abspath(args.resume), "config.toml")
-        if not os.path.isfile(path):
-            raise ConfigError(f"--resume {args.resume}: no config.toml, so this is not a covrl run directory")
-        return load_config(path, overrides)
-    return with_absolute_paths(load_config(args.config, list(args.set) + overrides), os.getcwd())
 
 
 class Supervisor:

@@ -37,7 +37,7 @@ def main() -> int:
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in RUN_DIR")
     args = ap.parse_args()
-    watch_parent()  # under Ray: die with the actor that started this process
+    watch_parent()  # die with the launcher or Ray actor that started this process
     # Ctrl-C / SIGTERM (the launcher's graceful stop): finish this step, write a checkpoint, exit.
     stop_requested = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -41,7 +41,8 @@ import numpy as np
 
 from tests.bench import simulate as S
 from tests.bench.common import REPO, record, verdict
-from tests.bench.test_bench_pipeline import SAMPLES_PER_STEP, SETTINGS, launch_clocked, mean, run_sync, window_rate
+from tests.bench.test_bench_pipeline import (SAMPLES_PER_STEP, SETTINGS, launch_clocked, mean, run_sync, sync_stages,
+                                             window_rate)
 from tests.bench.test_bench_trl import BENCH_PY, bench_env_problem
 
 STEPS, WARMUP = 12, 3  # covrl: steps WARMUP+1 .. STEPS-1 are timed
@@ -137,11 +138,7 @@ def test_generation_heavy(tmp_path):
     fly_rate, _ = window_rate(fly["end_s"], WARMUP, SAMPLES_PER_STEP)
     sync_rows = run_sync(str(tmp_path / "det"))  # its config.toml: same model, workload, batch, steps
     assert len(sync_rows) == STEPS
-    sync_rate, _ = window_rate([r["t_end"] for r in sync_rows], WARMUP, SAMPLES_PER_STEP)
-    window = sync_rows[WARMUP:STEPS - 1]
-    g = mean(r["gen_s"] for r in window)
-    t = mean(r["train_s"] + r["load_s"] for r in window)
-    bound = (g + t) / max(g, t)
+    sync_rate, _, g, t, bound = sync_stages(sync_rows, WARMUP)
     speedup = det_rate / sync_rate
     predicted = calibrated_prediction(model, det["rows"], sync_rows)
     lengths = [r["response_length/mean"] for r in det["rows"]]

@@ -118,6 +118,16 @@ def mean(xs) -> float:
     return sum(xs) / len(xs)
 
 
+def sync_stages(rows: list[dict], warmup: int) -> tuple[float, float, float, float, float]:
+    """The synchronous loop over steps warmup+1 .. N-1: (samples/s, seconds, mean generate + score s, mean train +
+    load-weights s, overlap bound (g + t) / max(g, t))."""
+    rate, span = window_rate([r["t_end"] for r in rows], warmup, SAMPLES_PER_STEP)
+    window = rows[warmup:-1]
+    g = mean(r["gen_s"] for r in window)
+    t = mean(r["train_s"] + r["load_s"] for r in window)
+    return rate, span, g, t, (g + t) / max(g, t)
+
+
 def test_pipeline_overlap(tmp_path):
     load_before = os.getloadavg()
     run = str(tmp_path / "async")
@@ -128,11 +138,7 @@ def test_pipeline_overlap(tmp_path):
 
     sync_rows = run_sync(run)  # same RUN_DIR/config.toml: same model, data, batch, steps
     assert len(sync_rows) == STEPS
-    sync_rate, sync_span = window_rate([r["t_end"] for r in sync_rows], WARMUP, SAMPLES_PER_STEP)
-    window = sync_rows[WARMUP:STEPS - 1]
-    g = mean(r["gen_s"] for r in window)
-    t = mean(r["train_s"] + r["load_s"] for r in window)
-    bound = (g + t) / max(g, t)
+    sync_rate, sync_span, g, t, bound = sync_stages(sync_rows, WARMUP)
     speedup = async_rate / sync_rate
     inside = rows[WARMUP:STEPS - 1]
     async_train = mean(r["timing_s/train"] for r in inside)
