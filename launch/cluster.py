@@ -520,8 +520,11 @@ def main(argv=None) -> int:
         print("stopping every process this run started", file=sys.stderr)
     finally:
         backend.close(GRACE_S)
-        for p in extra:
-            p.terminate()
+        for p in extra:  # TensorBoard, in a session of its own: its whole group, as before the backends
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
             p.wait()
     print()
     print(summary(run_dir, cfg, time.monotonic() - t0, args.ray))
