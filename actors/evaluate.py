@@ -22,8 +22,9 @@ import torch
 from actors.actor import evaluate, make_reward_pool
 from actors.factory import load_engine
 from common import messages as M
-from common.config import ConfigError, load_config
-from common.data import eval_sets
+from common.cli import USER_ERRORS, fail
+from common.config import load_config
+from common.data import check_model_dir, eval_sets
 from common.datasets import DatasetError
 from common.evaluation import eval_item, eval_metrics, eval_params, eval_room
 
@@ -64,16 +65,16 @@ def main(argv=None) -> int:
         sets.append("data.eval_files=" + json.dumps(args.data))
     try:
         cfg = load_config(args.config, sets)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        if not eval_sets(cfg, check_model_dir(args.model, "--model")):  # every eval row, before the model loads
+            raise DatasetError("no eval sets: pass --data FILE ... or set data.eval_files")
+    except USER_ERRORS as e:
+        return fail(e)
     torch.set_num_threads(cfg.run.torch_threads)
     t0 = time.perf_counter()
     try:
         metrics = run(cfg, args.model)
-    except (DatasetError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as e:
+        return fail(e)
     for key, value in metrics.items():
         print(f"{key:40s} {value:.4f}")
     print(f"evaluated {args.model} in {time.perf_counter() - t0:.1f}s")

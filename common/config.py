@@ -316,11 +316,66 @@ def from_dict(tree: dict, *, validate: bool = True) -> Config:
     try:
         cfg = msgspec.convert(tree, Config)
     except msgspec.ValidationError as e:
-        # msgspec names the path as `$.rollout.group_size`; say it as users write it.
-        raise ConfigError(f"invalid config: {str(e).replace('$.', '')}") from None
+        raise ConfigError(f"invalid config: {explain(str(e), tree)}") from None
     if validate:
         check(cfg)
     return cfg
+
+
+def _node(path: list[str]):
+    """msgspec's description of the config field at `path` (None where the path leaves the tree)."""
+    t = msgspec.inspect.type_info(Config)
+    for key in path:
+        structs = [t] if isinstance(t, msgspec.inspect.StructType) else [
+            m for m in getattr(t, "types", ()) if isinstance(m, msgspec.inspect.StructType)]
+        t = next((f.type for s in structs for f in s.fields if f.name == key), None)
+        if t is None:
+            return None
+    return t
+
+
+def _variants(t) -> list[msgspec.inspect.StructType]:
+    """The members of a tagged section (learner.loss), else []."""
+    return [m for m in getattr(t, "types", ()) if isinstance(m, msgspec.inspect.StructType) and m.tag is not None]
+
+
+def explain(message: str, tree: dict) -> str:
+    """msgspec's validation message said as a user writes the config (`rollout.group_size`, not
+    `$.rollout.group_size`), with the valid values of an enum, the variant a field belongs to, or the
+    field a typo meant."""
+    import difflib
+    import re
+
+    message = message.replace("$.", "")
+    at = re.search(r" - at `([^`]+)`$", message)
+    path = at.group(1).split(".") if at else []
+    if m := re.match(r"Invalid (?:enum )?value (.+) - at", message):
+        t = _node(path)
+        if isinstance(t, msgspec.inspect.LiteralType):
+            return f"{'.'.join(path)} = {m.group(1)} is not one of " + ", ".join(f'"{v}"' for v in t.values)
+        if path and (vs := _variants(_node(path[:-1]))) and path[-1] == vs[0].tag_field:
+            return f"{'.'.join(path)} = {m.group(1)} is not one of " + ", ".join(f'"{v.tag}"' for v in vs)
+    if m := re.match(r"Object contains unknown field `([^`]+)`", message):
+        field, section, t = m.group(1), ".".join(path), _node(path)
+        if vs := _variants(t):
+            node = tree
+            for key in path:
+                node = node.get(key, {}) if isinstance(node, dict) else {}
+            chosen = node.get(vs[0].tag_field) if isinstance(node, dict) else None
+            owners = [v.tag for v in vs if any(f.name == field for f in v.fields)]
+            if owners:
+                tag = vs[0].tag_field
+                belongs = " and ".join(f'{tag} = "{o}"' for o in owners)
+                return (f'{section}.{field} is not a field of {section}.{tag} = "{chosen}"; it belongs to {belongs}: '
+                        f'set {section}.{tag} = "{owners[0]}" as well')
+            names = sorted({f.name for v in vs if v.tag == chosen for f in v.fields})
+        else:
+            names = [f.name for f in getattr(t, "fields", ())]
+        close = difflib.get_close_matches(field, names, n=1)
+        hint = f"did you mean {section + '.' if section else ''}{close[0]}?" if close else \
+            f"its fields are {', '.join(names)}"
+        return f"{section + '.' if section else ''}{field} is not a config key; {hint}"
+    return message
 
 
 def check(cfg: Config) -> None:

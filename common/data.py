@@ -13,9 +13,11 @@ from __future__ import annotations
 import logging
 import os
 import random
+from collections import Counter
 from dataclasses import dataclass
 
-from common.config import Config
+from common.config import Config, ConfigError
+from common.datasets import DatasetError
 
 log = logging.getLogger("covrl.data")
 
@@ -37,50 +39,66 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     return tokenizer(text, add_special_tokens=not chat).input_ids
 
 
-def _arith_problems(cfg: Config, tokenizer, problems, data_source: str | None) -> list[Prompt]:
+def _fit(tokenizer, text: str, chat: bool, cfg: Config, where: str, lengths: Counter) -> list[int] | None:
+    """The prompt's ids within data.max_prompt_tokens (None: dropped), counted in `lengths`."""
     from common.datasets import fit_prompt
+
+    ids = encode_prompt(tokenizer, text, chat)
+    fitted = fit_prompt(ids, cfg.data.max_prompt_tokens, cfg.data.truncation, where)
+    lengths["kept"] += fitted is not None
+    lengths["dropped"] += fitted is None
+    lengths["truncated"] += fitted is not None and len(fitted) < len(ids)
+    return fitted
+
+
+def _arith_problems(cfg: Config, tokenizer, problems, data_source: str | None, lengths: Counter) -> list[Prompt]:
     from common.templates import render_prompt
 
     out = []
     for i, p in enumerate(problems):
         text = render_prompt(p.question, cfg.data.instruction)
-        ids = fit_prompt(encode_prompt(tokenizer, text, chat=False), cfg.data.max_prompt_tokens, cfg.data.truncation,
-                         f"arith problem {i}")
-        if ids is not None:
+        if (ids := _fit(tokenizer, text, False, cfg, f"arith problem {i}", lengths)) is not None:
             out.append(Prompt(text, p.answer, data_source or p.data_source, tuple(ids)))
     return out
 
 
-def _file_prompts(cfg: Config, tokenizer, paths) -> list[Prompt]:
+def _file_prompts(cfg: Config, tokenizer, paths, lengths: Counter) -> list[Prompt]:
     """Every usable row of `paths`, rendered and tokenised; over-long prompts handled by data.truncation."""
-    from common.datasets import fit_prompt, read_records, render_prompt_text, template_mode
+    from common.datasets import read_records, render_prompt_text, template_mode
 
     d = cfg.data
     chat = template_mode(tokenizer, d.template) == "chat"
-    out, dropped = [], 0
+    out = []
     for path in paths:
         stem = os.path.splitext(os.path.basename(path))[0]
         for i, rec in enumerate(read_records(path)):
             text = render_prompt_text(rec, tokenizer, template=d.template, instruction=d.instruction,
                                       system_prompt=d.system_prompt)
-            ids = fit_prompt(encode_prompt(tokenizer, text, chat), d.max_prompt_tokens, d.truncation, f"{path}: row {i}")
-            if ids is None:
-                dropped += 1
-                continue
-            source = stem if d.data_source_from == "file" else rec.data_source
-            out.append(Prompt(text, rec.answer, source, tuple(ids)))
-    if dropped:
-        log.warning("dropped %d of %d prompts longer than data.max_prompt_tokens=%d (data.truncation = \"drop\")",
-                    dropped, dropped + len(out), d.max_prompt_tokens)
+            if (ids := _fit(tokenizer, text, chat, cfg, f"{path}: row {i}", lengths)) is not None:
+                source = stem if d.data_source_from == "file" else rec.data_source
+                out.append(Prompt(text, rec.answer, source, tuple(ids)))
+    if lengths["dropped"]:
+        log.warning(length_note(cfg, lengths))
     return out
 
 
-def eval_sets(cfg: Config, tokenizer) -> dict[str, list[Prompt]]:
+def length_note(cfg: Config, lengths: Counter) -> str:
+    """What data.max_prompt_tokens did to a set of prompts, in words ("" when it touched none)."""
+    n, limit = lengths["kept"] + lengths["dropped"], cfg.data.max_prompt_tokens
+    if lengths["dropped"]:
+        return f"dropped {lengths['dropped']} of {n} prompts longer than data.max_prompt_tokens={limit}"
+    if lengths["truncated"]:
+        return f"cut {lengths['truncated']} of {n} prompts to their last data.max_prompt_tokens={limit} tokens"
+    return ""
+
+
+def eval_sets(cfg: Config, tokenizer, lengths: Counter | None = None) -> dict[str, list[Prompt]]:
     """The held-out sets by data_source, in file (or built-in) order: `data.eval_files` if given, else the
     built-in arith_easy / arith_hard for the arith task, else none."""
+    lengths = Counter() if lengths is None else lengths
     if cfg.data.eval_files:
         sets: dict[str, list[Prompt]] = {}
-        for p in _file_prompts(cfg, tokenizer, cfg.data.eval_files):
+        for p in _file_prompts(cfg, tokenizer, cfg.data.eval_files, lengths):
             sets.setdefault(p.data_source, []).append(p)
         return sets
     if cfg.data.task != "arith":
@@ -88,7 +106,7 @@ def eval_sets(cfg: Config, tokenizer) -> dict[str, list[Prompt]]:
     from common.arith import ArithTask
 
     task = ArithTask(seed=cfg.run.seed, train_size=0, eval_size=cfg.data.eval_size)
-    return {name: _arith_problems(cfg, tokenizer, problems, name) for name, problems in task.eval_sets().items()}
+    return {name: _arith_problems(cfg, tokenizer, problems, name, lengths) for name, problems in task.eval_sets().items()}
 
 
 def model_dir(cfg: Config) -> str:
@@ -103,23 +121,76 @@ def model_dir(cfg: Config) -> str:
     return path
 
 
+def check_model_dir(path: str, what: str = "model.path"):
+    """A Hugging Face model directory that the roles can load: config.json readable, a tokenizer. Returns the
+    tokenizer; a ConfigError naming `what` and the fix otherwise."""
+    import json
+
+    if not os.path.isdir(path):
+        raise ConfigError(f"{what} {path!r} is not a directory; give a local Hugging Face model directory "
+                          f"(config.json, *.safetensors, tokenizer files)")
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path!r} has no config.json, so it is not a Hugging Face model directory") from None
+    except (ValueError, AttributeError) as e:
+        raise ConfigError(f"{path}/config.json is not a JSON object ({str(e).splitlines()[0]}); restore it from the "
+                          f"model's source") from None
+    if not model_type:
+        raise ConfigError(f"{path}/config.json names no model_type; restore it from the model's source")
+    names = os.listdir(path)
+    if not any(n.endswith(".safetensors") or (n.startswith("pytorch_model") and n.endswith(".bin")) for n in names):
+        raise ConfigError(f"{what} {path!r} has no weights (*.safetensors or pytorch_model*.bin); copy the whole model "
+                          f"directory, or save it with model.save_pretrained")
+    if not any(n in names for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")):
+        raise ConfigError(f"{what} {path!r} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json); save it "
+                          f"there with tokenizer.save_pretrained")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises OSError, ValueError, TypeError... for a broken tokenizer
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"{what} {path!r}: its tokenizer cannot be loaded ({why}); the directory needs "
+                          f"tokenizer.json or the files of a slow tokenizer") from None
+
+
+def check_inputs(cfg: Config) -> list[str]:
+    """Everything the roles will read, read now in the launching process, before any process starts: the model
+    directory and tokenizer, every train and eval row, the prompt lengths. Raises ConfigError / DatasetError
+    naming the file, row and field; returns the start banner's lines about the data."""
+    path = model_dir(cfg) if not cfg.model.path else cfg.model.path
+    tokenizer = check_model_dir(path)
+    train = PromptSource(cfg, tokenizer)
+    eval_lengths: Counter = Counter()
+    evals = eval_sets(cfg, tokenizer, eval_lengths)
+    lines = [f"data: {len(train)} training prompts" + (f" ({note})" if (note := length_note(cfg, train.lengths)) else "")]
+    if evals:
+        sizes = ", ".join(f"{ds} {len(ps)}" for ds, ps in evals.items())
+        lines.append(f"eval: {sizes}" + (f" ({note})" if (note := length_note(cfg, eval_lengths)) else ""))
+    return lines
+
+
 class PromptSource:
     """The training prompts of the configured task, in a seeded order per epoch."""
 
     def __init__(self, cfg: Config, tokenizer):
+        self.lengths: Counter = Counter()  # kept / dropped / truncated by data.max_prompt_tokens
         if cfg.data.task == "files":
-            self.prompts = _file_prompts(cfg, tokenizer, cfg.data.train_files)
+            self.prompts = _file_prompts(cfg, tokenizer, cfg.data.train_files, self.lengths)
             if not self.prompts:
-                raise ValueError(f"no training prompts left in {list(cfg.data.train_files)} after the length limit "
+                raise DatasetError(f"no training prompts left in {list(cfg.data.train_files)} after the length limit "
                                  f"(data.max_prompt_tokens={cfg.data.max_prompt_tokens}); raise it")
         else:
             from common.arith import ArithTask
 
             task = ArithTask(seed=cfg.run.seed, train_size=cfg.data.train_size, eval_size=cfg.data.eval_size)
             keep = set(cfg.data.levels)
-            self.prompts = _arith_problems(cfg, tokenizer, [p for p in task.train() if p.level in keep], None)
+            self.prompts = _arith_problems(cfg, tokenizer, [p for p in task.train() if p.level in keep], None,
+                                           self.lengths)
             if not self.prompts:
-                raise ValueError(f"data.levels={list(cfg.data.levels)} selects no arith problems; use levels from 1 to 4")
+                raise ConfigError(f"data.levels={list(cfg.data.levels)} selects no arith problems; use levels from 1 to 4")
         self.seed = cfg.run.seed
 
     def __len__(self) -> int:

@@ -49,27 +49,50 @@ def iter_rows(path: str) -> Iterator[tuple[int, dict]]:
     if not os.path.isfile(path):
         raise DatasetError(f"{path}: no such file; data files are local .jsonl or .parquet paths")
     if path.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DatasetError(f"{path}: row {i}: not valid JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(row, dict):
-                    raise DatasetError(f"{path}: row {i}: a JSON object is needed, got {type(row).__name__}")
-                yield i, row
+        yield from _jsonl_rows(path)
     elif path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        i = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-            for row in batch.to_pylist():
-                yield i, row
-                i += 1
+        yield from _parquet_rows(path)
     else:
         raise DatasetError(f"{path}: unsupported file type; use .jsonl (one JSON object per line) or .parquet")
+
+
+def _jsonl_rows(path: str) -> Iterator[tuple[int, dict]]:
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{path}: row {i}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                   f"save the file as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}: row {i}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path}: row {i}: a JSON object is needed, got {type(row).__name__}")
+            yield i, row
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[int, dict]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DatasetError(f"{path}: not a readable parquet file ({str(e).splitlines()[0]}); write it with "
+                           f"pandas.DataFrame.to_parquet or pyarrow.parquet.write_table") from None
+    columns = pf.schema_arrow.names
+    if "prompt" not in columns:
+        raise DatasetError(f"{path}: no column prompt (columns: {', '.join(columns) or 'none'}); the layout needs prompt "
+                           f"and reward_model.ground_truth (or answer), see covrl-prepare-data")
+    i = 0
+    for batch in pf.iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            yield i, row
+            i += 1
 
 
 def _answer(row: dict, where: str) -> str:

@@ -34,6 +34,11 @@ class LawFit:
     def predict(self, entropy: float) -> float:
         return -self.a * math.exp(entropy) + self.b
 
+    def formula(self, digits: int = 4) -> str:
+        """The fitted law as a reader writes it: `R = -0.2588 exp(H) + 0.5000`, `R = 0.1 exp(H) - 0.2`."""
+        slope = f"-{self.a:.{digits}f}" if self.a >= 0 else f"{-self.a:.{digits}f}"
+        return f"R = {slope} exp(H) {'+' if self.b >= 0 else '-'} {abs(self.b):.{digits}f}"
+
 
 def fit_law(entropies: list[float], rewards: list[float]) -> LawFit:
     if len(entropies) != len(rewards) or len(entropies) < 2:
@@ -60,6 +65,30 @@ def early_prediction(entropies: list[float], rewards: list[float], fraction: flo
     rest = list(zip(entropies[k:], rewards[k:]))
     rmse = math.sqrt(sum((fit.predict(h) - r) ** 2 for h, r in rest) / len(rest))
     return fit, rmse
+
+
+# Two-sided 95 % Student-t quantiles by degrees of freedom; between listed dofs the smaller dof's (wider) value.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
+FEW_EARLY_POINTS = 5  # an early fit on fewer points gets a warning: its interval is wide or undefined
+
+
+def t975(dof: int) -> float:
+    return _T975[max(d for d in _T975 if d <= dof)] if dof < 120 else 1.96
+
+
+def prediction_interval(entropies: list[float], rewards: list[float], fit: LawFit, entropy: float) -> float | None:
+    """Half-width of the 95 % prediction interval of `fit` (least squares on these points) at `entropy`:
+    t(n - 2) * s * sqrt(1 + 1/n + (x0 - mean x)^2 / Sxx), x = exp(H). None with 2 points (no residual
+    degrees of freedom: a line through 2 points says nothing about its error)."""
+    n = len(entropies)
+    if n < 3:
+        return None
+    xs = [math.exp(h) for h in entropies]
+    mx = sum(xs) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    s2 = sum((r - fit.predict(h)) ** 2 for h, r in zip(entropies, rewards)) / (n - 2)
+    return t975(n - 2) * math.sqrt(s2 * (1 + 1 / n + (math.exp(entropy) - mx) ** 2 / sxx))
 
 
 # ---------------------------------------------------------------------------

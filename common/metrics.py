@@ -12,6 +12,19 @@ import math
 import os
 
 
+PROGRESS_KEYS = ("critic/score/mean", "actor/entropy", "perf/gen_tokens_per_s", "staleness/mean", "staleness/max",
+                 "timing_s/step", "cluster/generators")
+
+
+def read_progress(run_dir: str) -> dict | None:
+    """progress.json (see MetricsWriter.progress), or None before the learner's first write."""
+    try:
+        with open(os.path.join(run_dir, "progress.json")) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
 class MetricsWriter:
     def __init__(self, run_dir: str, tensorboard: bool = True, purge_step: int | None = None):
         """`purge_step` (a resumed run): TensorBoard hides the events of steps >= it that the dead run wrote."""
@@ -32,6 +45,15 @@ class MetricsWriter:
                 if k != "step" and math.isfinite(v):
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
+
+    def progress(self, step: int, row: dict[str, float], evaluating: list[int]) -> None:
+        """RUN_DIR/progress.json (atomic): the last trained step, a few of its metrics, and the policy versions
+        whose evaluation is still running (their rows wait in the learner), for the launcher's progress line."""
+        keep = {k: float(v) for k, v in row.items() if k in PROGRESS_KEYS and math.isfinite(v)}
+        tmp = os.path.join(os.path.dirname(self.path), "progress.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"step": step, "evaluating": evaluating, **keep}, f)
+        os.replace(tmp, os.path.join(os.path.dirname(self.path), "progress.json"))
 
     def close(self) -> None:
         self.f.close()

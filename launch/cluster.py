@@ -32,9 +32,11 @@ from common.cluster import (EXIT_DRAINED, MEMORY_FRACTION_ENV, ClusterInfo, Plac
                             clear_learners_ready, colocated_memory_fractions, learners_ready, place_gpus, read_cluster,
                             read_generator_target, write_cluster, write_generator_target)
 from common.config import ConfigError, load_config, to_toml, with_absolute_paths
-from common.data import model_dir
+from common.cli import USER_ERRORS, fail
+from common.data import check_inputs
 from common.metrics import read_metrics
 from common.transport import create_secret, free_port, port_in_use
+from launch.progress import Progress
 from launch.roles import RoleSpec, generator_spec, learner_specs
 
 GRACE_S = 10.0
@@ -68,6 +70,8 @@ def parse_args(argv=None):
     ap.add_argument("--ray-generator-resources", type=_resources, default=None, metavar="JSON",
                     help="extra Ray resources in each generator's bundle")
     ap.add_argument("--quiet", action="store_true", help="no live progress line")
+    ap.add_argument("--progress-every", type=float, default=10.0, metavar="SECONDS",
+                    help="when stdout is not a terminal: seconds between progress lines (default 10)")
     ap.add_argument("--print-config", action="store_true",
                     help="print the resolved config (defaults, --config, --set, --steps; with --resume, the run's) as "
                          "TOML and exit, starting nothing")
@@ -105,8 +109,9 @@ def resolved_config(args):
     return with_absolute_paths(load_config(args.config, list(args.set) + overrides), os.getcwd())
 
 
-def prepare_resume(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
-    """The run directory of a stopped run, its config (only --steps may change) and fresh addresses."""
+def prepare_resume(args, gpus: int = 0) -> tuple[str, object, ClusterInfo, list[str]]:
+    """The run directory of a stopped run, its config (only --steps may change), fresh addresses and the data
+    lines of the start banner."""
     run_dir = os.path.abspath(args.resume)
     if args.config or args.set or (args.run_dir and os.path.abspath(args.run_dir) != run_dir):
         raise ConfigError("--resume continues a run with the config it was started with (RUN_DIR/config.toml); "
@@ -136,13 +141,14 @@ def prepare_resume(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
         raise ConfigError(f"--gens {gens}: need at least one generator")
     check_host(cfg.transport.host)
     check_colocation(place_gpus(gpus, learners, gens, args.tp), cfg.generator)
+    notes = check_inputs(cfg)  # the data and model may have moved since the run started
     if args.steps is not None:
         with open(os.path.join(run_dir, "config.toml"), "w") as f:
             f.write(to_toml(cfg))
     _check_hub_port(cfg)
     info = write_addresses(run_dir, cfg, old.run_id, gens, learners)
     write_generator_target(run_dir, gens)
-    return run_dir, cfg, info
+    return run_dir, cfg, info, notes
 
 
 def write_addresses(run_dir: str, cfg, run_id: str, gens: int, learners: int, host: str | None = None,
@@ -171,8 +177,9 @@ def check_host(host: str) -> None:
                           f"own addresses, not a wildcard")
 
 
-def prepare(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
-    """Check everything, then write the run directory; nothing is written if a check fails."""
+def prepare(args, gpus: int = 0) -> tuple[str, object, ClusterInfo, list[str]]:
+    """Check everything (config, placement, model, every data row: `check_inputs`), then write the run directory;
+    nothing is written if a check fails. Returns it, the config, the addresses and the banner's data lines."""
     if args.resume:
         return prepare_resume(args, gpus)
     args.gens = 1 if args.gens is None else args.gens
@@ -182,7 +189,6 @@ def prepare(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
     placement = place_gpus(gpus, args.learners, args.gens, args.tp)  # a placement that cannot fit
     cfg = resolved_config(args)
     check_colocation(placement, cfg.generator)
-    model_dir(cfg)  # fail now, not in every child, if the model is missing
     check_host(cfg.transport.host)
     r = cfg.rollout
     _check_hub_port(cfg)
@@ -190,7 +196,10 @@ def prepare(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
     if args.learners > per_update:
         raise ConfigError(f"--learners {args.learners}: an optimizer step has only {per_update} samples (groups_per_step "
                           f"x group_size / mini_batches) to shard; use at most {per_update} learner ranks or a bigger batch")
+    notes = check_inputs(cfg)  # the model and every data row, in this process, before anything starts
     run_dir = os.path.abspath(args.run_dir or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S")))
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        raise ConfigError(f"{run_dir} already holds a run (metrics.jsonl); pick a new --run-dir")
     try:
         os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
         probe = os.path.join(run_dir, ".write-test")
@@ -198,14 +207,12 @@ def prepare(args, gpus: int = 0) -> tuple[str, object, ClusterInfo]:
         os.remove(probe)
     except OSError as e:
         raise ConfigError(f"run directory {run_dir!r} is not writable ({e.strerror}); pass a writable --run-dir") from None
-    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        raise ConfigError(f"{run_dir} already holds a run (metrics.jsonl); pick a new --run-dir")
     with open(os.path.join(run_dir, "config.toml"), "w") as f:
         f.write(to_toml(cfg))
     create_secret(run_dir)
     info = write_addresses(run_dir, cfg, uuid.uuid4().hex[:12], args.gens, args.learners)
     write_generator_target(run_dir, args.gens)
-    return run_dir, cfg, info
+    return run_dir, cfg, info, notes
 
 
 def visible_gpus(requested: int | None) -> int:
@@ -271,19 +278,6 @@ def log_tail(run_dir: str, name: str, lines: int = 25) -> str:
         return f"({path} is missing)"
 
 
-def progress_line(row: dict, steps: int, k: int) -> str:
-    evals = " ".join(f"{key.split('/')[1]} {v:.3f}" for key, v in sorted(row.items())
-                     if key.startswith("eval/") and key.endswith("/acc") and v is not None)
-    evals = f" | eval acc {evals}" if evals else ""
-    if row.get("critic/score/mean") is None:  # row 0: the base model's evaluation only
-        return f"step {row['step']}/{steps}{evals}"
-    gens = f" | gens {row['cluster/generators']:.0f}" if row.get("cluster/generators") is not None else ""
-    return (f"step {row['step']}/{steps} | reward {row.get('critic/score/mean', 0):.3f} | "
-            f"entropy {row.get('actor/entropy', 0):.3f} | gen {row.get('perf/gen_tokens_per_s', 0):.0f} tok/s | "
-            f"staleness {row.get('staleness/mean', 0):.2f} (max {row.get('staleness/max', 0):.0f}, bound {k}) | "
-            f"{row.get('timing_s/step', 0):.2f} s/step{gens}{evals}")
-
-
 def summary(run_dir: str, cfg, elapsed: float, ray: str | None = None) -> str:
     rows = read_metrics(run_dir)
     train = [r for r in rows if r.get("critic/score/mean") is not None]
@@ -319,14 +313,16 @@ class Supervisor:
     """Starts, restarts, scales and stops the roles through a backend (`launch/local.py`, `launch/ray_backend.py`):
     `poll` once per tick; a run ends when every learner rank has finished (0) or one failed (1)."""
 
-    def __init__(self, backend, learners: list[RoleSpec], make_generator, run_dir: str, cfg, quiet: bool):
+    def __init__(self, backend, learners: list[RoleSpec], make_generator, run_dir: str, cfg, quiet: bool,
+                 progress_every_s: float = 10.0):
         self.backend, self.learners, self.make_generator = backend, learners, make_generator
-        self.run_dir, self.cfg, self.quiet = run_dir, cfg, quiet
+        self.run_dir, self.cfg = run_dir, cfg
+        self.progress = Progress(run_dir, cfg.run.steps, cfg.rollout.max_staleness_steps, quiet=quiet,
+                                 every_s=progress_every_s)
         self.gens: dict[int, RoleSpec] = {}
         self.target, self.revision = 0, None
         self.bad_target = ""
         self.unplaced = ""
-        self.shown = 0
 
     def roles(self) -> list[RoleSpec]:
         return [*self.learners, *self.gens.values()]
@@ -339,13 +335,13 @@ class Supervisor:
             t = read_generator_target(self.run_dir)
         except (ValueError, OSError) as e:  # damaged by hand, or a shared filesystem hiccup: keep what we have
             if str(e) != self.bad_target:
-                print(f"\n{e}; keeping {self.target} generator(s)", file=sys.stderr)
+                self.say(f"{e}; keeping {self.target} generator(s)")
                 self.bad_target = str(e)
             return
         self.bad_target = ""
         if t is not None and (t.revision, t.generators) != (self.revision, self.target):
             if self.revision is not None:
-                print(f"\nscaling to {t.generators} generator(s) (was {self.target})", file=sys.stderr)
+                self.say(f"scaling to {t.generators} generator(s) (was {self.target})")
             self.target, self.revision = t.generators, t.revision
             for s in [s for s in self.gens.values() if s.gen_id >= self.target and not s.running]:
                 self.backend.release(s)  # waiting for a (re)start, or finished: no longer wanted
@@ -356,7 +352,7 @@ class Supervisor:
                     self.gens[i] = self.make_generator(i, self.target)
                 except PlacementError as e:
                     if str(e) != self.unplaced:
-                        print(f"\ncannot start generator {i}: {e}; trying again while the run goes on", file=sys.stderr)
+                        self.say(f"cannot start generator {i}: {e}; trying again while the run goes on")
                         self.unplaced = str(e)
                     break
         else:
@@ -381,7 +377,7 @@ class Supervisor:
             s.running = False
             if (stop := self._exited(s, code)) is not None:
                 return stop
-        self.show_progress()
+        self.progress.update()
         if all(s.done for s in self.learners):
             # Learners finished: generators got Stop from the hub; give them a moment to exit.
             deadline = time.monotonic() + GRACE_S
@@ -394,8 +390,8 @@ class Supervisor:
     def _exited(self, s: RoleSpec, code: int) -> int | None:
         if not s.is_generator:  # a learner rank: its failure ends the run
             if code != 0:
-                print(f"\n{s.name} {self.backend.describe(s, code)}; stopping the run. Last lines of its log:\n"
-                      f"{log_tail(self.run_dir, s.name)}", file=sys.stderr)
+                self.say(f"{s.name} {self.backend.describe(s, code)}; stopping the run. Last lines of its log "
+                         f"({self.run_dir}/logs/{s.name}.log):\n{log_tail(self.run_dir, s.name)}")
                 return 1
             s.done = True
         elif code == EXIT_DRAINED or (code != 0 and s.gen_id >= self.target):
@@ -408,22 +404,19 @@ class Supervisor:
         elif s.restarts < s.max_restarts:
             s.restarts += 1
             delay = 2.0 ** s.restarts
-            print(f"\n{s.name} {self.backend.describe(s, code)}; restart {s.restarts}/{s.max_restarts} in {delay:.0f}s",
-                  file=sys.stderr)
+            self.say(f"{s.name} {self.backend.describe(s, code)}; restart {s.restarts}/{s.max_restarts} in {delay:.0f}s "
+                     f"(its log: {self.run_dir}/logs/{s.name}.log)")
             s.next_start = time.monotonic() + delay
         else:
-            print(f"\n{s.name} failed {s.restarts + 1} times ({self.backend.describe(s, code)}); stopping the run. "
-                  f"Last lines of its log:\n{log_tail(self.run_dir, s.name)}", file=sys.stderr)
+            self.say(f"{s.name} failed {s.restarts + 1} times ({self.backend.describe(s, code)}); stopping the run. "
+                     f"Last lines of its log ({self.run_dir}/logs/{s.name}.log):\n{log_tail(self.run_dir, s.name)}")
             return 1
         return None
 
-    def show_progress(self) -> None:
-        rows = read_metrics(self.run_dir)
-        if rows and len(rows) != self.shown and not self.quiet:
-            self.shown = len(rows)
-            end = "\n" if not sys.stdout.isatty() else ""
-            print("\r" + progress_line(rows[-1], self.cfg.run.steps, self.cfg.rollout.max_staleness_steps), end=end,
-                  flush=True)
+    def say(self, message: str) -> None:
+        """A message on stderr, on a line of its own (the progress line is ended first)."""
+        self.progress.interrupt()
+        print(message, file=sys.stderr)
 
     def run(self) -> int:
         while True:
@@ -451,7 +444,7 @@ def build(args, run_dir: str, cfg, info: ClusterInfo, gpus: int):
         learners = [s for s in specs if not s.is_generator]
         layout = place_gpus(gpus, info.learners, info.generators, args.tp).colocated if gpus else None
         make = lambda i, n: local_generator(run_dir, cfg, i, info.learners, n, gpus, args.tp, layout)  # noqa: E731
-        return backend, Supervisor(backend, learners, make, run_dir, cfg, args.quiet), info
+        return backend, Supervisor(backend, learners, make, run_dir, cfg, args.quiet, args.progress_every), info
     from launch.ray_backend import RayBackend
 
     backend = RayBackend(run_dir, cfg, None if args.ray == LOCAL_RAY else args.ray, gpus=args.gpus, tp=args.tp,
@@ -465,7 +458,7 @@ def build(args, run_dir: str, cfg, info: ClusterInfo, gpus: int):
     info = write_addresses(run_dir, cfg, info.run_id, info.generators, info.learners, host, (hub_port, weight_port))
     learners = learner_specs(run_dir, info, (host, master_port), resume, local_rank=False)
     make = lambda i, n: generator_spec(run_dir, i)  # noqa: E731
-    return backend, Supervisor(backend, learners, make, run_dir, cfg, args.quiet), info
+    return backend, Supervisor(backend, learners, make, run_dir, cfg, args.quiet, args.progress_every), info
 
 
 def main(argv=None) -> int:
@@ -475,14 +468,13 @@ def main(argv=None) -> int:
             print(to_toml(resolved_config(args)), end="")
             return 0
         gpus = visible_gpus(args.gpus) if args.ray is None else 0  # under Ray, Ray places the GPUs
-        run_dir, cfg, info = prepare(args, gpus)
+        run_dir, cfg, info, notes = prepare(args, gpus)
         backend, sup, info = build(args, run_dir, cfg, info, gpus)
     except RunComplete as e:
         print(e)
         return 0
-    except (ConfigError, FileNotFoundError, PlacementError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as e:
+        return fail(e)
     extra: list[subprocess.Popen] = []
     if args.tensorboard:
         port = free_port()
@@ -494,6 +486,8 @@ def main(argv=None) -> int:
     where = "" if args.ray is None else f" on Ray ({'a local instance' if args.ray == LOCAL_RAY else args.ray})"
     print(f"covrl run {info.run_id}: {info.learners} learner rank(s), {info.generators} generator(s), {cfg.run.steps} "
           f"steps{where} -> {run_dir}{resumed}")
+    for line in notes:
+        print("  " + line)
     if gpus:
         print("  " + placement_line(place_gpus(gpus, info.learners, info.generators, args.tp), cfg))
     if args.ray is not None:
@@ -508,27 +502,59 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     clear_learners_ready(run_dir)
     try:
-        code = sup.run()
-    except KeyboardInterrupt:
-        code = 130
-        print(f"\ninterrupted: the learners finish their step and write a checkpoint (up to {cfg.run.stop_grace_s:.0f}s; "
-              f"Ctrl-C again stops at once)", file=sys.stderr)
         try:
-            sup.drain_learners(cfg.run.stop_grace_s)
+            code = sup.run()
         except KeyboardInterrupt:
-            print("second interrupt: not waiting for the checkpoint", file=sys.stderr)
-        print("stopping every process this run started", file=sys.stderr)
-    finally:
-        backend.close(GRACE_S)
-        for p in extra:  # TensorBoard, in a session of its own: its whole group, as before the backends
+            code = 130
+            sup.say(f"interrupted: the learners finish their step and write a checkpoint (up to "
+                    f"{cfg.run.stop_grace_s:.0f}s; Ctrl-C again stops at once)")
             try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            p.wait()
-    print()
-    print(summary(run_dir, cfg, time.monotonic() - t0, args.ray))
+                sup.drain_learners(cfg.run.stop_grace_s)
+            except KeyboardInterrupt:
+                print("second interrupt: not waiting for the checkpoint", file=sys.stderr)
+            print("stopping every process this run started", file=sys.stderr)
+        finally:
+            backend.close(GRACE_S)
+        sup.progress.finish()
+        print(summary(run_dir, cfg, time.monotonic() - t0, args.ray))
+        if read_metrics(run_dir):
+            try:
+                from launch.plots import run_plots
+
+                print(f"  plots: {os.path.dirname(run_plots(run_dir)[0])}/ (reward, entropy, response length, "
+                      f"held-out accuracy vs step; accuracy vs entropy with the law's fit)")
+            except Exception as e:  # a picture must not cost the user the summary or the exit status
+                print(f"  plots could not be drawn ({type(e).__name__}: {e}); `covrl-plots {run_dir}` draws them "
+                      f"later", file=sys.stderr)
+        for p in extra:
+            keep_serving(p, run_dir, code)
+    finally:
+        for p in extra:  # TensorBoard, in a session of its own: its whole group
+            stop_group(p)
     return code
+
+
+def stop_group(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def keep_serving(tensorboard: subprocess.Popen, run_dir: str, code: int) -> None:
+    """After the run: at a terminal, TensorBoard keeps serving until Ctrl-C; otherwise (a script, a pipe) it is
+    stopped, with the command that reopens it. Stopped as the process group it was started as."""
+    reopen = f"{os.path.join(os.path.dirname(sys.executable), 'tensorboard')} --logdir {run_dir}/tb"
+    if code != 130 and sys.stdin.isatty() and sys.stdout.isatty():
+        print("TensorBoard keeps serving the finished run; Ctrl-C stops it")
+        try:
+            tensorboard.wait()
+        except KeyboardInterrupt:
+            pass
+    stop_group(tensorboard)
+    print(f"TensorBoard stopped; reopen it with: {reopen}")
 
 
 if __name__ == "__main__":

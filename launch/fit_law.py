@@ -1,8 +1,9 @@
 """Fit R = -a exp(H) + b on a run: `covrl-fit-law RUN_DIR [--on eval|train] [--plot PATH]`.
 
-Reads RUN_DIR/metrics.jsonl, prints a, b, R^2, the ceiling b - a and the early-prediction check
-(fit on the first 15 % of points, RMSE on the rest), writes RUN_DIR/law_fit.json and a plot of the
-points with the fitted curve (default RUN_DIR/law_fit.png).
+Reads RUN_DIR/metrics.jsonl, prints the fitted law, R^2, the ceiling b - a and the early-prediction check
+(fit on the first 15 % of points: its prediction of the last point with a 95 % prediction interval, and its
+RMSE on the rest; a warning when it rests on fewer than 5 points), writes RUN_DIR/law_fit_<source>.json and a
+plot of the points with the fitted curve (default RUN_DIR/law_fit_<source>.png), one pair per point source.
 
 Two point sources:
 - eval: held-out accuracy of each evaluated policy version (mean over data sources of
@@ -19,8 +20,9 @@ import json
 import os
 import sys
 
+from common.cli import fail
+from common.lawfit import FEW_EARLY_POINTS, early_prediction, eval_points, fit_law, prediction_interval, train_points
 from common.lawfit import MIN_FIT_POINTS as MIN_POINTS
-from common.lawfit import early_prediction, eval_points, fit_law, train_points
 from common.metrics import read_metrics
 
 
@@ -31,13 +33,14 @@ def main(argv=None) -> int:
                     help=f"point source (default: eval if the run has >= {MIN_POINTS} eval points, else train)")
     ap.add_argument("--reward", help="train mode: reward key (default critic/score/mean)")
     ap.add_argument("--entropy", help="train mode: entropy key (default actor/entropy)")
-    ap.add_argument("--plot", help="PNG path for the points and fitted curve (default RUN_DIR/law_fit.png)")
+    ap.add_argument("--plot", help="PNG path for the points and fitted curve (default RUN_DIR/law_fit_<source>.png)")
     args = ap.parse_args(argv)
     keys_given = args.reward is not None or args.entropy is not None
     if args.on == "eval" and keys_given:
-        print("error: --reward/--entropy choose the keys of --on train; eval points always pair the mean "
-              "eval/<ds>/acc with the evaluated version's actor/entropy. Drop them or use --on train.", file=sys.stderr)
-        return 2
+        return fail("--reward/--entropy choose the keys of --on train; eval points always pair the mean "
+                    "eval/<ds>/acc with the evaluated version's actor/entropy. Drop them or use --on train.")
+    if not os.path.isfile(os.path.join(args.run_dir, "metrics.jsonl")):
+        return fail(f"{args.run_dir} has no metrics.jsonl, so it is not a covrl run directory; give a RUN_DIR")
     rows = read_metrics(args.run_dir)
     reward_key, entropy_key = args.reward or "critic/score/mean", args.entropy or "actor/entropy"
     ev = eval_points(rows)
@@ -51,17 +54,16 @@ def main(argv=None) -> int:
     if len(points) < MIN_POINTS:
         hint = ("; run with eval.every_steps set, or use --on train" if source == "eval"
                 else "; check the keys with --reward/--entropy")
-        print(f"error: {args.run_dir}/metrics.jsonl gives {len(points)} {source} points ({reward_desc} on "
-              f"{entropy_desc}); need at least {MIN_POINTS}{hint}", file=sys.stderr)
-        return 2
+        return fail(f"{args.run_dir}/metrics.jsonl gives {len(points)} {source} points ({reward_desc} on "
+                    f"{entropy_desc}); need at least {MIN_POINTS}{hint}")
     steps, H, R = (list(c) for c in zip(*points))
     try:
         fit = fit_law(H, R)
         early, rmse = early_prediction(H, R)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    plot_path = args.plot or os.path.join(args.run_dir, "law_fit.png")
+        return fail(e)
+    half = prediction_interval(H[:early.n], R[:early.n], early, H[-1])
+    plot_path = args.plot or os.path.join(args.run_dir, f"law_fit_{source}.png")
     from launch.plots import plot_law_fit  # matplotlib only once there is something to draw
 
     plot_law_fit({f"{source} points": list(zip(H, R))}, {f"{source} points": fit}, plot_path,
@@ -69,17 +71,24 @@ def main(argv=None) -> int:
     out = {"source": source, "reward_key": reward_desc, "entropy_key": entropy_desc, "steps": steps,
            "a": fit.a, "b": fit.b, "r2": fit.r2, "ceiling": fit.ceiling, "points": fit.n,
            "early_fit": {"a": early.a, "b": early.b, "points": early.n}, "early_rmse_on_rest": rmse,
+           "early_prediction": {"step": steps[-1], "predicted": early.predict(H[-1]), "measured": R[-1],
+                                "interval_95": half},
            "plot": plot_path}
-    with open(os.path.join(args.run_dir, "law_fit.json"), "w") as f:
+    with open(os.path.join(args.run_dir, f"law_fit_{source}.json"), "w") as f:
         json.dump(out, f, indent=1)
     why = "chosen with --on" if args.on else ("default: the run has eval points" if source == "eval"
                                               else f"default: fewer than {MIN_POINTS} eval points" if not keys_given
                                               else "--reward/--entropy given")
     print(f"fitting on {source} points ({why})")
-    print(f"R = -{fit.a:.4f} exp(H) + {fit.b:.4f}   R^2 {fit.r2:.3f}   ceiling (H=0) {fit.ceiling:.4f}   "
+    print(f"{fit.formula()}   R^2 {fit.r2:.3f}   ceiling (H=0) {fit.ceiling:.4f}   "
           f"({fit.n} points; {reward_desc} on {entropy_desc})")
-    print(f"early prediction: fit on the first {early.n} points, RMSE {rmse:.4f} on the other {fit.n - early.n}")
-    print(f"plot: {plot_path}")
+    band = f" ± {half:.4f} (95 %)" if half is not None else " (no interval: a line through 2 points has no error estimate)"
+    print(f"early prediction: fit on the first {early.n} points predicts {early.predict(H[-1]):.4f}{band} at step "
+          f"{steps[-1]} (measured {R[-1]:.4f}); RMSE {rmse:.4f} on the other {fit.n - early.n}")
+    if early.n < FEW_EARLY_POINTS:
+        print(f"warning: the early prediction rests on {early.n} points (15 % of {fit.n}); read it as a rough hint, not a "
+              f"check of the law. More points: evaluate more often (eval.every_steps) or train longer", file=sys.stderr)
+    print(f"fit: {os.path.join(args.run_dir, f'law_fit_{source}.json')}  plot: {plot_path}")
     return 0
 
 

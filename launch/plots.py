@@ -153,6 +153,33 @@ def plot_scatter(points: Series, path: str, *, xlabel: str, ylabel: str, title: 
 
 
 DEFAULT_KEYS = ("actor/entropy", "critic/score/mean", "response_length/mean")
+RUN_PLOTS = {"reward.png": "critic/score/mean", "entropy.png": "actor/entropy", "response_length.png": "response_length/mean"}
+
+
+def run_plots(run_dir: str) -> list[str]:
+    """The pictures of one run, in RUN_DIR/plots (written at the end of every run): reward, entropy and response
+    length against step, held-out accuracy per data source against step, and held-out accuracy against the
+    evaluated version's entropy with the law R = -a exp(H) + b where it has enough points. Returns their paths."""
+    from common.lawfit import MIN_FIT_POINTS, eval_points, eval_sources, fit_law
+
+    rows = merge_rows(read_metrics(run_dir))
+    out = os.path.join(run_dir, "plots")
+    name = os.path.basename(os.path.abspath(run_dir))
+    paths = [plot_metric({name: rows}, key, os.path.join(out, png), title=f"{name}: {key}")
+             for png, key in RUN_PLOTS.items()]
+    sources = eval_sources(rows)
+    if sources:
+        acc = {ds: [(r["step"], v) for r in rows if (v := row_value(r, f"eval/{ds}/acc")) is not None] for ds in sources}
+        paths.append(plot_lines({"": acc}, os.path.join(out, "eval_acc.png"), xlabel="step",
+                                ylabel="held-out accuracy (eval/<ds>/acc)", title=f"{name}: held-out accuracy"))
+        pts = [(h, r) for _, h, r in eval_points(rows)]
+        fit = None
+        if len(pts) >= MIN_FIT_POINTS and len({h for h, _ in pts}) > 1:
+            fit = fit_law([h for h, _ in pts], [r for _, r in pts])
+        title = f"{name}: {fit.formula(3)}, R² {fit.r2:.2f}" if fit else f"{name}: too few points to fit the law"
+        paths.append(plot_law_fit({"evaluated versions": pts}, {"evaluated versions": fit},
+                                  os.path.join(out, "acc_vs_entropy.png"), ylabel="mean held-out accuracy", title=title))
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from common.config import ConfigError, load_config
 from common.metrics import read_metrics
 from launch.study_report import write_report
 
@@ -122,6 +123,11 @@ def make_plan(args: argparse.Namespace, command: str, now: datetime.datetime) ->
             raise StudyError(f"--set {kv!r}: use --{key.split('.')[1]} instead, so study.json records it")
     if args.report_only and not args.study_dir:
         raise StudyError("--report-only needs --study-dir: the report is rebuilt from an existing study's runs")
+    for method in methods:  # each method's config, checked before the study directory exists
+        try:
+            load_config(None, [*PRESETS[args.preset]["overrides"], *METHODS[method], *args.set, f"run.steps={steps}"])
+        except ConfigError as e:
+            raise StudyError(f"method {method}: {e}") from None
     study_dir = args.study_dir or os.path.join("runs", f"study-{now:%Y%m%d-%H%M%S}")
     return Plan(preset=args.preset, methods=methods, steps=steps, seed=args.seed, gens=args.gens,
                 learners=args.learners, user_overrides=list(args.set), study_dir=os.path.abspath(study_dir),

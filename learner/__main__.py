@@ -132,7 +132,7 @@ def lead(cfg, args, cluster, tokenizer, publisher: ModelPublisher, world: int, s
         # Rows the dead run wrote after its checkpoint go; a held row is written again when its eval is in.
         keep_metrics(args.run_dir, lambda row: row <= start and row not in held)
     sink = MetricsWriter(args.run_dir, purge_step=min([start + 1, *held]) if args.resume else None)
-    return Lead(cfg, hub=hub, publisher=publisher, sink=sink, par=par, world=world, held=held)
+    return Lead(cfg, hub=hub, publisher=publisher, sink=sink, par=par, world=world, held=held, start=start)
 
 
 if __name__ == "__main__":

@@ -115,7 +115,8 @@ class Lead:
     (step 0: the base model's evaluation) and rows stay in step order.
     """
 
-    def __init__(self, cfg: Config, *, hub, publisher, sink, par, world: int, held: dict[int, dict[str, float]]):
+    def __init__(self, cfg: Config, *, hub, publisher, sink, par, world: int, held: dict[int, dict[str, float]],
+                 start: int = 0):
         self.cfg, self.hub, self.publisher, self.sink, self.par, self.world = cfg, hub, publisher, sink, par, world
         self.evaluated = set(eval_versions(cfg))
         self.held = held  # version -> its row, written once the version's eval results are in
@@ -124,6 +125,8 @@ class Lead:
         self.last = hub.stats()
         self.last_t = time.perf_counter()
         self.batch_wait = 0.0
+        self.trained, self.last_row = start, {}  # the newest step trained, its row: for the progress line
+        self.show_progress()
 
     def take(self, step: int) -> B.StepBatch:
         version = step - 1
@@ -139,7 +142,11 @@ class Lead:
         waited = self.hub.wait_version_done(v, timeout_s=self.wait_s)
         if v in self.held:
             self.sink.write(v, {**self.held.pop(v), **self.hub.take_eval(v)})
+            self.show_progress()
         return waited
+
+    def show_progress(self) -> None:
+        self.sink.progress(self.trained, self.last_row, sorted(self.held))
 
     def publish(self, step: int) -> Published:
         waited = self.finish_version(step - 1)
@@ -177,6 +184,8 @@ class Lead:
             self.held[step] = metrics
         else:
             self.sink.write(step, metrics)
+        self.trained, self.last_row = step, metrics
+        self.show_progress()
 
     def checkpoint_state(self, step: int, world: int) -> tuple[dict, bytes]:
         state = {"version": step, "par": self.par.state(), "held": {str(k): v for k, v in self.held.items()},

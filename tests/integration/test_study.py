@@ -29,7 +29,7 @@ def test_study_end_to_end_tiny_budget(tmp_path):
     for method in ("grpo", "clip_higher", "clip_cov", "kl_cov", "par"):
         rows = read_metrics(str(study / method))
         assert [r["step"] for r in rows] == [0, 1, 2], method
-        assert all(f"eval/arith_easy/acc" in r for r in rows), method  # evaluated at every version
+        assert all("eval/arith_easy/acc" in r for r in rows), method  # evaluated at every version
         cfg = open(study / method / "config.toml").read()
         assert "mini_batches = 4" in cfg  # the preset's shared overrides reached every run
     assert 'type = "clip_cov"' in open(study / "clip_cov" / "config.toml").read()

@@ -15,7 +15,12 @@ def test_defaults_roundtrip_through_toml(tmp_path):
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("rollout.group_sizee=4", "unknown field `group_sizee` - at `rollout`"),
+    ("rollout.group_sizee=4", "rollout.group_sizee is not a config key; did you mean rollout.group_size?"),
+    ("learner.loss.type='klcov'", 'learner.loss.type = \'klcov\' is not one of "ppo", "clip_cov", "kl_cov"'),
+    ("learner.loss.kl_fraction=0.1", 'learner.loss.kl_fraction is not a field of learner.loss.type = "ppo"; it belongs '
+                                     'to type = "kl_cov"'),
+    ("learner.advantage='grp'", '"grpo"'),
+    ("nosuch.key=1", "nosuch is not a config key; its fields are run, model, data"),
     ("rollout.group_size=1", "at `rollout.group_size`"),
     ("rollout.top_p=1.5", "at `rollout.top_p`"),
     ("rollout.top_p=0.9", "rollout.top_p=0.9: generators report each token's logprob under the top-p nucleus"),

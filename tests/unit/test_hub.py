@@ -4,7 +4,6 @@ import contextlib
 import logging
 import time
 
-import numpy as np
 import pytest
 import zmq
 

@@ -39,7 +39,7 @@ def test_cli_writes_fit(tmp_path):
             h = 0.5 - 0.02 * i
             f.write(json.dumps({"step": i + 1, "actor/entropy": h, "critic/score/mean": -0.2 * math.exp(h) + 0.8}) + "\n")
     assert main([str(tmp_path)]) == 0
-    out = json.load(open(tmp_path / "law_fit.json"))
+    out = json.load(open(tmp_path / "law_fit_train.json"))
     assert out["a"] == pytest.approx(0.2) and out["ceiling"] == pytest.approx(0.6)
     assert main([str(tmp_path / "nothing")]) == 2
 
@@ -95,11 +95,11 @@ def test_cli_on_eval_writes_plot(tmp_path, capsys):
     _eval_run(tmp_path)
     assert main([str(tmp_path)]) == 0  # eval points exist, so eval is the default
     assert "fitting on eval points" in capsys.readouterr().out
-    out = json.load(open(tmp_path / "law_fit.json"))
+    out = json.load(open(tmp_path / "law_fit_eval.json"))
     assert out["source"] == "eval" and out["points"] == 10
     assert out["a"] == pytest.approx(0.25) and out["b"] == pytest.approx(1.0)
-    assert out["plot"] == str(tmp_path / "law_fit.png")
-    assert open(tmp_path / "law_fit.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert out["plot"] == str(tmp_path / "law_fit_eval.png")
+    assert open(tmp_path / "law_fit_eval.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     plot = tmp_path / "custom.png"
     assert main([str(tmp_path), "--on", "eval", "--plot", str(plot)]) == 0 and plot.stat().st_size > 5000
     # train mode on a constant reward is still a valid (flat) fit; --reward with --on eval is refused.
@@ -113,3 +113,40 @@ def test_cli_on_eval_too_few_points(tmp_path, capsys):
     _eval_run(tmp_path, versions=1)  # versions 0, 1 -> 2 eval points
     assert main([str(tmp_path), "--on", "eval"]) == 2
     assert "gives 2 eval points" in capsys.readouterr().err
+
+
+def test_the_law_is_printed_with_the_signs_a_reader_writes():
+    from common.lawfit import LawFit
+
+    assert LawFit(a=0.2588, b=0.5, r2=1, n=3).formula() == "R = -0.2588 exp(H) + 0.5000"
+    assert LawFit(a=-0.2588, b=-0.5, r2=1, n=3).formula() == "R = 0.2588 exp(H) - 0.5000"
+
+
+def test_the_early_interval_widens_as_its_points_get_fewer():
+    from common.lawfit import prediction_interval
+
+    noise = [0.01, -0.02, 0.015, -0.01, 0.02, -0.015, 0.005, -0.005, 0.01, -0.01]
+    H = [1.0 - 0.05 * i for i in range(10)]
+    R = [-0.3 * math.exp(h) + 1.0 + e for h, e in zip(H, noise)]
+    widths = []
+    for k in (3, 5, 10):
+        fit = fit_law(H[:k], R[:k])
+        widths.append(prediction_interval(H[:k], R[:k], fit, H[-1]))
+    assert widths[0] > widths[1] > widths[2] > 0
+    assert prediction_interval(H[:2], R[:2], fit_law(H[:2], R[:2]), H[-1]) is None
+
+
+def test_each_point_source_writes_its_own_files_and_few_early_points_warn(tmp_path, capsys):
+    from launch.fit_law import main
+
+    _eval_run(tmp_path, versions=9)  # 10 eval points: the early fit has 2 of them
+    assert main([str(tmp_path), "--on", "eval"]) == 0
+    out = capsys.readouterr()
+    assert "warning: the early prediction rests on 2 points" in out.err and "no interval" in out.out
+    assert "R = -0.2500 exp(H) + 1.0000" in out.out
+    assert main([str(tmp_path), "--on", "train"]) == 0
+    capsys.readouterr()
+    ev, tr = (json.load(open(tmp_path / f"law_fit_{s}.json")) for s in ("eval", "train"))
+    assert ev["source"] == "eval" and tr["source"] == "train"  # train did not overwrite eval's fit
+    assert (tmp_path / "law_fit_eval.png").exists() and (tmp_path / "law_fit_train.png").exists()
+    assert ev["early_prediction"]["interval_95"] is None and ev["early_prediction"]["step"] == 18

@@ -13,7 +13,7 @@ import torch
 
 from broker.hub import BrokerStats
 from common import messages as M
-from common.config import from_dict
+from common.config import eval_versions, from_dict
 from learner import batch as B
 from learner.loop import Follower, Lead, Learner
 from learner.par import ParSchedule
@@ -84,11 +84,14 @@ class Publisher:
 
 class Sink:
     def __init__(self, events):
-        self.events, self.rows = events, []
+        self.events, self.rows, self.shown = events, [], []
 
     def write(self, step, metrics):
         self.events.append(("write", step))
         self.rows.append((step, dict(metrics)))
+
+    def progress(self, step, row, evaluating):
+        self.shown.append((step, list(evaluating)))
 
     def close(self):
         self.events.append(("sink.close",))
@@ -129,6 +132,7 @@ def _run(skipped=frozenset(), stop_at=None):
     learner = Learner(cfg, trainer=Trainer(events, skipped), ranks=Ranks(stop_at), role=lead, world=1,
                       save=lambda step, state, blob: saves.append((step, state["version"], blob)),
                       stop_requested=threading.Event(), run_dir="RUN")
+    _run.sink = sink
     return learner.run(0), events, sink.rows, saves
 
 
@@ -187,3 +191,16 @@ def test_a_follower_trains_and_publishes_every_step_and_writes_nothing():
     assert learner.run(0) == 0
     assert [e for e in events if e[0] == "publish"] == [("publish", s) for s in (1, 2, 3, 4)]
     assert saves == [(3, None, None), (4, None, None)]
+
+
+def test_progress_shows_each_trained_step_and_the_versions_still_evaluating():
+    _run()
+    shown = _run.sink.shown
+    cfg = from_dict(CFG)
+    evaluated = set(eval_versions(cfg))
+    assert shown[0] == (0, [0])  # before step 1: the base model's evaluation runs
+    steps = [s for s, _ in shown]
+    assert steps == sorted(steps) and steps[-1] == cfg.run.steps
+    for s in evaluated - {0}:  # a step whose version is evaluated shows it until its row is written
+        assert (s, [s]) in shown
+    assert shown[-1] == (cfg.run.steps, [])

@@ -97,22 +97,20 @@ def test_colocated_roles_share_one_gpu_and_split_its_memory(tmp_path):
     assert "learner ranks on [[0]], generators on [[0]] (colocated: each generator takes 35%" in line
 
 
-def test_the_one_gpu_recipe_is_accepted_on_one_gpu(tmp_path):
+def test_the_one_gpu_recipe_is_accepted_on_one_gpu(tmp_path, tiny_model_dir):
     """`--gens 1 --learners 1 --gpus 1` with the 1-GPU recipe passes every launcher check (colocated)."""
     import os
 
     from launch import cluster
 
     recipe = os.path.join(os.path.dirname(__file__), "..", "..", "launch", "recipes", "qwen2.5-1.5b-1gpu-kl-cov.toml")
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
+    model = tiny_model_dir  # the launcher loads its tokenizer and every data row before anything starts
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1?", "answer": "2"}\n')
     args = cluster.parse_args(["--gens", "1", "--learners", "1", "--gpus", "1", "--config", recipe, "--run-dir",
                                str(tmp_path / "run"), "--set", f'model.path="{model}"', "--set",
                                f'data.train_files=["{data}"]', "--set", "data.eval_files=[]"])
-    run_dir, cfg, info = cluster.prepare(args, gpus=1)
+    run_dir, cfg, info, _ = cluster.prepare(args, gpus=1)
     assert place_gpus(1, info.learners, info.generators, 1).colocated
     assert cfg.generator.weight_transport == "rpc" and cfg.generator.gpu_memory_utilization <= 0.9
 
