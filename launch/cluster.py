@@ -21,6 +21,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -269,13 +270,22 @@ def placement_line(placement, cfg) -> str:
     return line
 
 
-def log_tail(run_dir: str, name: str, lines: int = 25) -> str:
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
+_CAUSE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Exit|Interrupt)\b|\b(?:ERROR|CRITICAL)\b")
+
+
+def log_cause(run_dir: str, name: str) -> str:
+    """One line on why a role ended, pointing at its log: the log's last exception or ERROR line (the traceback
+    stays in the log), else its last line."""
     path = os.path.join(run_dir, "logs", f"{name}.log")
     try:
         with open(path, "rb") as f:
-            return b"".join(f.readlines()[-lines:]).decode(errors="replace")
+            tail = [_RANK_PREFIX.sub("", ln.decode(errors="replace").rstrip()) for ln in f.readlines()[-200:]]
     except FileNotFoundError:
-        return f"({path} is missing)"
+        return f"its log {path} is missing"
+    tail = [ln for ln in tail if ln.strip()]
+    cause = next((ln for ln in reversed(tail) if _CAUSE.search(ln)), tail[-1] if tail else "its log is empty")
+    return f"{cause[:300]} (full log: {path})"
 
 
 def summary(run_dir: str, cfg, elapsed: float, ray: str | None = None) -> str:
@@ -390,8 +400,7 @@ class Supervisor:
     def _exited(self, s: RoleSpec, code: int) -> int | None:
         if not s.is_generator:  # a learner rank: its failure ends the run
             if code != 0:
-                self.say(f"{s.name} {self.backend.describe(s, code)}; stopping the run. Last lines of its log "
-                         f"({self.run_dir}/logs/{s.name}.log):\n{log_tail(self.run_dir, s.name)}")
+                self.say(f"{s.name} {self.backend.describe(s, code)}; stopping the run: {log_cause(self.run_dir, s.name)}")
                 return 1
             s.done = True
         elif code == EXIT_DRAINED or (code != 0 and s.gen_id >= self.target):
@@ -404,12 +413,12 @@ class Supervisor:
         elif s.restarts < s.max_restarts:
             s.restarts += 1
             delay = 2.0 ** s.restarts
-            self.say(f"{s.name} {self.backend.describe(s, code)}; restart {s.restarts}/{s.max_restarts} in {delay:.0f}s "
-                     f"(its log: {self.run_dir}/logs/{s.name}.log)")
+            self.say(f"{s.name} {self.backend.describe(s, code)}; restart {s.restarts}/{s.max_restarts} in {delay:.0f}s: "
+                     f"{log_cause(self.run_dir, s.name)}")
             s.next_start = time.monotonic() + delay
         else:
-            self.say(f"{s.name} failed {s.restarts + 1} times ({self.backend.describe(s, code)}); stopping the run. "
-                     f"Last lines of its log ({self.run_dir}/logs/{s.name}.log):\n{log_tail(self.run_dir, s.name)}")
+            self.say(f"{s.name} failed {s.restarts + 1} times ({self.backend.describe(s, code)}); stopping the run: "
+                     f"{log_cause(self.run_dir, s.name)}")
             return 1
         return None
 

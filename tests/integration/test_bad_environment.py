@@ -32,7 +32,7 @@ def test_refused_before_anything_starts(tmp_path, busy_port, case):
     blocker.write_text("")
     run_dir, args, needle = {
         "unwritable run dir": (blocker / "run", [], "is not writable"),
-        "missing model dir": (tmp_path / "r", ["--set", f"model.path={tmp_path / 'no-model'}"], "has no config.json"),
+        "missing model dir": (tmp_path / "r", ["--set", f"model.path={tmp_path / 'no-model'}"], "no-model' is not a directory"),
         "port in use": (tmp_path / "r", ["--set", f"transport.hub_port={busy_port}"], f"hub_port {busy_port}"),
         "too many learners": (tmp_path / "r", ["--learners", "40", "--set", "rollout.groups_per_step=4",
                                               "--set", "rollout.group_size=8"], "use at most 32 learner ranks"),

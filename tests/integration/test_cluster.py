@@ -179,11 +179,44 @@ def test_tensorboard_flag_serves_the_run(tmp_path):
                 pass
             time.sleep(1)
         assert "actor/entropy" in tags and "critic/score/mean" in tags
-        p.communicate(timeout=300)
+        out, _ = p.communicate(timeout=300)
         assert p.returncode == 0
+        # Not at a terminal: TensorBoard is stopped with the run, and the command that reopens it is printed.
+        assert "TensorBoard stopped; reopen it with: " in out and f"--logdir {run}/tb" in out
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_a_run_explains_itself_and_a_finished_run_is_not_restarted(tmp_path):
+    """Off a terminal the progress is plain lines (no carriage returns or escape codes) with step / total, the eval
+    step while it runs, elapsed and ETA; the run ends with RUN_DIR/plots; --resume of the finished run says it is
+    complete and starts nothing."""
+    import re
+
+    run = tmp_path / "explained"
+    cmd = [sys.executable, os.path.join(REPO, "launch", "cluster.py"), "--run-dir", str(run), "--steps", "4",
+           "--progress-every", "0.2", *EVAL]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "\r" not in p.stdout and "\x1b" not in p.stdout
+    lines = [ln for ln in p.stdout.splitlines() if re.match(r"^step \d+/4 \| ", ln)]
+    assert len(lines) >= 3 and all("elapsed " in ln for ln in lines)
+    assert any("evaluating step 0" in ln for ln in lines)  # the base model's evaluation, before step 1
+    assert any(re.search(r"\| ETA \d+s", ln) for ln in lines)
+    assert lines[-1].startswith("step 4/4 | reward ") and "eval acc arith_easy " in lines[-1]
+    assert "  data: 128 training prompts" in p.stdout and "  eval: arith_easy 16, arith_hard 16" in p.stdout
+    pngs = sorted(os.listdir(run / "plots"))
+    assert pngs == ["acc_vs_entropy.png", "entropy.png", "eval_acc.png", "response_length.png", "reward.png"]
+    assert all((run / "plots" / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in pngs)
+    assert f"plots: {run}/plots/" in p.stdout
+    logs = {f: (run / "logs" / f).stat() for f in os.listdir(run / "logs")}
+    again = subprocess.run([sys.executable, os.path.join(REPO, "launch", "cluster.py"), "--resume", str(run)],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert again.returncode == 0 and "is complete: it trained 4 of 4 steps" in again.stdout, again.stdout + again.stderr
+    assert "--steps N" in again.stdout
+    after = {f: (run / "logs" / f).stat() for f in os.listdir(run / "logs")}
+    assert after.keys() == logs.keys() and all(after[f].st_mtime_ns == logs[f].st_mtime_ns for f in logs)  # no role ran
 
 
 def test_same_seed_same_numbers_with_evaluation(tmp_path):
