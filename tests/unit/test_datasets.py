@@ -120,3 +120,20 @@ def test_prepare_data_converts_problem_answer_files(tmp_path):
     assert [(r.text, r.answer, r.data_source) for r in recs] == [("Compute 1/2 + 1/2.", "1", "math500"),
                                                                 ("What is $\\sqrt{4}$?", "2", "math500")]
     assert main([src, str(tmp_path / "x.parquet"), "--prompt-key", "question"]) == 2  # names the missing field
+
+
+@pytest.mark.parametrize("truncation, said", [
+    ("drop", "data: 2 training prompts (dropped 1 of 3 prompts longer than data.max_prompt_tokens=48)"),
+    ("left", "data: 3 training prompts (cut 1 of 3 prompts to their last data.max_prompt_tokens=48 tokens)"),
+])
+def test_the_start_banner_says_what_the_length_limit_did(tmp_path, truncation, said):
+    from common.config import load_config
+    from common.data import check_inputs
+
+    rows = [{"prompt": "What is 2 + 3?", "answer": "5"}, {"prompt": "What is " + " + ".join(["1"] * 60) + "?",
+                                                         "answer": "60"}, {"prompt": "What is 1 + 1?", "answer": "2"}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, ['data.task="files"', f'data.train_files=["{path}"]', "data.max_prompt_tokens=48",
+                             f'data.truncation="{truncation}"'])
+    assert check_inputs(cfg) == [said]  # no eval files: no eval line
