@@ -254,5 +254,6 @@ def evaluate(work: M.EvalWork, *, engine, tokenizer, pool, receiver, gen_id: int
         sc = scores[i * work.k:(i + 1) * work.k]
         out.append(M.EvalResult(gen_id=gen_id, incarnation=incarnation, ticket=it.ticket, weight_version=engine.version,
                                 rewards=[float(x.reward) for x in sc], lengths=[len(c.token_ids) for c in comps],
-                                score_status=[x.status for x in sc]))
+                                score_status=[x.status for x in sc],
+                                texts=texts[i * work.k:(i + 1) * work.k] if it.prompt_id < work.keep_texts else []))
     return out

@@ -24,7 +24,7 @@ from actors.factory import load_engine
 from common import messages as M
 from common.cli import USER_ERRORS, fail
 from common.config import load_config
-from common.data import check_model_dir, eval_sets
+from common.data import check_model_dir, eval_sets, resolve_model
 from common.datasets import DatasetError
 from common.evaluation import eval_item, eval_metrics, eval_params, eval_room
 
@@ -53,7 +53,7 @@ def run(cfg, model: str) -> dict[str, float]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m actors.evaluate", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True, help="Hugging Face model directory (a checkpoint: RUN_DIR/checkpoints/step_N)")
+    ap.add_argument("--model", required=True, help="Hugging Face model directory (a checkpoint: RUN_DIR/checkpoints/step_N) or Hub id org/name[@revision]")
     ap.add_argument("--config", help="TOML config, e.g. RUN_DIR/config.toml to match a run's evaluation")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     ap.add_argument("--data", nargs="+", metavar="FILE", help=".jsonl / .parquet eval files (replaces data.eval_files)")
@@ -65,6 +65,7 @@ def main(argv=None) -> int:
         sets.append("data.eval_files=" + json.dumps(args.data))
     try:
         cfg = load_config(args.config, sets)
+        args.model, _ = resolve_model(args.model, "--model")  # a Hub id: its snapshot in the Hugging Face cache
         if not eval_sets(cfg, check_model_dir(args.model, "--model")):  # every eval row, before the model loads
             raise DatasetError("no eval sets: pass --data FILE ... or set data.eval_files")
     except USER_ERRORS as e:

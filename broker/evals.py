@@ -37,6 +37,7 @@ class EvalSchedule:
         self.pending: collections.deque[tuple[int, str, int]] = collections.deque()  # (version, source, index)
         self.in_flight: dict[int, EvalTicket] = {}
         self.scores: dict[int, dict[str, list[M.EvalResult]]] = {}
+        self.texts: dict[int, list[tuple[str, int, M.EvalResult]]] = {}  # version -> (source, prompt, result)
 
     def schedule(self, version: int) -> None:
         """Queue every held-out prompt for `version` if it is an evaluated version not yet queued."""
@@ -51,6 +52,7 @@ class EvalSchedule:
         self.pending.clear()
         self.in_flight.clear()
         self.scores.clear()
+        self.texts.clear()
         self.schedule(version)
 
     def busy_through(self, version: int) -> bool:
@@ -72,7 +74,8 @@ class EvalSchedule:
             self.in_flight[t.ticket] = t
             p = self.prompts[ds][i]
             items.append(eval_item(self.cfg, t.ticket, ds, i, p, M.to_bytes(p.ids, M.TOKEN_DTYPE)))
-        return M.EvalWork(items=items, k=k, sampling=sampling, policy_version=version)
+        return M.EvalWork(items=items, k=k, sampling=sampling, policy_version=version,
+                          keep_texts=self.cfg.logging.eval_samples)
 
     def accept(self, res: M.EvalResult) -> str | None:
         """Record a result; or the reason it was refused ("unknown_ticket", or `check_eval`'s, then re-queued)."""
@@ -86,6 +89,8 @@ class EvalSchedule:
             self.pending.appendleft((t.version, t.data_source, t.index))
             return reason
         self.scores[t.version][t.data_source].append(res)
+        if res.texts:
+            self.texts.setdefault(t.version, []).append((t.data_source, t.index, res))
         return None
 
     def holds(self, gen_id: int) -> bool:
@@ -100,6 +105,7 @@ class EvalSchedule:
             self.pending.appendleft((e.version, e.data_source, e.index))
         return len(lost)
 
-    def take(self, version: int) -> dict[str, float]:
-        """The eval metrics of `version` (empty if it was not evaluated), forgotten once taken."""
-        return eval_metrics(self.scores.pop(version, {}))
+    def take(self, version: int) -> tuple[dict[str, float], list[tuple[str, int, M.EvalResult]]]:
+        """The eval metrics of `version` (empty if it was not evaluated) and the results that carry response texts
+        as (data source, prompt index, result) in source and prompt order; forgotten once taken."""
+        return eval_metrics(self.scores.pop(version, {})), sorted(self.texts.pop(version, []), key=lambda x: x[:2])

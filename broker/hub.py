@@ -190,8 +190,9 @@ class Hub:
                 self.cv.wait(0.5)
         return time.monotonic() - t0
 
-    def take_eval(self, version: int) -> dict[str, float]:
-        """Eval metrics of `version` (empty if it was not evaluated); call after wait_version_done."""
+    def take_eval(self, version: int) -> tuple[dict[str, float], list]:
+        """Eval metrics of `version` (empty if it was not evaluated) and its results that carry response texts
+        (`EvalSchedule.take`); call after wait_version_done."""
         with self.cv:
             return self.evals.take(version)
 

@@ -12,6 +12,7 @@ fraction, never a percent).
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from typing import Annotated, Literal
 
@@ -44,7 +45,8 @@ class RunConfig(_Section):
 
 
 class ModelConfig(_Section):
-    # Empty path: the built-in warm-started `arith` base model in assets/.
+    # A local Hugging Face model directory, or a Hub id `org/name[@revision]` (the launcher resolves it once, through
+    # the Hub cache, and the run's config.toml holds the local snapshot). Empty: the built-in `arith` base model.
     path: str = ""
     dtype: Literal["float32", "bfloat16"] = "float32"
 
@@ -255,6 +257,30 @@ class GeneratorConfig(_Section):
     seed_requests: bool = True
 
 
+class WandbConfig(_Section):
+    """Weights & Biases as a second logger (`pip install -e '.[wandb]'`), same tags as TensorBoard."""
+
+    project: str = ""  # "" = off
+    entity: str = ""  # "" = your default entity
+    name: str = ""  # "" = the run directory's name
+    mode: Literal["online", "offline"] = "online"  # offline: RUN_DIR/wandb only; `wandb sync` uploads it later
+
+
+class LoggingConfig(_Section):
+    """What a run writes besides metrics.jsonl and TensorBoard scalars."""
+
+    # RUN_DIR/rollouts/step_N.jsonl: one record per response of the written groups (prompt, response, reward,
+    # extracted answer, advantage, length, token versions, staleness). off | sample (rollout_groups groups per
+    # step, picked by a seeded draw) | all.
+    rollouts: Literal["off", "sample", "all"] = "sample"
+    rollout_groups: PosInt = 2
+    # Of every evaluated version, the responses to the first eval_samples prompts of each data source
+    # (RUN_DIR/rollouts/eval_step_N.jsonl); 0 = none.
+    eval_samples: NonNegInt = 2
+    text_samples: NonNegInt = 2  # responses per step also shown as TensorBoard text (rollouts/train, rollouts/eval)
+    wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)
+
+
 class Config(_Section):
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -265,6 +291,7 @@ class Config(_Section):
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
     generator: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
 
 
 class ConfigError(ValueError):
@@ -380,6 +407,11 @@ def explain(message: str, tree: dict) -> str:
 
 def check(cfg: Config) -> None:
     """Cross-field rules that a single field's bounds cannot express."""
+    import importlib.util
+
+    if cfg.logging.wandb.project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb.project is set but wandb is not installed: pip install -e '.[wandb]', or "
+                          "clear logging.wandb.project")
     d = cfg.data
     if d.task == "files" and not d.train_files:
         raise ConfigError("data.task = \"files\" needs data.train_files, e.g. --set 'data.train_files=[\"train.parquet\"]'")
@@ -432,7 +464,18 @@ def with_absolute_paths(cfg: Config, base: str) -> Config:
     absolute = lambda p: p if not p or os.path.isabs(p) else os.path.normpath(os.path.join(base, p))  # noqa: E731
     data = msgspec.structs.replace(cfg.data, train_files=tuple(map(absolute, cfg.data.train_files)),
                                    eval_files=tuple(map(absolute, cfg.data.eval_files)))
-    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=absolute(cfg.model.path)), data=data)
+    model = cfg.model.path
+    if not (is_hub_id(model) and not os.path.exists(os.path.join(base, model))):  # a Hub id stays one
+        model = absolute(model)
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=model), data=data)
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+
+
+def is_hub_id(path: str) -> bool:
+    """`org/name` or `org/name@revision`: a Hugging Face Hub model id (where no local path of that name exists)."""
+    return bool(_HUB_ID.match(path))
 
 
 def eval_versions(cfg: Config) -> list[int]:

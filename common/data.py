@@ -16,7 +16,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
-from common.config import Config, ConfigError
+from common.config import Config, ConfigError, is_hub_id
 from common.datasets import DatasetError
 
 log = logging.getLogger("covrl.data")
@@ -119,6 +119,35 @@ def model_dir(cfg: Config) -> str:
         )
         raise FileNotFoundError(f"model directory {path!r} has no config.json; {hint}")
     return path
+
+
+def resolve_model(path: str, what: str = "model.path") -> tuple[str, str | None]:
+    """A local model directory for `path`: the directory itself, or, for a Hugging Face Hub id
+    (`org/name` or `org/name@revision`, when no such local directory exists), its snapshot in the Hub cache,
+    fetched on this host if it is missing and the Hub can be reached. Returns (local path, the id@commit it
+    came from or None). Offline (`HF_HUB_OFFLINE=1`, or no network) only the cache is used."""
+    if not path or os.path.exists(path) or not is_hub_id(path):
+        return path, None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    repo, _, revision = path.partition("@")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    fetch = f"fetch it on a machine with network (`hf download {repo}" + (f" --revision {revision}" if revision else "") + \
+        "`, into the same Hugging Face cache), or point " + what + " at a local model directory"
+    try:
+        local = snapshot_download(repo, revision=revision or None, local_files_only=offline)
+    except (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError, HFValidationError) as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"{what} {path!r}: the Hub has no such model or revision, or it is gated ({why}); check the "
+                          f"id, or log in with `hf auth login`") from None
+    except LocalEntryNotFoundError:
+        where = "HF_HUB_OFFLINE=1" if offline else "the Hub cannot be reached"
+        raise ConfigError(f"{what} {path!r} is not in the Hugging Face cache and {where}; {fetch}") from None
+    except OSError as e:  # the network failed mid-download
+        raise ConfigError(f"{what} {path!r}: the download failed ({e}); {fetch}") from None
+    return local, f"{repo}@{os.path.basename(local)}"
 
 
 def check_model_dir(path: str, what: str = "model.path"):

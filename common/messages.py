@@ -20,8 +20,9 @@ from typing import Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 4  # 2: evaluation messages (EvalWork, EvalResult); 3: one weight channel per generator incarnation;
-# 4: forced response lengths in SamplingParams (the generation-heavy benchmark workload)
+PROTOCOL_VERSION = 5  # 2: evaluation messages (EvalWork, EvalResult); 3: one weight channel per generator incarnation;
+# 4: forced response lengths in SamplingParams (the generation-heavy benchmark workload); 5: eval response texts
+# for the rollout log (EvalWork.keep_texts, EvalResult.texts)
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -95,6 +96,7 @@ class EvalResult(_Msg, tag="evalres"):
     rewards: list[float]
     lengths: list[int]  # response tokens per sample
     score_status: list[str]  # "ok" | "timeout" | "error" per sample
+    texts: list[str] = []  # the decoded responses, only for prompts the work asked texts of (keep_texts)
 
 
 # ---- hub -> generator --------------------------------------------------------
@@ -138,6 +140,7 @@ class EvalWork(_Msg, tag="eval"):
     k: int
     sampling: SamplingParams  # temperature 0: greedy
     policy_version: int
+    keep_texts: int = 0  # send back the response texts of the items whose prompt_id is below this (rollout log)
 
 
 class Stop(_Msg, tag="stop"):
@@ -167,7 +170,7 @@ assert TOKEN_DTYPE.itemsize == LOGPROB_DTYPE.itemsize == VERSION_DTYPE.itemsize,
 
 def check_eval(res: EvalResult, *, k: int, version: int, max_tokens: int) -> str | None:
     """Why this eval result cannot be counted, or None (a stable metric-key reason, like check_rollout)."""
-    if not (len(res.rewards) == len(res.lengths) == len(res.score_status) == k):
+    if not (len(res.rewards) == len(res.lengths) == len(res.score_status) == k) or len(res.texts) not in (0, k):
         return "eval_shape"
     if res.weight_version != version:
         return "eval_version"

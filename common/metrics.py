@@ -26,10 +26,12 @@ def read_progress(run_dir: str) -> dict | None:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str, tensorboard: bool = True, purge_step: int | None = None):
-        """`purge_step` (a resumed run): TensorBoard hides the events of steps >= it that the dead run wrote."""
+    def __init__(self, run_dir: str, tensorboard: bool = True, purge_step: int | None = None, wandb=None):
+        """`purge_step` (a resumed run): TensorBoard hides the events of steps >= it that the dead run wrote.
+        `wandb`: a W&B run (`common.wandb_log.open_wandb`) that gets the same tags, or None."""
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.f = open(self.path, "a", buffering=1)
+        self.wandb = wandb
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -45,6 +47,20 @@ class MetricsWriter:
                 if k != "step" and math.isfinite(v):
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
+        if self.wandb is not None:
+            # The x axis is the `step` key (open_wandb defines it), not W&B's own counter: a held evaluation row
+            # or a text may be logged after a later step's, and W&B drops what goes back on its counter.
+            self.wandb.log({k: v for k, v in row.items() if k == "step" or math.isfinite(v)})
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        """A markdown text under `tag` (TensorBoard's text tab; a one-cell table in W&B)."""
+        if self.tb is not None:
+            self.tb.add_text(tag, text, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({"step": step, tag: wandb.Table(columns=["text"], data=[[text]])})
 
     def progress(self, step: int, row: dict[str, float], evaluating: list[int]) -> None:
         """RUN_DIR/progress.json (atomic): the last trained step, a few of its metrics, and the policy versions
@@ -59,6 +75,8 @@ class MetricsWriter:
         self.f.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def keep_metrics(run_dir: str, keep) -> int:

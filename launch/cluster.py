@@ -28,13 +28,15 @@ import sys
 import time
 import uuid
 
+import msgspec
+
 from common.checkpoints import complete_checkpoints, latest_checkpoint
 from common.cluster import (EXIT_DRAINED, MEMORY_FRACTION_ENV, ClusterInfo, PlacementError, check_colocation,
                             clear_learners_ready, colocated_memory_fractions, learners_ready, place_gpus, read_cluster,
                             read_generator_target, write_cluster, write_generator_target)
 from common.config import ConfigError, load_config, to_toml, with_absolute_paths
 from common.cli import USER_ERRORS, fail
-from common.data import check_inputs
+from common.data import check_inputs, resolve_model
 from common.metrics import read_metrics
 from common.transport import create_secret, free_port, port_in_use
 from launch.progress import Progress
@@ -189,6 +191,8 @@ def prepare(args, gpus: int = 0) -> tuple[str, object, ClusterInfo, list[str]]:
         raise ConfigError(f"--gens {args.gens} --learners {args.learners}: need at least one of each")
     placement = place_gpus(gpus, args.learners, args.gens, args.tp)  # a placement that cannot fit
     cfg = resolved_config(args)
+    local, hub = resolve_model(cfg.model.path)  # a Hub id: its snapshot in the cache, fetched here once if missing
+    cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=local))
     check_colocation(placement, cfg.generator)
     check_host(cfg.transport.host)
     r = cfg.rollout
@@ -198,6 +202,8 @@ def prepare(args, gpus: int = 0) -> tuple[str, object, ClusterInfo, list[str]]:
         raise ConfigError(f"--learners {args.learners}: an optimizer step has only {per_update} samples (groups_per_step "
                           f"x group_size / mini_batches) to shard; use at most {per_update} learner ranks or a bigger batch")
     notes = check_inputs(cfg)  # the model and every data row, in this process, before anything starts
+    if hub:
+        notes.insert(0, f"model: {hub} from the Hugging Face cache ({local})")
     run_dir = os.path.abspath(args.run_dir or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S")))
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         raise ConfigError(f"{run_dir} already holds a run (metrics.jsonl); pick a new --run-dir")

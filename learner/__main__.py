@@ -22,11 +22,13 @@ from common.data import PromptSource, eval_sets, model_dir
 from common.lifeline import watch_parent
 from common.metrics import MetricsWriter, keep_metrics
 from common.transport import load_secret
+from common.wandb_log import open_wandb
 from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.loop import Follower, Lead, Learner, Ranks, fault_steps
 from learner.params import full_state_dict
 from learner.par import ParSchedule
 from learner.publisher import ModelPublisher, WeightPublisher
+from learner.rollout_log import RolloutLog
 from learner.trainer import Trainer, init_distributed, thread_setup
 
 log = logging.getLogger("covrl.learner")
@@ -116,10 +118,10 @@ def lead(cfg, args, cluster, tokenizer, publisher: ModelPublisher, world: int, s
     """Rank 0's role: the broker (restored on resume), the metrics sink (rows after the checkpoint purged), PAR.
     The hub binds cluster.json's hub_addr (the launcher's choice of this node's address), not transport.host."""
     host, port = cluster.hub_addr.rsplit(":", 1)
+    source, evals = PromptSource(cfg, tokenizer), eval_sets(cfg, tokenizer) if cfg.eval.every_steps else None
     hub = Hub(cfg, run_id=cluster.run_id, key=load_secret(args.run_dir), host=host, port=int(port),
-              source=PromptSource(cfg, tokenizer), weight_addr=cluster.weight_addr,
-              generators=GeneratorTargetReader(args.run_dir, cluster.generators),
-              eval_prompts=eval_sets(cfg, tokenizer) if cfg.eval.every_steps else None,
+              source=source, weight_addr=cluster.weight_addr,
+              generators=GeneratorTargetReader(args.run_dir, cluster.generators), eval_prompts=evals,
               on_join=publisher.channel.join, on_leave=publisher.channel.leave)
     par = ParSchedule(cfg.learner.par, cfg.run.steps)
     # An evaluated version's row waits for its eval results; step 0's row is the base model's evaluation.
@@ -131,8 +133,11 @@ def lead(cfg, args, cluster, tokenizer, publisher: ModelPublisher, world: int, s
     if args.resume:
         # Rows the dead run wrote after its checkpoint go; a held row is written again when its eval is in.
         keep_metrics(args.run_dir, lambda row: row <= start and row not in held)
-    sink = MetricsWriter(args.run_dir, purge_step=min([start + 1, *held]) if args.resume else None)
-    return Lead(cfg, hub=hub, publisher=publisher, sink=sink, par=par, world=world, held=held, start=start)
+    sink = MetricsWriter(args.run_dir, purge_step=min([start + 1, *held]) if args.resume else None,
+                         wandb=open_wandb(cfg, args.run_dir, cluster.run_id))
+    rollouts = RolloutLog(cfg, args.run_dir, tokenizer, source, evals, sink)
+    return Lead(cfg, hub=hub, publisher=publisher, sink=sink, par=par, world=world, held=held, start=start,
+                rollouts=rollouts)
 
 
 if __name__ == "__main__":

@@ -116,8 +116,9 @@ class Lead:
     """
 
     def __init__(self, cfg: Config, *, hub, publisher, sink, par, world: int, held: dict[int, dict[str, float]],
-                 start: int = 0):
+                 start: int = 0, rollouts=None):
         self.cfg, self.hub, self.publisher, self.sink, self.par, self.world = cfg, hub, publisher, sink, par, world
+        self.rollouts = rollouts  # learner/rollout_log.py: the readable rollouts (None: not written)
         self.evaluated = set(eval_versions(cfg))
         self.held = held  # version -> its row, written once the version's eval results are in
         self.wait_s = cfg.transport.generator_timeout_s * 5
@@ -134,14 +135,20 @@ class Lead:
         groups = self.hub.take_batch(version, timeout_s=self.wait_s)
         self.batch_wait = time.perf_counter() - t0
         self.extra = host_metrics(groups, version)
-        return B.batch_from_config([r.group for r in groups], self.cfg, version=version, ranks=self.world,
-                                   par_lambda=self.par.value(step))
+        batch = B.batch_from_config([r.group for r in groups], self.cfg, version=version, ranks=self.world,
+                                    par_lambda=self.par.value(step))
+        if self.rollouts is not None:
+            self.rollouts.train(step, [r.group for r in groups], [s.advantage for s in batch.samples])
+        return batch
 
     def finish_version(self, v: int) -> float:
         """Wait for the generation pinned to version v; write its held row. Returns seconds waited."""
         waited = self.hub.wait_version_done(v, timeout_s=self.wait_s)
         if v in self.held:
-            self.sink.write(v, {**self.held.pop(v), **self.hub.take_eval(v)})
+            metrics, texts = self.hub.take_eval(v)
+            self.sink.write(v, {**self.held.pop(v), **metrics})
+            if self.rollouts is not None:
+                self.rollouts.evaluated(v, texts)
             self.show_progress()
         return waited
 

@@ -15,6 +15,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
 BASE_MODEL = os.path.join(REPO, "assets", "arith-base")
+HUB_SHA = "0123456789abcdef0123456789abcdef01234567"
+HUB_OLD = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+@pytest.fixture
+def hub_cache(tmp_path):
+    """A Hugging Face Hub cache (HF_HUB_CACHE) holding acme/arith-base, the built-in model, in the Hub's layout:
+    refs/main -> HUB_SHA, and an older snapshot HUB_OLD. Built offline; nothing reaches a network."""
+    import shutil
+
+    repo = tmp_path / "hub" / "models--acme--arith-base"
+    for sha in (HUB_SHA, HUB_OLD):
+        shutil.copytree(BASE_MODEL, repo / "snapshots" / sha)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(HUB_SHA)
+    return tmp_path / "hub"
 
 
 def pytest_collection_modifyitems(config, items):

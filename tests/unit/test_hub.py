@@ -146,9 +146,9 @@ def _eval_hub(tiny_model_dir, *extra, target=lambda: 1, on_leave=None):
         h.stop()
 
 
-def _eval_result(item, k, rewards, version=0, inc="a"):
+def _eval_result(item, k, rewards, version=0, inc="a", texts=()):
     return M.EvalResult(gen_id=0, incarnation=inc, ticket=item.ticket, weight_version=version, rewards=rewards,
-                        lengths=[5] * k, score_status=["ok"] * k)
+                        lengths=[5] * k, score_status=["ok"] * k, texts=list(texts))
 
 
 def test_eval_is_served_first_per_source_temperature_and_holds_the_next_version(tiny_model_dir):
@@ -158,6 +158,7 @@ def test_eval_is_served_first_per_source_temperature_and_holds_the_next_version(
         # Eval of the base model (version 0) goes out before any training work, one source per message.
         assert isinstance(sampled, M.EvalWork) and sampled.policy_version == 0
         assert sampled.k == 2 and sampled.sampling.temperature == 0.6 and len(sampled.items) == 3
+        assert sampled.keep_texts == 2  # logging.eval_samples: the first 2 prompts' responses come back as text
         gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
         greedy = gen.recv(5.0)
         assert isinstance(greedy, M.EvalWork) and greedy.k == 1 and greedy.sampling.temperature == 0.0
@@ -175,17 +176,24 @@ def test_eval_is_served_first_per_source_temperature_and_holds_the_next_version(
         again = gen.recv(5.0)
         assert isinstance(again, M.EvalWork) and sorted(it.prompt_id for it in again.items) == [0, 1]
         assert {it.prompt_id: it.seed for it in again.items} == {it.prompt_id: it.seed for it in sampled.items[:2]}  # same samples
-        gen.send(_eval_result(again.items[0], 2, [1.0, 0.0]))
-        gen.send(_eval_result(again.items[1], 2, [0.0, 0.0]))
+        gen.send(_eval_result(again.items[0], 2, [1.0, 0.0], texts=["\\boxed{3}", "4"]))
+        gen.send(_eval_result(again.items[1], 2, [0.0, 0.0], texts=["x"]))  # 1 text for k = 2: rejected, queued again
+        time.sleep(0.3)
+        assert hub.stats().counters["hub/rejected/eval_shape"] == 2
+        gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
+        third = gen.recv(5.0)
+        assert [it.prompt_id for it in third.items] == [again.items[1].prompt_id]
+        gen.send(_eval_result(third.items[0], 2, [0.0, 0.0]))
         gen.send(_eval_result(sampled.items[2], 2, [1.0, 1.0]))
         gen.send(_eval_result(greedy.items[0], 1, [1.0]))
         waited = hub.wait_version_done(0, timeout_s=5)  # every eval prompt of version 0 is scored: no TimeoutError
         assert waited < 5
-        m = hub.take_eval(0)
+        m, texts = hub.take_eval(0)
+        assert [(ds, i, r.texts) for ds, i, r in texts] == [("sampled_set", again.items[0].prompt_id, ["\\boxed{3}", "4"])]
         assert m["eval/sampled_set/acc"] == pytest.approx((0.5 + 0 + 1) / 3)  # avg@k
         assert m["eval/sampled_set/pass@k"] == pytest.approx(2 / 3)
         assert m["eval/greedy_set/acc"] == 1.0 and m["eval/sampled_set/response_length"] == 5.0
-        assert hub.take_eval(1) == {}  # version 1 is not evaluated (every 2, and the last: 3)
+        assert hub.take_eval(1) == ({}, [])  # version 1 is not evaluated (every 2, and the last: 3)
         hub.set_version(1)
         hub.set_version(2)  # evaluated: queued again, for version 2
         gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
@@ -427,7 +435,7 @@ def test_a_draining_generator_finishes_its_eval_prompts_before_it_is_stopped(tin
             assert isinstance(stop, M.Stop) and stop.reason == "drained" and left == [(1, "b")]
             a.send(_eval_result(greedy.items[0], 1, [1.0]))
             hub.wait_version_done(0, timeout_s=5)
-            m = hub.take_eval(0)
+            m, _ = hub.take_eval(0)
             assert m["eval/sampled_set/acc"] == 0.5 and m["eval/greedy_set/acc"] == 1.0  # the drained one's results count
         finally:
             b.close()
