@@ -172,6 +172,9 @@ class ParConfig(_Section):
     lam: Fraction01 = 0.0  # constant lambda; lambda_0 of entropy_guided
     delta: Fraction01 = 0.05  # entropy_guided step
     target_entropy: Annotated[float, Meta(ge=0)] = 0.2  # entropy_guided threshold (delta in the paper)
+    # > 0: the threshold is this fraction of the run's first step's batch entropy instead of target_entropy (a
+    # covrl extension: the published absolute 0.2 is above every entropy a small model reaches, so PAR never acts)
+    target_entropy_relative: Annotated[float, Meta(ge=0)] = 0.0
 
 
 class KLRefConfig(_Section):

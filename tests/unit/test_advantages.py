@@ -1,8 +1,9 @@
 import numpy as np
+import pytest
 
+from common.config import ParConfig
 from learner import advantages as A
 from learner.par import ParSchedule
-from common.config import ParConfig
 
 
 def test_estimators_hand_computed():
@@ -32,3 +33,20 @@ def test_par_schedules():
     for _ in range(5):
         eg.observe(0.0)
     assert eg.value(5) == 0.0  # clipped at 0
+
+
+def test_par_relative_target_follows_the_first_steps_entropy_and_survives_a_resume():
+    cfg = ParConfig(schedule="entropy_guided", lam=0.0, delta=0.05, target_entropy=0.2, target_entropy_relative=0.8)
+    eg = ParSchedule(cfg, 10)
+    assert eg.target is None  # not known before the first step
+    eg.observe(0.10)  # H_1 = 0.10: target 0.08, although every entropy here is below the absolute 0.2
+    assert eg.target == pytest.approx(0.08) and eg.value(2) == pytest.approx(0.05)  # 0.10 >= 0.08: lambda up
+    eg.observe(0.09)
+    assert eg.value(3) == pytest.approx(0.10)
+    again = ParSchedule(cfg, 10)
+    again.load_state(eg.state())  # a resumed run keeps H_1, not the first entropy it sees after the resume
+    again.observe(0.07)  # below 0.08: down
+    assert again.target == pytest.approx(0.08) and again.value(4) == pytest.approx(0.05)
+    old = ParSchedule(cfg, 10)
+    old.load_state({"lam": 0.3})  # a checkpoint from before the relative target: H_1 is taken afresh
+    assert old.first_entropy is None and old.value(1) == 0.3
