@@ -72,8 +72,11 @@ def _file_prompts(cfg: Config, tokenizer, paths, lengths: Counter) -> list[Promp
     for path in paths:
         stem = os.path.splitext(os.path.basename(path))[0]
         for i, rec in enumerate(read_records(path)):
-            text = render_prompt_text(rec, tokenizer, template=d.template, instruction=d.instruction,
-                                      system_prompt=d.system_prompt)
+            try:
+                text = render_prompt_text(rec, tokenizer, template=d.template, instruction=d.instruction,
+                                          system_prompt=d.system_prompt)
+            except DatasetError as e:
+                raise DatasetError(f"{path}: row {i}: {e}") from None
             if (ids := _fit(tokenizer, text, chat, cfg, f"{path}: row {i}", lengths)) is not None:
                 source = stem if d.data_source_from == "file" else rec.data_source
                 out.append(Prompt(text, rec.answer, source, tuple(ids)))
@@ -135,18 +138,20 @@ def resolve_model(path: str, what: str = "model.path") -> tuple[str, str | None]
     repo, _, revision = path.partition("@")
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     fetch = f"fetch it on a machine with network (`hf download {repo}" + (f" --revision {revision}" if revision else "") + \
-        "`, into the same Hugging Face cache), or point " + what + " at a local model directory"
+        "`, into the same Hugging Face cache), or point " + what + " at a local model directory (there is no " + \
+        f"local directory {path!r})"
     try:
         local = snapshot_download(repo, revision=revision or None, local_files_only=offline)
     except (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError, HFValidationError) as e:
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"{what} {path!r}: the Hub has no such model or revision, or it is gated ({why}); check the "
-                          f"id, or log in with `hf auth login`") from None
+        raise ConfigError(f"{what} {path!r}: no local directory of that name, and the Hub has no such model or "
+                          f"revision, or it is gated ({why}); check the path or id, or log in with `hf auth login`") from None
     except LocalEntryNotFoundError:
         where = "HF_HUB_OFFLINE=1" if offline else "the Hub cannot be reached"
         raise ConfigError(f"{what} {path!r} is not in the Hugging Face cache and {where}; {fetch}") from None
-    except OSError as e:  # the network failed mid-download
-        raise ConfigError(f"{what} {path!r}: the download failed ({e}); {fetch}") from None
+    except Exception as e:  # the network or a proxy failed mid-request (OSError, httpx errors, HTTP 401/5xx)
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"{what} {path!r}: the Hub request failed ({type(e).__name__}: {why}); {fetch}") from None
     return local, f"{repo}@{os.path.basename(local)}"
 
 
@@ -193,7 +198,7 @@ def check_inputs(cfg: Config) -> list[str]:
     tokenizer = check_model_dir(path)
     train = PromptSource(cfg, tokenizer)
     eval_lengths: Counter = Counter()
-    evals = eval_sets(cfg, tokenizer, eval_lengths)
+    evals = eval_sets(cfg, tokenizer, eval_lengths) if cfg.eval.every_steps else {}  # off: the hub reads none
     lines = [f"data: {len(train)} training prompts" + (f" ({note})" if (note := length_note(cfg, train.lengths)) else "")]
     if evals:
         sizes = ", ".join(f"{ds} {len(ps)}" for ds, ps in evals.items())

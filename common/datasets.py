@@ -84,15 +84,20 @@ def _parquet_rows(path: str) -> Iterator[tuple[int, dict]]:
     except (pa.ArrowException, OSError) as e:
         raise DatasetError(f"{path}: not a readable parquet file ({str(e).splitlines()[0]}); write it with "
                            f"pandas.DataFrame.to_parquet or pyarrow.parquet.write_table") from None
-    columns = pf.schema_arrow.names
-    if "prompt" not in columns:
-        raise DatasetError(f"{path}: no column prompt (columns: {', '.join(columns) or 'none'}); the layout needs prompt "
-                           f"and reward_model.ground_truth (or answer), see covrl-prepare-data")
-    i = 0
-    for batch in pf.iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            yield i, row
-            i += 1
+    with pf:
+        columns = pf.schema_arrow.names
+        if "prompt" not in columns:
+            raise DatasetError(f"{path}: no column prompt (columns: {', '.join(columns) or 'none'}); the layout needs "
+                               f"prompt and reward_model.ground_truth (or answer), see covrl-prepare-data")
+        i = 0
+        try:
+            for batch in pf.iter_batches(batch_size=1024):
+                for row in batch.to_pylist():
+                    yield i, row
+                    i += 1
+        except pa.ArrowException as e:
+            raise DatasetError(f"{path}: row {i} onwards cannot be read ({str(e).splitlines()[0]}); the file is "
+                               f"damaged: write it again") from None
 
 
 def _answer(row: dict, where: str) -> str:
@@ -171,7 +176,13 @@ def render_prompt_text(rec: Record, tokenizer, *, template: Template, instructio
         messages = [{"role": "user", "content": f"{rec.text}\n\n{instruction}" if instruction else rec.text}]
     if system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError as e:  # e.g. "System role not supported", roles that must alternate
+        raise DatasetError(f"the tokenizer's chat template refuses this prompt ({e}); for a template without a system "
+                           f"role set data.system_prompt = \"\", or use data.template = \"plain\"") from None
 
 
 def fit_prompt(ids: list[int], max_tokens: int, truncation: Truncation, where: str) -> list[int] | None:

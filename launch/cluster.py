@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -43,6 +44,7 @@ from launch.progress import Progress
 from launch.roles import RoleSpec, generator_spec, learner_specs
 
 GRACE_S = 10.0
+TENSORBOARD = [sys.executable, "-m", "tensorboard.main"]
 
 
 def due(spec: RoleSpec, run_dir: str) -> bool:
@@ -151,6 +153,8 @@ def prepare_resume(args, gpus: int = 0) -> tuple[str, object, ClusterInfo, list[
     _check_hub_port(cfg)
     info = write_addresses(run_dir, cfg, old.run_id, gens, learners)
     write_generator_target(run_dir, gens)
+    if os.path.exists(stale := os.path.join(run_dir, "progress.json")):
+        os.remove(stale)  # the dead run's last step, past the checkpoint the learner resumes from
     return run_dir, cfg, info, notes
 
 
@@ -191,8 +195,6 @@ def prepare(args, gpus: int = 0) -> tuple[str, object, ClusterInfo, list[str]]:
         raise ConfigError(f"--gens {args.gens} --learners {args.learners}: need at least one of each")
     placement = place_gpus(gpus, args.learners, args.gens, args.tp)  # a placement that cannot fit
     cfg = resolved_config(args)
-    local, hub = resolve_model(cfg.model.path)  # a Hub id: its snapshot in the cache, fetched here once if missing
-    cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=local))
     check_colocation(placement, cfg.generator)
     check_host(cfg.transport.host)
     r = cfg.rollout
@@ -201,12 +203,14 @@ def prepare(args, gpus: int = 0) -> tuple[str, object, ClusterInfo, list[str]]:
     if args.learners > per_update:
         raise ConfigError(f"--learners {args.learners}: an optimizer step has only {per_update} samples (groups_per_step "
                           f"x group_size / mini_batches) to shard; use at most {per_update} learner ranks or a bigger batch")
+    if os.path.exists(os.path.join(run_dir := run_dir_of(args), "metrics.jsonl")):
+        raise ConfigError(f"{run_dir} already holds a run (metrics.jsonl); pick a new --run-dir")
+    check_wandb(cfg)
+    local, hub = resolve_model(cfg.model.path)  # a Hub id: its snapshot in the cache, fetched here once if missing
+    cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=local))
     notes = check_inputs(cfg)  # the model and every data row, in this process, before anything starts
     if hub:
         notes.insert(0, f"model: {hub} from the Hugging Face cache ({local})")
-    run_dir = os.path.abspath(args.run_dir or os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S")))
-    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        raise ConfigError(f"{run_dir} already holds a run (metrics.jsonl); pick a new --run-dir")
     try:
         os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
         probe = os.path.join(run_dir, ".write-test")
@@ -220,6 +224,28 @@ def prepare(args, gpus: int = 0) -> tuple[str, object, ClusterInfo, list[str]]:
     info = write_addresses(run_dir, cfg, uuid.uuid4().hex[:12], args.gens, args.learners)
     write_generator_target(run_dir, args.gens)
     return run_dir, cfg, info, notes
+
+
+def run_dir_of(args) -> str:
+    if args.run_dir is None:  # chosen once, so every check and the directory agree on it
+        args.run_dir = os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    return os.path.abspath(args.run_dir)
+
+
+def check_wandb(cfg) -> None:
+    """W&B online needs credentials; without them wandb.init would fail in learner rank 0 after the start."""
+    w = cfg.logging.wandb
+    if not w.project or w.mode != "online" or os.environ.get("WANDB_API_KEY"):
+        return
+    import netrc
+
+    try:
+        found = netrc.netrc().authenticators("api.wandb.ai")
+    except (FileNotFoundError, netrc.NetrcParseError):
+        found = None
+    if found is None:
+        raise ConfigError("logging.wandb.mode = \"online\" but no W&B credentials (WANDB_API_KEY, or `wandb login`); "
+                          "log in, or set logging.wandb.mode = \"offline\" and `wandb sync` later")
 
 
 def visible_gpus(requested: int | None) -> int:
@@ -290,7 +316,8 @@ def log_cause(run_dir: str, name: str) -> str:
     except FileNotFoundError:
         return f"its log {path} is missing"
     tail = [ln for ln in tail if ln.strip()]
-    cause = next((ln for ln in reversed(tail) if _CAUSE.search(ln)), tail[-1] if tail else "its log is empty")
+    causes = [ln for ln in tail if _CAUSE.search(ln) and not ln.startswith("Exception ignored")]  # shutdown noise
+    cause = causes[-1] if causes else tail[-1] if tail else "its log is empty"
     return f"{cause[:300]} (full log: {path})"
 
 
@@ -491,10 +518,19 @@ def main(argv=None) -> int:
     except USER_ERRORS as e:
         return fail(e)
     extra: list[subprocess.Popen] = []
+    try:
+        return launched(args, sup, backend, run_dir, cfg, info, notes, gpus, extra)
+    finally:
+        for p in extra:  # TensorBoard, in a session of its own: its whole group, whatever ended the launcher
+            stop_group(p)
+
+
+def launched(args, sup, backend, run_dir: str, cfg, info, notes: list[str], gpus: int, extra: list) -> int:
+    """Everything after the checks: TensorBoard, the banner, the supervised run, the summary and plots."""
     if args.tensorboard:
         port = free_port()
-        extra.append(subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", os.path.join(run_dir, "tb"),
-                                       "--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL,
+        extra.append(subprocess.Popen(TENSORBOARD + ["--logdir", os.path.join(run_dir, "tb"), "--host", "127.0.0.1",
+                                                     "--port", str(port)], stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, start_new_session=True))
         print(f"TensorBoard: http://127.0.0.1:{port}/")
     resumed = f", resuming from {ckpt[1]}" if args.resume and (ckpt := latest_checkpoint(run_dir)) else ""
@@ -517,52 +553,64 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     clear_learners_ready(run_dir)
     try:
+        code = sup.run()
+    except KeyboardInterrupt:
+        code = 130
+        sup.say(f"interrupted: the learners finish their step and write a checkpoint (up to "
+                f"{cfg.run.stop_grace_s:.0f}s; Ctrl-C again stops at once)")
         try:
-            code = sup.run()
+            sup.drain_learners(cfg.run.stop_grace_s)
         except KeyboardInterrupt:
-            code = 130
-            sup.say(f"interrupted: the learners finish their step and write a checkpoint (up to "
-                    f"{cfg.run.stop_grace_s:.0f}s; Ctrl-C again stops at once)")
-            try:
-                sup.drain_learners(cfg.run.stop_grace_s)
-            except KeyboardInterrupt:
-                print("second interrupt: not waiting for the checkpoint", file=sys.stderr)
-            print("stopping every process this run started", file=sys.stderr)
-        finally:
-            backend.close(GRACE_S)
-        sup.progress.finish()
-        print(summary(run_dir, cfg, time.monotonic() - t0, args.ray))
-        if read_metrics(run_dir):
-            try:
-                from launch.plots import run_plots
-
-                print(f"  plots: {os.path.dirname(run_plots(run_dir)[0])}/ (reward, entropy, response length, "
-                      f"held-out accuracy vs step; accuracy vs entropy with the law's fit)")
-            except Exception as e:  # a picture must not cost the user the summary or the exit status
-                print(f"  plots could not be drawn ({type(e).__name__}: {e}); `covrl-plots {run_dir}` draws them "
-                      f"later", file=sys.stderr)
-        for p in extra:
-            keep_serving(p, run_dir, code)
+            print("second interrupt: not waiting for the checkpoint", file=sys.stderr)
+        print("stopping every process this run started", file=sys.stderr)
     finally:
-        for p in extra:  # TensorBoard, in a session of its own: its whole group
-            stop_group(p)
+        backend.close(GRACE_S)
+    sup.progress.finish()
+    print(summary(run_dir, cfg, time.monotonic() - t0, args.ray))
+    if read_metrics(run_dir):
+        try:
+            from launch.plots import run_plots
+
+            print(f"  plots: {os.path.dirname(run_plots(run_dir)[0])}/ (reward, entropy, response length, "
+                  f"held-out accuracy vs step; accuracy vs entropy with the law's fit)")
+        except Exception as e:  # a picture must not cost the user the summary or the exit status
+            print(f"  plots could not be drawn ({type(e).__name__}: {e}); `covrl-plots {run_dir}` draws them "
+                  f"later", file=sys.stderr)
+    for p in extra:
+        keep_serving(p, run_dir, code)
     return code
 
 
-def stop_group(p: subprocess.Popen) -> None:
-    if p.poll() is None:
+def in_foreground() -> bool:
+    """Stdin and stdout are a terminal and this process's group owns it (not a `&` background job)."""
+    try:
+        return sys.stdout.isatty() and os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except OSError:
+        return False
+
+
+def stop_group(p: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """SIGTERM the process group `p` leads, SIGKILL it after `grace_s`."""
+    if p.poll() is not None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
-            os.killpg(p.pid, signal.SIGTERM)
+            os.killpg(p.pid, sig)
         except ProcessLookupError:
-            pass
-        p.wait()
+            break
+        try:
+            p.wait(timeout=grace_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    p.wait()
 
 
 def keep_serving(tensorboard: subprocess.Popen, run_dir: str, code: int) -> None:
     """After the run: at a terminal, TensorBoard keeps serving until Ctrl-C; otherwise (a script, a pipe) it is
     stopped, with the command that reopens it. Stopped as the process group it was started as."""
-    reopen = f"{os.path.join(os.path.dirname(sys.executable), 'tensorboard')} --logdir {run_dir}/tb"
-    if code != 130 and sys.stdin.isatty() and sys.stdout.isatty():
+    reopen = shlex.join(TENSORBOARD + ["--logdir", os.path.join(run_dir, "tb")])
+    if code != 130 and in_foreground():
         print("TensorBoard keeps serving the finished run; Ctrl-C stops it")
         try:
             tensorboard.wait()

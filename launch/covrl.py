@@ -45,25 +45,41 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+# The covrl-cluster flags a resume takes: (flag, takes a value, help).
+RESUME_FLAGS = [
+    ("--steps", True, "train to this many steps (more than the run was started with)"),
+    ("--gens", True, "generators (default: as many as the run last had)"),
+    ("--gpus", True, "GPUs of this node to place roles on (default: every CUDA device; 0: CPU only)"),
+    ("--tp", True, "tensor-parallel GPUs per generator, as the run was started with (default 1)"),
+    ("--ray-learner-resources", True, "extra Ray resources in each learner rank's bundle (JSON)"),
+    ("--ray-generator-resources", True, "extra Ray resources in each generator's bundle (JSON)"),
+    ("--progress-every", True, "seconds between progress lines when stdout is not a terminal (default 10)"),
+    ("--tensorboard", False, "also serve TensorBoard for this run"),
+    ("--quiet", False, "no live progress line"),
+    ("--print-config", False, "print the run's config (with --steps) and exit"),
+]
+
+
 def resume(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="covrl resume", description=COMMANDS["resume"][1])
     ap.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of the run to continue")
-    ap.add_argument("--steps", type=int, help="train to this many steps (more than the run was started with)")
-    ap.add_argument("--gens", type=int, help="generators (default: as many as the run last had)")
     ap.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                     help="continue on Ray: ADDRESS of a running cluster, or none for a local instance")
-    ap.add_argument("--tensorboard", action="store_true", help="also serve TensorBoard for this run")
-    ap.add_argument("--quiet", action="store_true", help="no live progress line")
-    ap.add_argument("--print-config", action="store_true", help="print the run's config (with --steps) and exit")
+    for flag, value, about in RESUME_FLAGS:
+        ap.add_argument(flag, help=about, **({"metavar": flag[2:].upper().replace("-", "_")} if value
+                                             else {"action": "store_true"}))
     args = ap.parse_args(argv)
     from launch import cluster
 
     forward = ["--resume", args.run_dir]
-    forward += ["--steps", str(args.steps)] if args.steps is not None else []
-    forward += ["--gens", str(args.gens)] if args.gens is not None else []
-    forward += ["--ray"] + ([args.ray] if args.ray != "local" else []) if args.ray is not None else []
-    forward += [flag for flag, on in (("--tensorboard", args.tensorboard), ("--quiet", args.quiet),
-                                      ("--print-config", args.print_config)) if on]
+    if args.ray is not None:
+        forward += ["--ray"] + ([args.ray] if args.ray != "local" else [])
+    for flag, value, _ in RESUME_FLAGS:
+        got = getattr(args, flag[2:].replace("-", "_"))
+        if value and got is not None:
+            forward += [flag, got]
+        elif not value and got:
+            forward.append(flag)
     return cluster.main(forward)
 
 

@@ -66,16 +66,20 @@ def main(argv=None) -> int:
     plot_path = args.plot or os.path.join(args.run_dir, f"law_fit_{source}.png")
     from launch.plots import plot_law_fit  # matplotlib only once there is something to draw
 
-    plot_law_fit({f"{source} points": list(zip(H, R))}, {f"{source} points": fit}, plot_path,
-                 ylabel=reward_desc, title=f"{os.path.basename(os.path.abspath(args.run_dir))}: R = -a exp(H) + b")
     out = {"source": source, "reward_key": reward_desc, "entropy_key": entropy_desc, "steps": steps,
            "a": fit.a, "b": fit.b, "r2": fit.r2, "ceiling": fit.ceiling, "points": fit.n,
            "early_fit": {"a": early.a, "b": early.b, "points": early.n}, "early_rmse_on_rest": rmse,
            "early_prediction": {"step": steps[-1], "predicted": early.predict(H[-1]), "measured": R[-1],
                                 "interval_95": half},
            "plot": plot_path}
-    with open(os.path.join(args.run_dir, f"law_fit_{source}.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    try:
+        plot_law_fit({f"{source} points": list(zip(H, R))}, {f"{source} points": fit}, plot_path,
+                     ylabel=reward_desc, title=f"{os.path.basename(os.path.abspath(args.run_dir))}: R = -a exp(H) + b")
+        with open(os.path.join(args.run_dir, f"law_fit_{source}.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    except OSError as e:
+        return fail(f"cannot write the fit's files ({e.strerror}: {e.filename}); pass a writable --plot, or fit a "
+                    f"copy of the run directory")
     why = "chosen with --on" if args.on else ("default: the run has eval points" if source == "eval"
                                               else f"default: fewer than {MIN_POINTS} eval points" if not keys_given
                                               else "--reward/--entropy given")

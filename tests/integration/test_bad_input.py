@@ -102,6 +102,9 @@ CASES = [
     ("model path missing", RUN + ["--set", "model.path=\"{tmp}/nomodel\""], "nomodel' is not a directory"),
     ("model without config.json", RUN + ["--set", "model.path=\"{no_config}\""], "no_config' has no config.json"),
     ("model config not JSON", RUN + ["--set", "model.path=\"{broken_config}\""], "config.json is not a JSON object"),
+    ("Hub id not in the cache", RUN + ["--set", "model.path=\"acme/not-cached\""],
+     "model.path 'acme/not-cached' is not in the Hugging Face cache and HF_HUB_OFFLINE=1; fetch it"),
+    ("W&B online without credentials", RUN + ["--set", "logging.wandb.project=\"p\""], "no W&B credentials"),
     ("model without weights", RUN + ["--set", "model.path=\"{no_weights}\""], "no_weights' has no weights"),
     ("model without tokenizer", RUN + ["--set", "model.path=\"{no_tokenizer}\""], "no_tokenizer' has no tokenizer"),
     # the config
@@ -149,8 +152,10 @@ def test_bad_input_is_one_line_exit_2_nothing_left(case, argv, needle, inputs, t
     values = {**inputs, "run": str(run)}
     cmd = [sys.executable] + [a.format(**values) for a in argv]
     before = {p: sorted(os.listdir(inputs[p])) for p in ("a_run", "not_a_run")}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
-                       env={**os.environ, "PYTHONPATH": REPO})
+    env = {**os.environ, "PYTHONPATH": REPO, "HOME": inputs["tmp"], "HF_HUB_OFFLINE": "1",
+           "HF_HUB_CACHE": os.path.join(inputs["tmp"], "hub")}  # no W&B login, an empty Hub cache, offline
+    env.pop("WANDB_API_KEY", None)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2, f"{case}: exit {p.returncode}\n{p.stdout}\n{p.stderr}"
     assert "Traceback" not in p.stderr, p.stderr

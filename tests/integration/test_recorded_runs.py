@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 
@@ -102,9 +103,7 @@ def record(only_this_cpu: bool) -> None:
         meta = json.load(f)
     if only_this_cpu:
         for p in meta["platforms"]:
-            for name in CASES:
-                os.remove(os.path.join(HERE, p, f"{name}.jsonl"))
-            os.rmdir(os.path.join(HERE, p))
+            shutil.rmtree(os.path.join(HERE, p))
         meta["platforms"] = {}
     out = os.path.join(HERE, platform())
     os.makedirs(out, exist_ok=True)

@@ -27,3 +27,17 @@ def test_resume_forwards_to_the_launcher_and_unknown_commands_are_refused(tmp_pa
     assert main(["resume", str(tmp_path)]) == 2  # not a run: the launcher's own one-line refusal
     assert "not a covrl run directory" in capsys.readouterr().err
     assert main(["trian"]) == 2 and "unknown command 'trian'" in capsys.readouterr().err
+
+
+def test_resume_forwards_every_flag_a_resume_takes(monkeypatch):
+    from launch import cluster
+
+    got = []
+    monkeypatch.setattr(cluster, "main", lambda argv: got.append(argv) or 0)  # the launcher's argv, not a run
+    assert main(["resume", "R", "--steps", "200", "--gens", "3", "--tp", "2", "--gpus", "4", "--ray", "10.0.0.1:6379",
+                 "--ray-learner-resources", '{"t": 1}', "--progress-every", "30", "--quiet"]) == 0
+    assert got[-1] == ["--resume", "R", "--ray", "10.0.0.1:6379", "--steps", "200", "--gens", "3", "--gpus", "4",
+                       "--tp", "2", "--ray-learner-resources", '{"t": 1}', "--progress-every", "30", "--quiet"]
+    main(["resume", "--ray", "--", "R"])  # --ray without an address: a local Ray instance
+    assert got[-1] == ["--resume", "R", "--ray"]
+    assert cluster.parse_args(got[0][:2] + got[0][4:]).tp == 2  # what it forwards is what covrl-cluster parses

@@ -137,3 +137,20 @@ def test_the_start_banner_says_what_the_length_limit_did(tmp_path, truncation, s
     cfg = load_config(None, ['data.task="files"', f'data.train_files=["{path}"]', "data.max_prompt_tokens=48",
                              f'data.truncation="{truncation}"'])
     assert check_inputs(cfg) == [said]  # no eval files: no eval line
+
+
+def test_a_chat_template_that_refuses_a_prompt_names_the_row(tmp_path, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from common.config import load_config
+    from common.data import PromptSource
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "answer": "2"}) + "\n")
+    cfg = load_config(None, ['data.task="files"', f'data.train_files=["{path}"]', 'data.system_prompt="Be brief."'])
+    with pytest.raises(DatasetError, match=rf"{path}: row 0: the tokenizer's chat template refuses this prompt "
+                                           rf"\(System role not supported\); .* data.system_prompt = \"\""):
+        PromptSource(cfg, tok)

@@ -37,7 +37,8 @@ def test_a_missing_model_says_how_to_fetch_it(hub_cache):
     assert p.returncode == 2
     assert p.stderr.strip() == ("model.path 'acme/other-model' is not in the Hugging Face cache and HF_HUB_OFFLINE=1; "
                                 "fetch it on a machine with network (`hf download acme/other-model`, into the same "
-                                "Hugging Face cache), or point model.path at a local model directory")
+                                "Hugging Face cache), or point model.path at a local model directory (there is no "
+                                "local directory 'acme/other-model')")
 
 
 def test_without_a_network_the_cache_still_serves_and_a_miss_says_so(hub_cache):

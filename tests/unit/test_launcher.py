@@ -195,3 +195,20 @@ def test_resume_of_a_finished_run_starts_nothing_and_says_how_to_continue(tmp_pa
 
     assert tomllib.loads(capsys.readouterr().out)["run"]["steps"] == 5  # what --resume --steps 5 would run
     assert tomllib.loads((tmp_path / "config.toml").read_text())["run"]["steps"] == 3  # and the run is untouched
+
+
+def test_a_failed_role_is_said_in_one_line_from_its_log(tmp_path):
+    from launch.cluster import log_cause
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "learner0.log").write_text(
+        "[WARNING] Setting accelerator to CPU.\n[rank0]: Traceback (most recent call last):\n"
+        "[rank0]:   File \"x.py\", line 1, in <module>\n[rank0]: OSError: no file named model.safetensors\n"
+        "Exception ignored in: <function _after_fork at 0x7f>\n")
+    assert log_cause(str(tmp_path), "learner0") == \
+        f"OSError: no file named model.safetensors (full log: {logs / 'learner0.log'})"
+    (logs / "gen0.log").write_text("2026 gen0 ERROR covrl.actor: hub refused us: protocol version 4 != 5\n"
+                                   "2026 gen0 INFO covrl.actor: closing\n")
+    assert log_cause(str(tmp_path), "gen0").startswith("2026 gen0 ERROR covrl.actor: hub refused us")
+    assert log_cause(str(tmp_path), "gen1").startswith("its log ") and "is missing" in log_cause(str(tmp_path), "gen1")
