@@ -4,8 +4,11 @@
         [--study-dir DIR] [--gens 1] [--learners 1] [--seed 0] [--set KEY=VALUE ...] [--report-only]
 
 Each method is one `python -m launch.cluster` run in STUDY_DIR/<method>, with the same seed, preset
-overrides and user overrides; only the method's own overrides (METHODS) differ. Methods run one
-after another in the order given. A method whose run dir already holds a complete run (a metrics
+overrides and user overrides; only the method's own overrides (METHODS) differ. Two more axes:
+`--seeds 0,1` runs every method once per seed (STUDY_DIR/<method>@s<seed> beyond the first seed), so the report
+can show the spread; `--staleness 0,4` runs the `--staleness-methods` (default grpo,kl_cov) again at each
+`rollout.max_staleness_steps` k (STUDY_DIR/<method>@k<k>, first seed; the plain run is the config's k). Runs go
+one after another in that order. A method whose run dir already holds a complete run (a metrics
 row with step == N) is skipped, so rerunning an interrupted study's command resumes it; an
 incomplete run dir is an error (delete it to redo that method). STUDY_DIR/study.json records the
 settings, the exact command and per-method wall-clock time. Then launch/study_report.py writes
@@ -77,7 +80,9 @@ class Plan:
     preset: str
     methods: list[str]
     steps: int
-    seed: int
+    seeds: list[int]  # the first is the plain runs' seed
+    staleness: list[int]  # extra rollout.max_staleness_steps values for staleness_methods (first seed)
+    staleness_methods: list[str]
     gens: int
     learners: int
     user_overrides: list[str]
@@ -94,7 +99,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--study-dir", help="output directory (default runs/study-<YYYYmmdd-HHMMSS>)")
     ap.add_argument("--gens", type=int, default=1, help="generator processes per run (default 1)")
     ap.add_argument("--learners", type=int, default=1, help="learner ranks per run (default 1)")
-    ap.add_argument("--seed", type=int, default=0, help="run.seed of every method (default 0)")
+    ap.add_argument("--seed", type=int, default=0, help="run.seed of every method (default 0; see --seeds)")
+    ap.add_argument("--seeds", help="comma-separated run.seed values: every method runs once per seed "
+                                    "(default: --seed alone); the report shows the spread")
+    ap.add_argument("--staleness", help="comma-separated rollout.max_staleness_steps values at which the "
+                                        "--staleness-methods run again (first seed), e.g. 0,4")
+    ap.add_argument("--staleness-methods", default="grpo,kl_cov",
+                    help="methods of the staleness axis (default grpo,kl_cov; each must be in --methods)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every method")
     ap.add_argument("--report-only", action="store_true", help="run nothing; rewrite the report of --study-dir")
     return ap.parse_args(argv)
@@ -121,24 +132,75 @@ def make_plan(args: argparse.Namespace, command: str, now: datetime.datetime) ->
         key = kv.split("=", 1)[0].strip()
         if key in ("run.seed", "run.steps"):
             raise StudyError(f"--set {kv!r}: use --{key.split('.')[1]} instead, so study.json records it")
+    seeds = _ints(args.seeds, "--seeds") if args.seeds is not None else [args.seed]
+    staleness = _ints(args.staleness, "--staleness") if args.staleness is not None else []
+    if len(set(seeds)) != len(seeds) or any(x < 0 for x in seeds + staleness) or len(set(staleness)) != len(staleness):
+        raise StudyError("--seeds and --staleness list distinct non-negative integers, e.g. --seeds 0,1 --staleness 0,4")
+    stale_methods = [m.strip() for m in args.staleness_methods.split(",") if m.strip()] if staleness else []
+    if not set(stale_methods) <= set(methods):
+        raise StudyError(f"--staleness-methods {args.staleness_methods}: each must also be in --methods "
+                         f"({', '.join(methods)})")
     if args.report_only and not args.study_dir:
         raise StudyError("--report-only needs --study-dir: the report is rebuilt from an existing study's runs")
-    for method in methods:  # each method's config, checked before the study directory exists
-        try:
-            load_config(None, [*PRESETS[args.preset]["overrides"], *METHODS[method], *args.set, f"run.steps={steps}"])
-        except ConfigError as e:
-            raise StudyError(f"method {method}: {e}") from None
     study_dir = args.study_dir or os.path.join("runs", f"study-{now:%Y%m%d-%H%M%S}")
-    return Plan(preset=args.preset, methods=methods, steps=steps, seed=args.seed, gens=args.gens,
-                learners=args.learners, user_overrides=list(args.set), study_dir=os.path.abspath(study_dir),
-                report_only=args.report_only, command=command)
+    plan = Plan(preset=args.preset, methods=methods, steps=steps, seeds=seeds, staleness=staleness,
+                staleness_methods=stale_methods, gens=args.gens, learners=args.learners, user_overrides=list(args.set),
+                study_dir=os.path.abspath(study_dir), report_only=args.report_only, command=command)
+    for name in run_names(plan):  # each run's config, checked before the study directory exists
+        try:
+            load_config(None, [*run_overrides(plan, name), f"run.steps={steps}"])
+        except ConfigError as e:
+            raise StudyError(f"{name}: {e}") from None
+    return plan
 
 
-def cluster_command(plan: Plan, method: str) -> list[str]:
-    """The cluster command line of one method (run with cwd = repo root, so `-m launch.cluster` finds the package)."""
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise StudyError(f"{flag} {text!r}: give comma-separated integers, e.g. {flag} 0,1") from None
+    if not values:
+        raise StudyError(f"{flag} {text!r}: give at least one integer")
+    return values
+
+
+def run_names(plan: Plan) -> list[str]:
+    """Every run of the study in run order: each method at each seed, then the staleness axis."""
+    names = [m if i == 0 else f"{m}@s{seed}" for m in plan.methods for i, seed in enumerate(plan.seeds)]
+    return names + [f"{m}@k{k}" for m in plan.staleness_methods for k in plan.staleness]
+
+
+def parse_run(name: str) -> tuple[str, int | None, int | None]:
+    """(method, seed or None, staleness k or None) of a run name: grpo, grpo@s1, grpo@k4."""
+    method, _, variant = name.partition("@")
+    if variant.startswith("s"):
+        return method, int(variant[1:]), None
+    if variant.startswith("k"):
+        return method, None, int(variant[1:])
+    return method, None, None
+
+
+def run_variant(name: str) -> list[str]:
+    """What the report lists as a run's own overrides: its method's, and its seed or staleness if it varies them."""
+    method, seed, k = parse_run(name)
+    extra = [f"run.seed={seed}"] if seed is not None else [f"rollout.max_staleness_steps={k}"] if k is not None else []
+    return [*METHODS.get(method, []), *extra]
+
+
+def run_overrides(plan: Plan, name: str) -> list[str]:
+    """The config overrides that make one run, in order: its seed, the preset's, its method's, the user's, its
+    staleness."""
+    method, seed, k = parse_run(name)
+    out = [f"run.seed={plan.seeds[0] if seed is None else seed}", *PRESETS[plan.preset]["overrides"], *METHODS[method],
+           *plan.user_overrides]
+    return out + ([f"rollout.max_staleness_steps={k}"] if k is not None else [])
+
+
+def cluster_command(plan: Plan, name: str) -> list[str]:
+    """The cluster command line of one run (run with cwd = repo root, so `-m launch.cluster` finds the package)."""
     cmd = [sys.executable, "-m", "launch.cluster", "--gens", str(plan.gens), "--learners", str(plan.learners),
-           "--run-dir", os.path.join(plan.study_dir, method), "--steps", str(plan.steps), "--set", f"run.seed={plan.seed}"]
-    for kv in PRESETS[plan.preset]["overrides"] + METHODS[method] + plan.user_overrides:
+           "--run-dir", os.path.join(plan.study_dir, name), "--steps", str(plan.steps)]
+    for kv in run_overrides(plan, name):
         cmd += ["--set", kv]
     return cmd
 
@@ -152,7 +214,7 @@ def run_status(run_dir: str, steps: int) -> str:
 
 def _settings(plan: Plan) -> dict:
     """The settings a resumed study must share with the runs already in its directory."""
-    return {"preset": plan.preset, "steps": plan.steps, "seed": plan.seed, "gens": plan.gens,
+    return {"preset": plan.preset, "steps": plan.steps, "seed": plan.seeds[0], "gens": plan.gens,
             "learners": plan.learners, "user_overrides": plan.user_overrides}
 
 
@@ -165,7 +227,7 @@ def check_resumable(plan: Plan, previous: dict | None) -> dict[str, str]:
         if changed:
             raise StudyError(f"{plan.study_dir} was started with other settings ({'; '.join(changed)}); results "
                              f"would not be comparable. Rerun with the original settings or pick a new --study-dir")
-    status = {m: run_status(os.path.join(plan.study_dir, m), plan.steps) for m in plan.methods}
+    status = {m: run_status(os.path.join(plan.study_dir, m), plan.steps) for m in run_names(plan)}
     for m, s in status.items():
         if s == "incomplete":
             d = os.path.join(plan.study_dir, m)
@@ -195,13 +257,15 @@ def _read_json(path: str) -> dict | None:
 def new_meta(plan: Plan, previous: dict | None, now: datetime.datetime) -> dict:
     """study.json contents before any method runs; wall-clock times of earlier invocations are kept."""
     old_wall = (previous or {}).get("wall_clock_s", {})
-    return {"preset": plan.preset, "methods": plan.methods, "steps": plan.steps, "seed": plan.seed,
+    runs = run_names(plan)
+    return {"preset": plan.preset, "methods": plan.methods, "runs": runs, "steps": plan.steps, "seed": plan.seeds[0],
+            "seeds": plan.seeds, "staleness": plan.staleness, "staleness_methods": plan.staleness_methods,
             "gens": plan.gens, "learners": plan.learners,
             "overrides": {"preset": PRESETS[plan.preset]["overrides"], "methods": {m: METHODS[m] for m in plan.methods},
                           "user": plan.user_overrides},
             "command": plan.command, "start_time": now.isoformat(timespec="seconds"), "end_time": None,
-            "wall_clock_s": {m: old_wall.get(m) for m in plan.methods}, "status": {},
-            "run_commands": {m: shlex.join(cluster_command(plan, m)) for m in plan.methods}}
+            "wall_clock_s": {m: old_wall.get(m) for m in runs}, "status": {},
+            "run_commands": {m: shlex.join(cluster_command(plan, m)) for m in runs}}
 
 
 def run_method(cmd: list[str]) -> int:
@@ -222,14 +286,15 @@ def run_study(plan: Plan, status: dict[str, str], meta: dict) -> None:
     """Run every method not yet complete, updating study.json after each; raises RunFailed on a failed run
     and Interrupted on Ctrl-C."""
     path = os.path.join(plan.study_dir, "study.json")
-    for i, m in enumerate(plan.methods, 1):
+    runs = run_names(plan)
+    for i, m in enumerate(runs, 1):
         run_dir = os.path.join(plan.study_dir, m)
         if status[m] == "complete":
-            print(f"study: [{i}/{len(plan.methods)}] {m}: {run_dir} already holds a complete {plan.steps}-step run; skipping",
+            print(f"study: [{i}/{len(runs)}] {m}: {run_dir} already holds a complete {plan.steps}-step run; skipping",
                   flush=True)
             meta["status"][m] = "complete before this invocation"
             continue
-        print(f"study: [{i}/{len(plan.methods)}] {m} -> {run_dir}\n  {meta['run_commands'][m]}", flush=True)
+        print(f"study: [{i}/{len(runs)}] {m} -> {run_dir}\n  {meta['run_commands'][m]}", flush=True)
         t0 = time.monotonic()
         try:
             code = run_method(cluster_command(plan, m))
@@ -265,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             if not os.path.isdir(plan.study_dir):
                 raise StudyError(f"--report-only: {plan.study_dir} does not exist; pass the directory of an earlier study")
             meta = previous or {}
-            methods = plan.methods if args.methods is not None else meta.get("methods", plan.methods)
+            runs = run_names(plan) if args.methods is not None else meta.get("runs", meta.get("methods", plan.methods))
         else:
             status = check_resumable(plan, previous)
             os.makedirs(plan.study_dir, exist_ok=True)
@@ -274,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             run_study(plan, status, meta)
             meta["end_time"] = datetime.datetime.now().isoformat(timespec="seconds")
             _write_json(os.path.join(plan.study_dir, "study.json"), meta)
-            methods = plan.methods
+            runs = run_names(plan)
     except StudyError as e:
         print(f"study: error: {e}", file=sys.stderr)
         return 2
@@ -284,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         print(f"\nstudy: {e}", file=sys.stderr)
         return 130
-    path = write_report(plan.study_dir, methods, meta, method_overrides=METHODS)
+    path = write_report(plan.study_dir, runs, meta, method_overrides={r: run_variant(r) for r in runs})
     print(f"study: report {path}")
     return 0
 

@@ -3,7 +3,8 @@
 Reads STUDY_DIR/<method>/metrics.jsonl of every method and study.json's content (`meta`) and compares the
 methods against the claims of Cui et al. 2025 ("The Entropy Mechanism of RL for Reasoning LMs") and Jin et al.
 2025 (PAR): a summary, the entropy-performance law R = -a exp(H) + b per method and pooled, its early prediction,
-the covariance check, and one verdict per claim. Every number is computed from the runs' metrics; a missing run
+the covariance check, one verdict per claim, the spread over seeds (runs `<method>@s<seed>`) and the staleness
+axis (runs `<method>@k<k>`; launch/study.py names them). Every number is computed from the runs' metrics; a missing run
 or key never raises, it reads n/a with the reason. `render_report` is pure (no I/O); `write_report` writes the
 PNGs and report.md (atomically). The runner passes in the overrides that make each method (its METHODS), so this
 module imports nothing of it; `covrl-study --report-only --study-dir DIR` rewrites a study's report.
@@ -32,6 +33,7 @@ from common.metrics import read_metrics
 
 LAW_R2_HOLDS = 0.5  # claim (d): the pooled eval fit "holds" at R^2 >= this
 PLOTS = ["entropy.png", "eval_acc.png", "response_length.png", "law_fit.png", "cov_vs_entropy_delta.png"]
+STALENESS_PLOT = "staleness_entropy.png"  # only when the study has a staleness axis
 MISSING = "n/a"
 
 
@@ -115,6 +117,50 @@ def early_check(points: list[tuple[float, float]]) -> str:
     except ValueError as e:
         return f"{MISSING} ({e})"
     return f"fit on first {fit.n} of {len(points)}: RMSE {rmse:.4f} on the other {len(points) - fit.n}"
+
+
+def variant(name: str) -> tuple[str, str | None]:
+    """(method, kind of variant) of a run name (launch/study.py): grpo -> (grpo, None), grpo@s1 -> (grpo, "seed"),
+    grpo@k4 -> (grpo, "staleness")."""
+    method, _, v = name.partition("@")
+    return method, {"s": "seed", "k": "staleness"}.get(v[:1]) if v else None
+
+
+def seed_runs(runs: list[MethodRun]) -> dict[str, list[MethodRun]]:
+    """Per method, its runs that differ only by seed (the plain run first), for methods with data in two or more."""
+    out: dict[str, list[MethodRun]] = {}
+    for r in runs:
+        method, kind = variant(r.name)
+        if kind in (None, "seed") and r.rows:
+            out.setdefault(method, []).append(r)
+    return {m: rs for m, rs in out.items() if len(rs) >= 2}
+
+
+def staleness_runs(runs: list[MethodRun]) -> dict[str, list[tuple[float, MethodRun]]]:
+    """Per method with a staleness axis: (the largest staleness/max its steps saw, run), sorted by it, the plain
+    run included."""
+    out: dict[str, list[MethodRun]] = {}
+    for r in runs:
+        method, kind = variant(r.name)
+        if kind in (None, "staleness") and r.rows:
+            out.setdefault(method, []).append(r)
+    return {m: sorted(((max((v for _, v in key_series(r.rows, "staleness/max")), default=0.0), r) for r in rs),
+                      key=lambda x: x[0])
+            for m, rs in out.items() if any(variant(r.name)[1] == "staleness" for r in rs)}
+
+
+def _spread(values: list[float]) -> str:
+    return f"{sum(values) / len(values):.4f} ({min(values):.4f}–{max(values):.4f})" if values else MISSING
+
+
+def _monotone(values: list[float]) -> str:
+    if len(values) < 2:
+        return "one point"
+    if all(b > a for a, b in zip(values, values[1:])):
+        return "rises with k"
+    if all(b < a for a, b in zip(values, values[1:])):
+        return "falls with k"
+    return "no monotone trend"
 
 
 # ---------------------------------------------------------------------------
@@ -339,6 +385,71 @@ def claim_lines(runs: list[MethodRun], pooled_eval_fit: tuple[LawFit | None, str
     ]
 
 
+def section_seeds(runs: list[MethodRun]) -> str:
+    """Per method run at several seeds: the spread of its final held-out accuracy and end entropy."""
+    groups = seed_runs(runs)
+    head = "## 7. Seeds"
+    if not groups:
+        return f"{head}\n\nEach method ran at one seed, so the spread between seeds is unknown (`--seeds 0,1`)."
+    rows = []
+    for m, rs in groups.items():
+        accs = [f[1] for r in rs if (f := final_eval(r.rows)) is not None]
+        ends = [span[1] for r in rs if (span := entropy_span(r.rows)) is not None]
+        rows.append([m, ", ".join(r.name for r in rs), _spread(accs), _spread(ends)])
+    return "\n".join([head, "", "Mean over seeds (min–max):", "",
+                      _table(["method", "runs", "final mean eval accuracy", "entropy, last 10 % of steps"], rows)])
+
+
+def section_staleness(runs: list[MethodRun]) -> str:
+    """The new axis: how the staleness bound k changes entropy collapse, Cov and final accuracy, per method."""
+    groups = staleness_runs(runs)
+    head = "## 8. Staleness"
+    if not groups:
+        return f"{head}\n\nNo staleness axis in this study (`--staleness 0,4`)."
+    rows, findings = [], []
+    for m, pairs in groups.items():
+        ends, accs = [], []
+        for k, r in pairs:
+            span, fin = entropy_span(r.rows), final_eval(r.rows)
+            covs = [v for _, v in key_series(r.rows, "actor/cov_mean")]
+            rows.append([m, r.name, f"{k:.0f}", _arrow(span), _pct(*span) if span else MISSING,
+                         _f(sum(covs) / len(covs) if covs else None), _f(fin[1] if fin else None)])
+            if span and fin:
+                ends.append(span[1])
+                accs.append(fin[1])
+        findings.append(f"- {m}: the end entropy {_monotone(ends)} ({', '.join(f'{e:.4f}' for e in ends)}), the final "
+                        f"mean eval accuracy {_monotone(accs)} ({', '.join(f'{a:.4f}' for a in accs)}), in order of k.")
+    return "\n".join([head, "", "k is the largest staleness (policy versions between generation and training) the "
+                      "run's steps saw; entropy: mean of the first → last 10 % of steps.", "",
+                      _table(["method", "run", "k", "entropy first → last", "change", "mean actor/cov_mean",
+                              "final mean eval accuracy"], rows), "", *findings,
+                      "", "One seed per k: a difference smaller than the seed spread of section 7 is not an effect."])
+
+
+def claim_accuracy_beyond_seeds(by: dict[str, MethodRun], runs: list[MethodRun], method: str, label: str) -> str:
+    """(g) `method` ends at a higher held-out accuracy than GRPO, judged against the seed spread."""
+    title = f"(g) {label} ends at a higher held-out accuracy than GRPO"
+    groups = seed_runs(runs)
+    finals = {m: [f[1] for r in groups.get(m, [by[m]] if m in by else []) if (f := final_eval(r.rows)) is not None]
+              for m in ("grpo", method)}
+    if not finals["grpo"] or not finals[method]:
+        missing = [m for m, v in finals.items() if not v]
+        return f"{title}: skipped ({', '.join(missing)} has no evaluation)."
+    mine, base = finals[method], finals["grpo"]
+    measured = f"final mean eval accuracy {method} {_spread(mine)} vs grpo {_spread(base)} over {len(mine)} and " \
+               f"{len(base)} seed(s)"
+    if len(mine) < 2 or len(base) < 2:
+        verdict = "holds" if mine[0] > base[0] else "does not hold"
+        return f"{title}. Paper: yes. Measured {measured}: {verdict} at one seed; the seed spread is unknown."
+    if min(mine) > max(base):
+        verdict = "holds beyond the seed spread"
+    elif sum(mine) / len(mine) > sum(base) / len(base):
+        verdict = "higher on average but within the seed spread: not a win"
+    else:
+        verdict = "does not hold"
+    return f"{title}. Paper: yes. Measured {measured}: {verdict}."
+
+
 def render_report(runs: list[MethodRun], meta: dict, now: datetime.datetime, *,
                   method_overrides: dict[str, list[str]]) -> str:
     """The whole report.md text (pure: no I/O). `method_overrides`: the config overrides of each method, by name."""
@@ -348,7 +459,11 @@ def render_report(runs: list[MethodRun], meta: dict, now: datetime.datetime, *,
     pooled_cov = [p for pts in cov_pts.values() for p in pts]
     pooled_r = pearson([c for c, _ in pooled_cov], [d for _, d in pooled_cov])
     pooled_fit = try_fit([p for pts in eval_pts.values() for p in pts])
-    claims = claim_lines(runs, pooled_fit, pooled_r, len(pooled_cov))
+    by = {r.name: r for r in runs}
+    claims = claim_lines(runs, pooled_fit, pooled_r, len(pooled_cov)) + [
+        claim_accuracy_beyond_seeds(by, runs, "clip_cov", "Clip-Cov"),
+        claim_accuracy_beyond_seeds(by, runs, "kl_cov", "KL-Cov")]
+    plots = PLOTS + ([STALENESS_PLOT] if staleness_runs(runs) else [])
     return "\n\n".join([
         section_header(runs, meta, now, method_overrides),
         section_summary(runs),
@@ -356,7 +471,9 @@ def render_report(runs: list[MethodRun], meta: dict, now: datetime.datetime, *,
         section_early(eval_pts, train_pts),
         section_cov(cov_pts),
         "## 6. Does it match the paper?\n\n" + "\n".join(f"- {c}" for c in claims),
-        "## 7. Plots\n\n" + "\n\n".join(f"![{p.removesuffix('.png')}]({p})" for p in PLOTS),
+        section_seeds(runs),
+        section_staleness(runs),
+        "## 9. Plots\n\n" + "\n\n".join(f"![{p.removesuffix('.png')}]({p})" for p in plots),
     ]) + "\n"
 
 
@@ -381,7 +498,10 @@ def write_plots(study_dir: str, runs: list[MethodRun]) -> list[str]:
                      title="R = −a·exp(H) + b on eval points (dashed: per method, black: pooled)"),
         plot_scatter({r.name: cov_points(r.rows) for r in runs}, out(study_dir, "cov_vs_entropy_delta.png"),
                      xlabel="actor/cov_mean", ylabel="actor/entropy_delta", title="covariance vs entropy change per step"),
-    ]
+    ] + ([plot_lines({m: {f"k={k:.0f} ({r.name})": key_series(r.rows, "actor/entropy") for k, r in pairs}
+                      for m, pairs in stale.items()}, out(study_dir, STALENESS_PLOT), xlabel="step",
+                     ylabel="actor/entropy", title="entropy vs step at each staleness bound k")]
+         if (stale := staleness_runs(runs)) else [])
 
 
 def write_report(study_dir: str, methods: list[str], meta: dict, now: datetime.datetime | None = None, *,

@@ -21,7 +21,8 @@ TINY = ["rollout.groups_per_step=4", "rollout.group_size=4", "rollout.max_new_to
 def test_study_end_to_end_tiny_budget(tmp_path):
     study = tmp_path / "study"
     cmd = [sys.executable, os.path.join(REPO, "launch", "study.py"), "--preset", "arith", "--steps", "2",
-           "--methods", "grpo,clip_higher,clip_cov,kl_cov,par", "--study-dir", str(study)]
+           "--methods", "grpo,clip_higher,clip_cov,kl_cov,par", "--study-dir", str(study),
+           "--staleness", "0", "--staleness-methods", "grpo"]
     for kv in TINY:
         cmd += ["--set", kv]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
@@ -36,8 +37,12 @@ def test_study_end_to_end_tiny_budget(tmp_path):
     assert 'schedule = "entropy_guided"' in open(study / "par" / "config.toml").read()
     report = open(study / "report.md").read()
     for section in ("## 1. Study", "## 2. Summary", "## 3. Entropy", "## 4. Early prediction", "## 5. Covariance",
-                    "## 6. Does it match the paper?", "## 7. Plots"):
+                    "## 6. Does it match the paper?", "## 7. Seeds", "## 8. Staleness", "## 9. Plots"):
         assert section in report, section
+    # The staleness axis: grpo again at k = 0, a synchronous run (no step trains on an older version).
+    assert "max_staleness_steps = 0" in open(study / "grpo@k0" / "config.toml").read()
+    assert max(r.get("staleness/max") or 0 for r in read_metrics(str(study / "grpo@k0"))) == 0
+    assert "| grpo | grpo@k0 | 0 |" in report
     for png in ("entropy.png", "eval_acc.png", "response_length.png", "law_fit.png", "cov_vs_entropy_delta.png"):
         data = open(study / png, "rb").read()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
@@ -45,4 +50,4 @@ def test_study_end_to_end_tiny_budget(tmp_path):
     assert meta["steps"] == 2 and list(meta["methods"]) == ["grpo", "clip_higher", "clip_cov", "kl_cov", "par"]
     # Re-running the same command resumes: every method is complete, nothing runs again.
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert again.returncode == 0 and again.stdout.count("skip") >= 5, again.stdout[-2000:]
+    assert again.returncode == 0 and again.stdout.count("skip") >= 6, again.stdout[-2000:]

@@ -73,8 +73,11 @@ def test_report_has_every_section_and_recovers_the_law(tmp_path):
     path = study_report.write_report(d, list(ENTROPY), meta, now=NOW, method_overrides=study.METHODS)
     text = open(path).read()
     for heading in ("## 1. Study", "## 2. Summary", "## 3. Entropy–performance law", "## 4. Early prediction",
-                    "## 5. Covariance check", "## 6. Does it match the paper?", "## 7. Plots"):
+                    "## 5. Covariance check", "## 6. Does it match the paper?", "## 7. Seeds", "## 8. Staleness",
+                    "## 9. Plots"):
         assert heading in text
+    assert "Each method ran at one seed" in text and "No staleness axis in this study" in text
+    assert "at one seed; the seed spread is unknown" in claim(text, "g")
     assert "`python launch/study.py x`" in text and "2025-06-01 12:00:00" in text and "12.5" in text
     # The header's method table shows the overrides the runner passed in.
     assert "| clip_higher | `learner.loss.type=ppo`, `learner.loss.clip_low=0.2`, `learner.loss.clip_high=0.28` | ran |" in text
@@ -239,3 +242,62 @@ def test_plots_command_draws_runs_and_rejects_bad_input(tmp_path, capsys):
     assert "has none of no/such_key" in capsys.readouterr().err
     assert plots.main([str(tmp_path / "missing")]) == 2
     assert "metrics.jsonl is missing" in capsys.readouterr().err
+
+
+def test_seeds_show_their_spread_and_judge_the_headline_comparison(tmp_path):
+    """Two seeds per method: the seed section gives mean (min–max); claim (g) says whether Clip-Cov's lead over
+    GRPO is beyond the spread of the seeds."""
+    shift = {"grpo": 0.0, "grpo@s1": 0.05, "clip_cov": 0.6, "clip_cov@s1": 0.7, "kl_cov": 0.579, "kl_cov@s1": 0.622}
+    for name, dh in shift.items():  # an entropy offset moves the final accuracy: acc = -A exp(H) + B
+        method = name.partition("@")[0]
+        write_run(tmp_path / name, lambda v, m=method, d=dh: ENTROPY[m](v) - d)
+    text = study_report.render_report([study_report.load_run(str(tmp_path), n) for n in shift], {}, NOW,
+                                      method_overrides={})
+    seeds = text.split("## 7. Seeds")[1].split("## 8.")[0]
+    assert "| grpo | grpo, grpo@s1 |" in seeds and "| clip_cov | clip_cov, clip_cov@s1 |" in seeds
+    g = [ln for ln in text.splitlines() if ln.startswith("- (g)")]
+    assert len(g) == 2 and "over 2 and 2 seed(s)" in g[0]
+    # clip_cov's two seeds end with lower entropy, so higher accuracy, than both of grpo's: beyond the spread.
+    assert g[0].startswith("- (g) Clip-Cov") and g[0].endswith("holds beyond the seed spread.")
+    # kl_cov (0.845, 0.860) is higher than grpo (0.832, 0.850) on average but overlaps it: not a win.
+    assert g[1].startswith("- (g) KL-Cov") and g[1].endswith("within the seed spread: not a win.")
+
+
+def test_the_staleness_axis_is_tabled_and_plotted_per_method(tmp_path):
+    """Runs grpo (k=1), grpo@k0, grpo@k4: the section orders them by the staleness their steps saw and says how
+    the end entropy and the final accuracy move with k."""
+    for name, k, dh in (("grpo", 1, 0.0), ("grpo@k0", 0, -0.1), ("grpo@k4", 4, 0.1)):
+        write_run(tmp_path / name, lambda v, d=dh: ENTROPY["grpo"](v) - d)
+        rows = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+        with open(tmp_path / name / "metrics.jsonl", "w") as f:
+            f.writelines(json.dumps({**r, "staleness/max": float(min(k, r["step"]))} if r["step"] else r) + "\n"
+                         for r in rows)
+    names = ["grpo", "grpo@k0", "grpo@k4"]
+    path = study_report.write_report(str(tmp_path), names, {}, now=NOW, method_overrides={})
+    text = open(path).read()
+    section = text.split("## 8. Staleness")[1].split("## 9.")[0]
+    order = [ln.split("|")[2].strip() for ln in section.splitlines() if ln.startswith("| grpo |")]
+    assert order == ["grpo@k0", "grpo", "grpo@k4"]  # by k: 0, 1, 4
+    # Higher k here ends with lower entropy (larger offset), so higher accuracy on the law.
+    assert "- grpo: the end entropy falls with k" in section and "final mean eval accuracy rises with k" in section
+    assert f"]({study_report.STALENESS_PLOT})" in text
+    assert open(tmp_path / study_report.STALENESS_PLOT, "rb").read(8) == PNG_MAGIC
+
+
+def test_seeds_and_staleness_make_the_runs_and_their_commands(tmp_path):
+    plan = study.make_plan(study.parse_args(["--methods", "grpo,kl_cov,clip_cov", "--seeds", "0,1", "--staleness",
+                                             "0,4", "--study-dir", str(tmp_path)]), "cmd", NOW)
+    assert study.run_names(plan) == ["grpo", "grpo@s1", "kl_cov", "kl_cov@s1", "clip_cov", "clip_cov@s1",
+                                     "grpo@k0", "grpo@k4", "kl_cov@k0", "kl_cov@k4"]
+    sets = lambda name: [c for i, c in enumerate(study.cluster_command(plan, name)) if i and  # noqa: E731
+                         study.cluster_command(plan, name)[i - 1] == "--set"]
+    assert sets("grpo@s1")[0] == "run.seed=1" and sets("grpo")[0] == "run.seed=0"
+    assert sets("kl_cov@k4")[0] == "run.seed=0" and sets("kl_cov@k4")[-1] == "rollout.max_staleness_steps=4"
+    assert study.run_variant("grpo@k4")[-1] == "rollout.max_staleness_steps=4"
+    for bad in (["--seeds", "0,0"], ["--seeds", "a"], ["--staleness", "0", "--staleness-methods", "par",
+                                                       "--methods", "grpo"]):
+        try:
+            study.make_plan(study.parse_args(["--study-dir", str(tmp_path), *bad]), "cmd", NOW)
+        except study.StudyError:
+            continue
+        raise AssertionError(f"{bad} was accepted")
