@@ -71,6 +71,9 @@ def main(argv=None) -> int:
     except USER_ERRORS as e:
         return fail(e)
     torch.set_num_threads(cfg.run.torch_threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the "Loading weights" bar: this command prints its metrics, nothing else
     t0 = time.perf_counter()
     try:
         metrics = run(cfg, args.model)
