@@ -108,17 +108,18 @@ def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # tied embeddings are counted once
 
 
-def solution_style(seed: int, index: int) -> str:
-    """The style of SFT example `index`: direct with probability DIRECT_FRACTION, seeded."""
-    return "direct" if Random(f"arith/{seed}/style/{index}").random() < DIRECT_FRACTION else "worked"
+def solution_style(seed: int, index: int, direct_fraction: float = DIRECT_FRACTION) -> str:
+    """The style of SFT example `index`: direct with probability `direct_fraction`, seeded."""
+    return "direct" if Random(f"arith/{seed}/style/{index}").random() < direct_fraction else "worked"
 
 
-def encode(tok: PreTrainedTokenizerFast, problems: list[Problem], seed: int) -> list[tuple[list[int], int]]:
+def encode(tok: PreTrainedTokenizerFast, problems: list[Problem], seed: int,
+           direct_fraction: float = DIRECT_FRACTION) -> list[tuple[list[int], int]]:
     """Each example as (ids, prompt_len); ids = prompt + response + [eos], tokenised separately."""
     examples = []
     for i, p in enumerate(problems):
         prompt = tok(render_prompt(p.question)).input_ids
-        response = tok(ArithTask.solution(p, solution_style(seed, i))).input_ids + [tok.eos_token_id]
+        response = tok(ArithTask.solution(p, solution_style(seed, i, direct_fraction))).input_ids + [tok.eos_token_id]
         examples.append((prompt + response, len(prompt)))
     return examples
 
@@ -264,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="assets/arith-base")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    parser.add_argument("--direct-fraction", type=float, default=DIRECT_FRACTION,
+                        help=f"share of SFT solutions in the direct style (default {DIRECT_FRACTION})")
     parser.add_argument(
         "--eval-problems",
         type=int,
@@ -272,8 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         "for quick smoke runs only, the committed asset is measured on the full sets",
     )
     args = parser.parse_args(argv)
-    if args.steps < 0 or (args.eval_problems is not None and args.eval_problems < 1):
-        parser.error(f"need --steps >= 0 and --eval-problems >= 1, got {args.steps} and {args.eval_problems}")
+    if args.steps < 0 or (args.eval_problems is not None and args.eval_problems < 1) or \
+            not 0 <= args.direct_fraction <= 1:
+        parser.error(f"need --steps >= 0, --eval-problems >= 1 and 0 <= --direct-fraction <= 1, got {args.steps}, "
+                     f"{args.eval_problems} and {args.direct_fraction}")
     torch.set_num_threads(1)  # determinism, and the CI machine has 2 shared cores
     torch.use_deterministic_algorithms(True)
     started = time.time()
@@ -282,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = build_tokenizer(task)
     model = build_model(len(tok), tok.eos_token_id, args.seed)
     print(f"vocab {len(tok)}  params {count_params(model)}", flush=True)
-    sft(model, encode(tok, task.train(), args.seed), args.steps, tok.eos_token_id, args.seed)
+    sft(model, encode(tok, task.train(), args.seed, args.direct_fraction), args.steps, tok.eos_token_id, args.seed)
 
     torch.manual_seed(args.seed + 1)  # the sampling stream, independent of how many SFT steps ran
     evals = {"train_sample": task.train()[:EVAL_TRAIN_PROBLEMS], **task.eval_sets()}
@@ -298,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         "packed_rows_per_step": ROWS_PER_STEP,
         "packed_row_tokens": ROW_TOKENS,
         "peak_lr": PEAK_LR,
-        "direct_fraction": DIRECT_FRACTION,
+        "direct_fraction": args.direct_fraction,
         "param_count": count_params(model),
         "vocab_size": len(tok),
         "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": MAX_NEW_TOKENS},

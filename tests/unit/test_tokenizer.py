@@ -172,3 +172,11 @@ def test_committed_base_model_is_small_loads_and_still_solves_easy_problems():
     texts = tok.batch_decode(out[:, width:], skip_special_tokens=True)
     solved = sum(f"\\boxed{{{p.answer}}}" in text for p, text in zip(problems, texts))
     assert solved >= 10, f"only {solved}/64 easy problems solved by the reloaded asset: {texts[:3]}"
+
+
+def test_warmstart_direct_fraction_sets_the_share_of_direct_solutions():
+    from launch.warmstart import solution_style
+
+    share = lambda f: sum(solution_style(0, i, f) == "direct" for i in range(2000)) / 2000  # noqa: E731
+    assert share(0.0) == 0.0 and share(1.0) == 1.0 and abs(share(0.85) - 0.85) < 0.03
+    assert [solution_style(0, i) for i in range(50)] == [solution_style(0, i, 0.5) for i in range(50)]  # the default
