@@ -219,17 +219,8 @@ class TorchEngine(Engine):
         if len(prompts) != len(seeds):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt")
         hook, dev, T = before_forward or (lambda: None), self.device, sampling.max_new_tokens
-        N, P = len(prompts), max(len(p) for p in prompts)
-        # One left-padded row per prompt, so every prompt's next token sits in the last column. The n samples
-        # of a prompt share its prefill: the stepper copies its KV rows n times instead of recomputing them.
-        # Built on the host, then moved in one copy each (not one small copy per prompt).
-        ids = torch.full((N, P), self.pad, dtype=torch.long, device="cpu")
-        mask = torch.zeros((N, P), dtype=torch.long, device="cpu")
-        for i, p in enumerate(prompts):
-            ids[i, P - len(p) :] = torch.tensor(list(p), dtype=torch.long, device="cpu")
-            mask[i, P - len(p) :] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        B = N * n  # row i * n + j: sample j of prompt i
+        ids, mask = self._left_padded(prompts)
+        B = len(prompts) * n  # row i * n + j: sample j of prompt i
         rseeds = row_seeds(seeds, n, dev)
         stepper = _StaticKV if _StaticKV.supports(self.model) else _HfCache
         step = stepper(self.model, ids, mask, n, T)
@@ -249,18 +240,7 @@ class TorchEngine(Engine):
         for t in range(T):
             hook()
             logits = step(last)  # [A, V]: after the prompts, then after the previous token
-            if sampling.temperature > 0:
-                logp = sampling_logprobs(logits, sampling.temperature, sampling.top_p)
-                score = gumbel_noise(a_seeds, t, logp.shape[-1]).add_(logp)  # in float64
-            else:  # greedy (evaluation): the logprobs reported are of the untempered distribution
-                logp = torch.log_softmax(logits.float(), dim=-1)
-                score = logp
-            if a_forced is not None:  # the reported logprob stays the policy's own for the token chosen
-                score = score.clone() if score is logp else score
-                score[:, self.stop_ids] = torch.where((t + 1 < a_forced)[:, None], -math.inf, score[:, self.stop_ids])
-                tok = torch.where(t + 1 == a_forced, self.stop_ids[0], score.argmax(-1))
-            else:
-                tok = score.argmax(-1)
+            tok, logp = self._choose(logits, t, sampling, a_seeds, a_forced)
             written = torch.where(a_done, self.pad, tok)
             lp = logp.gather(-1, tok[:, None])[:, 0]
             finished_now = torch.isin(tok, self.stop_ids) & ~a_done
@@ -288,25 +268,54 @@ class TorchEngine(Engine):
                 rows = keep if rows is None else rows[keep]
                 a_seeds, a_done, last = a_seeds[keep], a_done[keep], last[keep]
                 a_forced = a_forced[keep] if a_forced is not None else None
-        # To the host once per generation: the written columns of each buffer (a no-op on the CPU).
-        tok_h, lp_h = out_tok[:, :steps].cpu().numpy(), out_lp[:, :steps].cpu().numpy()
-        ver_h, len_h, done_h = out_ver[:, :steps].cpu().numpy(), lengths.cpu().tolist(), done.cpu().tolist()
-        result: list[list[Completion]] = []
-        for i in range(len(prompts)):
-            group = []
-            for j in range(n):
-                r = i * n + j
-                L = len_h[r]
-                group.append(
-                    Completion(
-                        token_ids=tok_h[r, :L].astype(np.int32),
-                        logprobs=lp_h[r, :L].copy(),
-                        versions=ver_h[r, :L].copy(),
-                        finish_reason="stop" if done_h[r] else "length",
-                    )
-                )
-            result.append(group)
-        return result
+        return _completions(len(prompts), n, out_tok[:, :steps], out_lp[:, :steps], out_ver[:, :steps], lengths, done)
+
+    def _left_padded(self, prompts) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, P] ids and attention mask, one left-padded row per prompt, so every prompt's next token sits in the
+        last column. The n samples of a prompt share its prefill: the stepper copies its KV rows n times instead of
+        recomputing them. Built on the host, then moved in one copy each (not one small copy per prompt)."""
+        N, P = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((N, P), self.pad, dtype=torch.long, device="cpu")
+        mask = torch.zeros((N, P), dtype=torch.long, device="cpu")
+        for i, p in enumerate(prompts):
+            ids[i, P - len(p) :] = torch.tensor(list(p), dtype=torch.long, device="cpu")
+            mask[i, P - len(p) :] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _choose(self, logits: torch.Tensor, t: int, sampling: SamplingParams, seeds: torch.Tensor,
+                forced: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token of each live row at decode step t, the log-probabilities it is reported under)."""
+        if sampling.temperature > 0:
+            logp = sampling_logprobs(logits, sampling.temperature, sampling.top_p)
+            score = gumbel_noise(seeds, t, logp.shape[-1]).add_(logp)  # in float64
+        else:  # greedy (evaluation): the logprobs reported are of the untempered distribution
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            score = logp
+        if forced is None:
+            return score.argmax(-1), logp
+        # The forced-length workload: the stop token withheld before the row's length, emitted at it; the reported
+        # logprob stays the policy's own for the token chosen.
+        score = score.clone() if score is logp else score
+        score[:, self.stop_ids] = torch.where((t + 1 < forced)[:, None], -math.inf, score[:, self.stop_ids])
+        return torch.where(t + 1 == forced, self.stop_ids[0], score.argmax(-1)), logp
+
+
+def _completions(N: int, n: int, tok: torch.Tensor, lp: torch.Tensor, ver: torch.Tensor, lengths: torch.Tensor,
+                 done: torch.Tensor) -> list[list[Completion]]:
+    """The written columns of the output buffers as each prompt's n completions, to the host once per generation
+    (a no-op on the CPU)."""
+    tok_h, lp_h, ver_h = tok.cpu().numpy(), lp.cpu().numpy(), ver.cpu().numpy()
+    len_h, done_h = lengths.cpu().tolist(), done.cpu().tolist()
+    result: list[list[Completion]] = []
+    for i in range(N):
+        group = []
+        for j in range(n):
+            r = i * n + j
+            L = len_h[r]
+            group.append(Completion(token_ids=tok_h[r, :L].astype(np.int32), logprobs=lp_h[r, :L].copy(),
+                                    versions=ver_h[r, :L].copy(), finish_reason="stop" if done_h[r] else "length"))
+        result.append(group)
+    return result
 
 
 CpuEngine = TorchEngine  # its former name, still imported by tests and benchmarks
