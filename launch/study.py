@@ -150,7 +150,7 @@ def make_plan(args: argparse.Namespace, command: str, now: datetime.datetime) ->
         try:
             load_config(None, [*run_overrides(plan, name), f"run.steps={steps}"])
         except ConfigError as e:
-            raise StudyError(f"{name}: {e}") from None
+            raise StudyError(f"run {name}: {e}") from None
     return plan
 
 

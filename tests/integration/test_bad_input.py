@@ -134,7 +134,7 @@ CASES = [
     ("prepare_data: bad source", ["-m", "launch.prepare_data", "{latin1}", "{tmp}/out.jsonl", "--prompt-key", "prompt"],
      "latin1.jsonl: row 1: not UTF-8"),
     ("study: bad enum", ["-m", "launch.study", "--methods", "grpo", "--study-dir", "{run}", "--set",
-                         "learner.loss.type=\"klcov\""], "method grpo: invalid config"),
+                         "learner.loss.type=\"klcov\""], "run grpo: invalid config"),
     ("scale: not a run", ["-m", "launch.scale", "{not_a_run}", "--gens", "2"], "not a covrl run directory"),
     ("plots: not a run", ["-m", "launch.plots", "{not_a_run}"], "metrics.jsonl is missing"),
 ]
