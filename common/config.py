@@ -374,7 +374,6 @@ def explain(message: str, tree: dict) -> str:
     `$.rollout.group_size`), with the valid values of an enum, the variant a field belongs to, or the
     field a typo meant."""
     import difflib
-    import re
 
     message = message.replace("$.", "")
     at = re.search(r" - at `([^`]+)`$", message)

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from common.config import Config, ConfigError, is_hub_id
-from common.datasets import DatasetError
+from common.datasets import DatasetError, fit_prompt, read_records, render_prompt_text, template_mode
 
 log = logging.getLogger("covrl.data")
 
@@ -41,8 +41,6 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 def _fit(tokenizer, text: str, chat: bool, cfg: Config, where: str, lengths: Counter) -> list[int] | None:
     """The prompt's ids within data.max_prompt_tokens (None: dropped), counted in `lengths`."""
-    from common.datasets import fit_prompt
-
     ids = encode_prompt(tokenizer, text, chat)
     fitted = fit_prompt(ids, cfg.data.max_prompt_tokens, cfg.data.truncation, where)
     lengths["kept"] += fitted is not None
@@ -64,8 +62,6 @@ def _arith_problems(cfg: Config, tokenizer, problems, data_source: str | None, l
 
 def _file_prompts(cfg: Config, tokenizer, paths, lengths: Counter) -> list[Prompt]:
     """Every usable row of `paths`, rendered and tokenised; over-long prompts handled by data.truncation."""
-    from common.datasets import read_records, render_prompt_text, template_mode
-
     d = cfg.data
     chat = template_mode(tokenizer, d.template) == "chat"
     out = []
@@ -124,6 +120,10 @@ def model_dir(cfg: Config) -> str:
     return path
 
 
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 def resolve_model(path: str, what: str = "model.path") -> tuple[str, str | None]:
     """A local model directory for `path`: the directory itself, or, for a Hugging Face Hub id
     (`org/name` or `org/name@revision`, when no such local directory exists), its snapshot in the Hub cache,
@@ -143,15 +143,15 @@ def resolve_model(path: str, what: str = "model.path") -> tuple[str, str | None]
     try:
         local = snapshot_download(repo, revision=revision or None, local_files_only=offline)
     except (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError, HFValidationError) as e:
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"{what} {path!r}: no local directory of that name, and the Hub has no such model or "
-                          f"revision, or it is gated ({why}); check the path or id, or log in with `hf auth login`") from None
+                          f"revision, or it is gated ({_first_line(e)}); check the path or id, or log in with "
+                          f"`hf auth login`") from None
     except LocalEntryNotFoundError:
         where = "HF_HUB_OFFLINE=1" if offline else "the Hub cannot be reached"
         raise ConfigError(f"{what} {path!r} is not in the Hugging Face cache and {where}; {fetch}") from None
     except Exception as e:  # the network or a proxy failed mid-request (OSError, httpx errors, HTTP 401/5xx)
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"{what} {path!r}: the Hub request failed ({type(e).__name__}: {why}); {fetch}") from None
+        raise ConfigError(f"{what} {path!r}: the Hub request failed ({type(e).__name__}: {_first_line(e)}); "
+                          f"{fetch}") from None
     return local, f"{repo}@{os.path.basename(local)}"
 
 
@@ -185,8 +185,7 @@ def check_model_dir(path: str, what: str = "model.path"):
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises OSError, ValueError, TypeError... for a broken tokenizer
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"{what} {path!r}: its tokenizer cannot be loaded ({why}); the directory needs "
+        raise ConfigError(f"{what} {path!r}: its tokenizer cannot be loaded ({_first_line(e)}); the directory needs "
                           f"tokenizer.json or the files of a slow tokenizer") from None
 
 

@@ -115,6 +115,11 @@ def row_value(row: dict | None, key: str) -> float | None:
     return float(v)
 
 
+def key_series(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    """(step, value) of every row with a numeric `key`."""
+    return [(r["step"], v) for r in rows if (v := row_value(r, key)) is not None]
+
+
 def merge_rows(rows: list[dict]) -> list[dict]:
     """Rows sorted by `step`, one per step; rows sharing a step are merged in file order (later keys win).
 

@@ -16,6 +16,16 @@ PROGRESS_KEYS = ("critic/score/mean", "actor/entropy", "perf/gen_tokens_per_s", 
                  "timing_s/step", "cluster/generators")
 
 
+def newest_evals(rows: list[dict]) -> dict[str, float]:
+    """eval/<ds>/acc of the newest row that has any, by data source."""
+    for row in reversed(rows):
+        accs = {k.split("/")[1]: v for k, v in row.items()
+                if k.startswith("eval/") and k.endswith("/acc") and isinstance(v, float) and math.isfinite(v)}
+        if accs:
+            return accs
+    return {}
+
+
 def read_progress(run_dir: str) -> dict | None:
     """progress.json (see MetricsWriter.progress), or None before the learner's first write."""
     try:
@@ -30,6 +40,7 @@ class MetricsWriter:
         """`purge_step` (a resumed run): TensorBoard hides the events of steps >= it that the dead run wrote.
         `wandb`: a W&B run (`common.wandb_log.open_wandb`) that gets the same tags, or None."""
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.evals = newest_evals(read_metrics(run_dir))  # for progress.json; a resumed run starts from its file's
         self.f = open(self.path, "a", buffering=1)
         self.wandb = wandb
         self.tb = None
@@ -40,6 +51,7 @@ class MetricsWriter:
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: float(v) for k, v in sorted(metrics.items())}}
+        self.evals = newest_evals([row]) or self.evals
         # JSON has no NaN: write null so every reader can parse the line.
         self.f.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}) + "\n")
         if self.tb is not None:
@@ -63,13 +75,14 @@ class MetricsWriter:
             self.wandb.log({"step": step, tag: wandb.Table(columns=["text"], data=[[text]])})
 
     def progress(self, step: int, row: dict[str, float], evaluating: list[int]) -> None:
-        """RUN_DIR/progress.json (atomic): the last trained step, a few of its metrics, and the policy versions
-        whose evaluation is still running (their rows wait in the learner), for the launcher's progress line."""
+        """RUN_DIR/progress.json (atomic): the last trained step, a few of its metrics, the policy versions whose
+        evaluation is still running (their rows wait in the learner) and the newest held-out accuracies, for the
+        launcher's progress line."""
         keep = {k: float(v) for k, v in row.items() if k in PROGRESS_KEYS and math.isfinite(v)}
-        tmp = os.path.join(os.path.dirname(self.path), "progress.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump({"step": step, "evaluating": evaluating, **keep}, f)
-        os.replace(tmp, os.path.join(os.path.dirname(self.path), "progress.json"))
+        path = os.path.join(os.path.dirname(self.path), "progress.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"step": step, "evaluating": evaluating, "evals": self.evals, **keep}, f)
+        os.replace(path + ".tmp", path)
 
     def close(self) -> None:
         self.f.close()

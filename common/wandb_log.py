@@ -46,11 +46,7 @@ def open_wandb(cfg: Config, run_dir: str, run_id: str):
     w = cfg.logging.wandb
     if not w.project:
         return None
-    try:
-        import wandb
-    except ImportError:
-        raise RuntimeError("logging.wandb.project is set but wandb is not installed: pip install -e '.[wandb]' "
-                           "(or clear logging.wandb.project)") from None
+    import wandb  # installed: config.check refuses logging.wandb.project without it
     config = {**msgspec.to_builtins(cfg), "covrl": {"git_revision": git_revision(), "hardware": hardware()}}
     run = wandb.init(project=w.project, entity=w.entity or None, name=w.name or os.path.basename(run_dir.rstrip("/")),
                      id=run_id, resume="allow", dir=run_dir, mode=w.mode, config=config)

@@ -160,7 +160,7 @@ def run_plots(run_dir: str) -> list[str]:
     """The pictures of one run, in RUN_DIR/plots (written at the end of every run): reward, entropy and response
     length against step, held-out accuracy per data source against step, and held-out accuracy against the
     evaluated version's entropy with the law R = -a exp(H) + b where it has enough points. Returns their paths."""
-    from common.lawfit import MIN_FIT_POINTS, eval_points, eval_sources, fit_law
+    from common.lawfit import MIN_FIT_POINTS, eval_points, eval_sources, fit_law, key_series
 
     rows = merge_rows(read_metrics(run_dir))
     out = os.path.join(run_dir, "plots")
@@ -169,7 +169,7 @@ def run_plots(run_dir: str) -> list[str]:
              for png, key in RUN_PLOTS.items()]
     sources = eval_sources(rows)
     if sources:
-        acc = {ds: [(r["step"], v) for r in rows if (v := row_value(r, f"eval/{ds}/acc")) is not None] for ds in sources}
+        acc = {ds: key_series(rows, f"eval/{ds}/acc") for ds in sources}
         paths.append(plot_lines({"": acc}, os.path.join(out, "eval_acc.png"), xlabel="step",
                                 ylabel="held-out accuracy (eval/<ds>/acc)", title=f"{name}: held-out accuracy"))
         pts = [(h, r) for _, h, r in eval_points(rows)]

@@ -1,8 +1,8 @@
 """The launcher's live progress line.
 
-It reads RUN_DIR/progress.json (the learner's last trained step, a few of its metrics, and the policy versions
-whose evaluation is still running; `common.metrics.MetricsWriter.progress`) and the newest held-out accuracies in
-metrics.jsonl, and shows
+It reads RUN_DIR/progress.json (the learner's last trained step, a few of its metrics, the policy versions whose
+evaluation is still running and the newest held-out accuracies; `common.metrics.MetricsWriter.progress`), and
+shows
 
     step 25/100 | evaluating step 25 | reward 0.412 | entropy 0.381 | gen 812 tok/s | staleness 0.50 (max 1, bound 1)
     | 1.92 s/step | gens 2 | elapsed 48s | ETA 2m24s | eval acc arith_easy 0.613 arith_hard 0.102
@@ -18,7 +18,7 @@ import shutil
 import sys
 import time
 
-from common.metrics import read_metrics, read_progress
+from common.metrics import read_progress
 
 
 def clock(seconds: float) -> str:
@@ -45,15 +45,6 @@ def progress_line(p: dict, steps: int, k: int, elapsed: float, eta: float | None
     return " | ".join(parts)
 
 
-def newest_evals(rows: list[dict]) -> dict[str, float]:
-    """eval/<ds>/acc of the newest row that has any."""
-    for row in reversed(rows):
-        accs = {k.split("/")[1]: v for k, v in row.items() if k.startswith("eval/") and k.endswith("/acc") and v is not None}
-        if accs:
-            return accs
-    return {}
-
-
 class Progress:
     def __init__(self, run_dir: str, steps: int, k: int, *, quiet: bool = False, every_s: float = 10.0,
                  stream=None):
@@ -73,7 +64,7 @@ class Progress:
             self.first = (now, p["step"])
         t, s = self.first
         eta = (now - t) / (p["step"] - s) * (self.steps - p["step"]) if p["step"] > s else None
-        return progress_line(p, self.steps, self.k, now - self.t0, eta, newest_evals(read_metrics(self.run_dir)))
+        return progress_line(p, self.steps, self.k, now - self.t0, eta, p.get("evals", {}))
 
     def update(self) -> None:
         if self.quiet:

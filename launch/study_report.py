@@ -23,6 +23,7 @@ from common.lawfit import (
     eval_points,
     eval_sources,
     fit_law,
+    key_series,
     mean_eval_acc,
     merge_rows,
     pearson,
@@ -54,11 +55,6 @@ def load_run(study_dir: str, method: str) -> MethodRun:
         return MethodRun(method, [], f"not run (no {run_dir})")
     rows = merge_rows(read_metrics(run_dir))
     return MethodRun(method, rows, None if rows else f"{run_dir}/metrics.jsonl is missing or empty")
-
-
-def key_series(rows: list[dict], key: str) -> list[tuple[int, float]]:
-    """(step, value) of every row with a numeric `key`."""
-    return [(r["step"], v) for r in rows if (v := row_value(r, key)) is not None]
 
 
 def eval_rows(rows: list[dict]) -> list[dict]:
