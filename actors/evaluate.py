@@ -29,11 +29,9 @@ from common.datasets import DatasetError
 from common.evaluation import eval_item, eval_metrics, eval_params, eval_room
 
 
-def run(cfg, model: str) -> dict[str, float]:
+def run(cfg, model: str, sets: dict) -> dict[str, float]:
+    """The eval metrics of `model` on `sets` (`eval_sets` of the config, built by the caller)."""
     engine, tokenizer = load_engine(cfg, model)
-    sets = eval_sets(cfg, tokenizer)
-    if not sets:
-        raise DatasetError("no eval sets: pass --data FILE ... or set data.eval_files")
     results: dict[str, list[M.EvalResult]] = {}
     ticket = 0
     with make_reward_pool(cfg) as pool:
@@ -66,7 +64,8 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, sets)
         args.model, _ = resolve_model(args.model, "--model")  # a Hub id: its snapshot in the Hugging Face cache
-        if not eval_sets(cfg, check_model_dir(args.model, "--model")):  # every eval row, before the model loads
+        sets = eval_sets(cfg, check_model_dir(args.model, "--model"))  # every eval row, before the model loads
+        if not sets:
             raise DatasetError("no eval sets: pass --data FILE ... or set data.eval_files")
     except USER_ERRORS as e:
         return fail(e)
@@ -76,7 +75,7 @@ def main(argv=None) -> int:
     hf_logging.disable_progress_bar()  # the "Loading weights" bar: this command prints its metrics, nothing else
     t0 = time.perf_counter()
     try:
-        metrics = run(cfg, args.model)
+        metrics = run(cfg, args.model, sets)
     except USER_ERRORS as e:
         return fail(e)
     for key, value in metrics.items():
