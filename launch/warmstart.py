@@ -1,10 +1,13 @@
 """Build the tiny, partially competent `arith` base model that RL starts from.
 
-    covrl-warmstart [--out assets/arith-base] [--seed 0] [--steps N]   (or: python -m launch.warmstart ...)
+    covrl-warmstart [--task arith|chain] [--out assets/<task>-base] [--seed 0] [--steps N]
+                                                                     (or: python -m launch.warmstart ...)
 
 Steps: train a byte-level BPE on arith texts; random-init a tiny Qwen2; SFT it
 on worked solutions with the loss on the response only; measure sampled
 accuracy at temperature 1; save model + tokenizer + warmstart.json atomically.
+`--task chain` builds the entropy study's base model instead (common/chain.py): SFT on a stream of 100 000
+fresh chain questions, most answered by a guess, and writes the run's train.jsonl / eval.jsonl beside it.
 
 Why two solution styles (`ArithTask.solution(p, style)`): a pretrained model
 answers some questions straight away and works others out. The SFT data mixes
@@ -52,6 +55,7 @@ import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from common.arith import SOLUTION_STYLES, ArithTask, Problem
+from common.chain import GUESS_ACCURACY, RL_LEVELS, ChainTask, guess, write_jsonl
 from common.templates import render_prompt
 from common.tokenizer import train_bpe_tokenizer
 
@@ -68,10 +72,17 @@ PEAK_LR = 2e-3  # 3e-3 learned slightly worse and 6e-3 much worse in 600-step ru
 WARMUP_STEPS = 20
 EVAL_TRAIN_PROBLEMS = 256
 DIRECT_FRACTION = 0.5  # share of SFT solutions written in the `direct` style
+# --task chain (common/chain.py): the study's base model. SFT on a stream this long never repeats a question
+# within the run, so the model learns the x +/- d facts rather than the questions; most solutions are direct,
+# so the base model prefers the strategy that fails and RL has a strategy to discover.
+CHAIN_SFT_PROBLEMS = 100_000
+CHAIN_DIRECT_FRACTION = 0.7
+CHAIN_DEFAULT_STEPS = 1500
+CHAIN_RL_TRAIN_SIZE = 4096  # train.jsonl: the RL prompts (3..6 operands), none of them held out
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
-def build_tokenizer(task: ArithTask) -> PreTrainedTokenizerFast:
+def build_tokenizer(task: ArithTask | ChainTask) -> PreTrainedTokenizerFast:
     """Prompts and solutions are fed as separate texts because they are tokenised separately."""
     problems = task.train()
     texts = [render_prompt(p.question) for p in problems] + [ArithTask.solution(p, s) for p in problems for s in SOLUTION_STYLES]
@@ -114,12 +125,15 @@ def solution_style(seed: int, index: int, direct_fraction: float = DIRECT_FRACTI
 
 
 def encode(tok: PreTrainedTokenizerFast, problems: list[Problem], seed: int,
-           direct_fraction: float = DIRECT_FRACTION) -> list[tuple[list[int], int]]:
-    """Each example as (ids, prompt_len); ids = prompt + response + [eos], tokenised separately."""
+           direct_fraction: float = DIRECT_FRACTION, guesses: bool = False) -> list[tuple[list[int], int]]:
+    """Each example as (ids, prompt_len); ids = prompt + response + [eos], tokenised separately.
+    `guesses`: direct solutions are common/chain.py's guesses, right only some of the time (the chain task)."""
     examples = []
     for i, p in enumerate(problems):
         prompt = tok(render_prompt(p.question)).input_ids
-        response = tok(ArithTask.solution(p, solution_style(seed, i, direct_fraction))).input_ids + [tok.eos_token_id]
+        style = solution_style(seed, i, direct_fraction)
+        text = guess(p, f"{seed}/{i}") if guesses and style == "direct" else ArithTask.solution(p, style)
+        response = tok(text).input_ids + [tok.eos_token_id]
         examples.append((prompt + response, len(prompt)))
     return examples
 
@@ -245,8 +259,9 @@ def accuracy(model, tok, problems: list[Problem]) -> tuple[float, float, dict[in
     return sum(correct) / len(correct), sum(map(len, responses)) / len(responses), per_level, per_style
 
 
-def save_atomic(out: Path, model, tok, report: dict) -> None:
-    """Write beside `out`, then rename into place: readers never see a half-written model."""
+def save_atomic(out: Path, model, tok, report: dict, data: dict | None = None) -> None:
+    """Write beside `out`, then rename into place: readers never see a half-written model.
+    `data`: {file name: (problems, data_source or None for each problem's own)} written as jsonl beside it."""
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -254,6 +269,8 @@ def save_atomic(out: Path, model, tok, report: dict) -> None:
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     (tmp / "warmstart.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    for name, (problems, source) in (data or {}).items():
+        write_jsonl(problems, tmp / name, source)
     if out.exists():  # a non-empty directory cannot be replaced in one rename; move it aside first
         os.replace(out, old)
     os.replace(tmp, out)
@@ -262,11 +279,16 @@ def save_atomic(out: Path, model, tok, report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="covrl-warmstart", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="assets/arith-base")
+    parser.add_argument("--task", choices=("arith", "chain"), default="arith",
+                        help="arith: the demo's base model; chain: the entropy study's (common/chain.py), which also "
+                        "writes train.jsonl and eval.jsonl beside the model")
+    parser.add_argument("--out", help="default assets/<task>-base")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    parser.add_argument("--direct-fraction", type=float, default=DIRECT_FRACTION,
-                        help=f"share of SFT solutions in the direct style (default {DIRECT_FRACTION})")
+    parser.add_argument("--steps", type=int,
+                        help=f"SFT steps (default {DEFAULT_STEPS} for arith, {CHAIN_DEFAULT_STEPS} for chain)")
+    parser.add_argument("--direct-fraction", type=float,
+                        help=f"share of SFT solutions in the direct style (default {DIRECT_FRACTION} for arith, "
+                        f"{CHAIN_DIRECT_FRACTION} for chain)")
     parser.add_argument(
         "--eval-problems",
         type=int,
@@ -275,6 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         "for quick smoke runs only, the committed asset is measured on the full sets",
     )
     args = parser.parse_args(argv)
+    chain = args.task == "chain"
+    args.out = args.out or f"assets/{args.task}-base"
+    args.steps = args.steps if args.steps is not None else (CHAIN_DEFAULT_STEPS if chain else DEFAULT_STEPS)
+    if args.direct_fraction is None:
+        args.direct_fraction = CHAIN_DIRECT_FRACTION if chain else DIRECT_FRACTION
     if args.steps < 0 or (args.eval_problems is not None and args.eval_problems < 1) or \
             not 0 <= args.direct_fraction <= 1:
         parser.error(f"need --steps >= 0, --eval-problems >= 1 and 0 <= --direct-fraction <= 1, got {args.steps}, "
@@ -283,11 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.use_deterministic_algorithms(True)
     started = time.time()
 
-    task = ArithTask(seed=args.seed)
+    task = ChainTask(seed=args.seed, train_size=CHAIN_SFT_PROBLEMS) if chain else ArithTask(seed=args.seed)
     tok = build_tokenizer(task)
     model = build_model(len(tok), tok.eos_token_id, args.seed)
     print(f"vocab {len(tok)}  params {count_params(model)}", flush=True)
-    sft(model, encode(tok, task.train(), args.seed, args.direct_fraction), args.steps, tok.eos_token_id, args.seed)
+    sft(model, encode(tok, task.train(), args.seed, args.direct_fraction, guesses=chain), args.steps, tok.eos_token_id,
+        args.seed)
 
     torch.manual_seed(args.seed + 1)  # the sampling stream, independent of how many SFT steps ran
     evals = {"train_sample": task.train()[:EVAL_TRAIN_PROBLEMS], **task.eval_sets()}
@@ -297,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:13s} accuracy {acc:.3f}  mean response tokens {length:.1f}  by level {per_level}  by style {per_style}")
 
     report = {
+        "task": args.task,
         "seed": args.seed,
         "steps": args.steps,
         "eval_problems": {name: len(problems) for name, problems in evals.items()},
@@ -312,7 +341,13 @@ def main(argv: list[str] | None = None) -> int:
         "mean_response_tokens": {name: round(r[1], 2) for name, r in results.items()},
         "styles": {name: r[3] for name, r in results.items()},
     }
-    save_atomic(Path(args.out), model, tok, report)
+    data = {}
+    if chain:  # the RL prompts and the held-out sets, in the file layout a run reads (data.task = "files")
+        rl = ChainTask(seed=args.seed, train_size=CHAIN_RL_TRAIN_SIZE, levels=RL_LEVELS).train()
+        data = {"train.jsonl": (rl, "chain"), "eval.jsonl": ([p for ps in task.eval_sets().values() for p in ps], None)}
+        report["sft_problems"] = CHAIN_SFT_PROBLEMS
+        report["guess_accuracy"] = GUESS_ACCURACY
+    save_atomic(Path(args.out), model, tok, report, data)
     print(f"wrote {args.out} in {time.time() - started:.0f} s")
     return 0
 

@@ -41,7 +41,8 @@ def write_run(run_dir, entropy, cov_sign=-1.0, steps=STEPS, with_eval=True):
         delta = entropy(s) - entropy(s - 1)
         row = {"step": s, "actor/entropy": entropy(s - 1), "actor/entropy_delta": delta,
                "actor/cov_mean": cov_sign * 10 * delta + 0.001 * (s % 3),
-               "critic/score/mean": -A_TRAIN * math.exp(entropy(s - 1)) + B_TRAIN, "response_length/mean": 30.0 + s}
+               "critic/score/mean": -A_TRAIN * math.exp(entropy(s - 1)) + B_TRAIN, "response_length/mean": 30.0 + s,
+               "actor/par_lambda": min(1.0, 0.05 * s)}
         if with_eval and s % EVAL_EVERY == 0:
             row.update(evals(s))
         rows.append(row)
@@ -92,9 +93,16 @@ def test_report_has_every_section_and_recovers_the_law(tmp_path):
     # Summary: GRPO's entropy, mean of actor/entropy over the first 4 steps (versions 0-3) -> the last 4 (36-39).
     assert "0.8697 → 0.2074" in text
     assert "arith_easy/pass@4 last" in text
-    for tag in ("a", "b", "c", "d", "e", "f"):
+    for tag in ("a", "b", "c", "d", "e", "f1", "f2", "h"):
         assert "**holds**" in claim(text, tag) or "does not hold" in claim(text, tag)
-    assert "R² = 1.000 on 45 points" in claim(text, "d") and "**holds**" in claim(text, "d")
+    # The law is claimed for the GRPO family (grpo, clip_higher, par): 27 points; all five methods in the table.
+    assert "| pooled (GRPO family) | 27 | 0.3000 | 1.2000 | 1.000 | 0.9000 |" in text
+    assert "R² = 1.000 on 27 points" in claim(text, "d") and "**holds**" in claim(text, "d")
+    # Early prediction of the final accuracy: 3 exact points predict the last exactly.
+    assert "grpo +0.0000" in claim(text, "h") and "3 of 3 within 0.02" in claim(text, "h")
+    assert "**holds**" in claim(text, "h")
+    # The synthetic accuracy saturates with the entropy, so GRPO plateaus.
+    assert "**holds**" in claim(text, "a") and "a plateau" in claim(text, "a")
     for png in study_report.PLOTS:
         assert f"]({png})" in text
         data = open(os.path.join(d, png), "rb").read()
@@ -134,12 +142,64 @@ def test_missing_methods_and_keys_do_not_crash(tmp_path):
     text = open(path).read()
     assert "par: not run" in text and "grpo: no eval/<ds>/acc values" in text
     assert "n/a (0 points; need 3)" in text
-    assert "skipped (grpo has no eval rows; par was not run)" in claim(text, "f")
+    assert "skipped (grpo has no eval rows; par was not run)" in claim(text, "f2")
+    assert "skipped (par was not run)" in claim(text, "f1")
     assert "skipped (clip_higher was not run)" in claim(text, "c")
-    assert "skipped (pooled eval fit n/a (0 points" in claim(text, "d")
-    assert "**holds**" in claim(text, "a")  # training metrics alone still answer (a)
+    assert "skipped (GRPO-family eval fit n/a (0 points" in claim(text, "d")
+    assert "skipped (grpo has no actor/entropy values or fewer than 6 evals)" in claim(text, "a")
+    assert "skipped (no GRPO-family run" in claim(text, "h")
     for png in study_report.PLOTS:
         assert open(os.path.join(tmp_path, png), "rb").read(8) == PNG_MAGIC
+
+
+def _with_eval_accuracy(run_dir, acc):
+    """Rewrite a run's eval accuracies as acc(step) (both sources equal), keeping everything else."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    rows = [json.loads(line) for line in open(path)]
+    for r in rows:
+        for k in [k for k in r if k.endswith("/acc")]:
+            r[k] = acc(r["step"])
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def test_plateau_and_early_prediction_flip_when_accuracy_keeps_climbing(tmp_path):
+    # Accuracy rising linearly to the end: no plateau, and a fit on the first 3 evals (whose entropy falls fast)
+    # misses the final accuracy by far more than 2 points.
+    d = make_study(tmp_path, methods=("grpo",))
+    _with_eval_accuracy(tmp_path / "grpo", lambda s: 0.1 + 0.02 * s)
+    text = render(d, ["grpo"])
+    a, h = claim(text, "a"), claim(text, "h")
+    assert "does not hold at this scale" in a and "gained +0.7000" in a
+    assert "0 of 1 within 0.02" in h and "does not hold at this scale" in h
+
+
+def test_par_active_claim_reads_the_lambda_schedule(tmp_path):
+    for name, lam in (("moving", lambda s: min(1.0, 0.05 * s) if s < 25 else max(0.0, 1.0 - 0.05 * (s - 24))),
+                      ("still", lambda s: 1.0)):
+        write_run(tmp_path / name / "par", ENTROPY["par"])
+        path = tmp_path / name / "par" / "metrics.jsonl"
+        rows = [json.loads(line) for line in open(path)]
+        for r in rows:
+            if r["step"] > 0:
+                r["actor/par_lambda"] = lam(r["step"])
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    moving, still = (claim(render(str(tmp_path / n), ["par"]), "f1") for n in ("moving", "still"))
+    assert "went down on 16 of 39 steps" in moving and "**holds**" in moving
+    assert "went down on 0 of 39 steps" in still and "does not hold at this scale" in still
+
+
+def test_the_chain_preset_loads_for_every_run_and_names_files_that_exist():
+    """The study preset with headroom: every run of the full study (5 methods x 2 seeds, staleness 0 and 4) has a
+    valid config, and the base model and data files it names are in the repository."""
+    args = study.parse_args(["--preset", "chain", "--seeds", "0,1", "--staleness", "0,4"])
+    plan = study.make_plan(args, "covrl-study ...", NOW)  # loads every run's config; raises on a bad one
+    assert len(study.run_names(plan)) == 14 and plan.steps == study.PRESETS["chain"]["steps"]
+    cfg = study.load_config(None, study.run_overrides(plan, "kl_cov@k4"))
+    assert cfg.rollout.max_staleness_steps == 4 and type(cfg.learner.loss).__name__ == "KLCovLoss" and cfg.data.task == "files"
+    for path in (cfg.model.path, *cfg.data.train_files, *cfg.data.eval_files):
+        assert os.path.exists(os.path.join(study.REPO, path)), path
+    assert os.path.isfile(os.path.join(study.REPO, cfg.model.path, "model.safetensors"))
 
 
 def test_unknown_method_and_preset_are_rejected(capsys):
@@ -147,7 +207,7 @@ def test_unknown_method_and_preset_are_rejected(capsys):
     err = capsys.readouterr().err
     assert "ppo_plus" in err and "valid methods: grpo, clip_higher, clip_cov, kl_cov, par" in err
     assert study.main(["--preset", "gsm8k"]) == 2
-    assert "valid presets: arith" in capsys.readouterr().err
+    assert "valid presets: arith, chain" in capsys.readouterr().err
     assert study.main(["--methods", "grpo,grpo"]) == 2
     assert study.main(["--set", "run.seed=3"]) == 2
     assert "use --seed" in capsys.readouterr().err
