@@ -71,3 +71,14 @@ def test_written_rows_load_as_a_run_reads_them(task, tmp_path):
     records = read_records(str(tmp_path / "eval.jsonl"))
     assert [(r.text, r.answer, r.data_source) for r in records] == \
         [(p.question, p.answer, "chain_long") for p in problems]
+
+
+def test_guesses_are_right_at_the_set_rate_and_otherwise_close(task):
+    from common.chain import GUESS_ACCURACY, guess
+
+    problems = task.train()[:2000]
+    values = [int(re.search(r"\\boxed\{(-?\d+)\}", guess(p, str(i))).group(1)) for i, p in enumerate(problems)]
+    offsets = [v - int(p.answer) for v, p in zip(values, problems)]
+    assert abs(sum(o == 0 for o in offsets) / len(offsets) - GUESS_ACCURACY) < 0.04
+    assert {abs(o) for o in offsets} == {0, 1, 2, 3}
+    assert guess(problems[0], "k") == guess(problems[0], "k")  # seeded by its key

@@ -180,3 +180,54 @@ def test_warmstart_direct_fraction_sets_the_share_of_direct_solutions():
     share = lambda f: sum(solution_style(0, i, f) == "direct" for i in range(2000)) / 2000  # noqa: E731
     assert share(0.0) == 0.0 and share(1.0) == 1.0 and abs(share(0.85) - 0.85) < 0.03
     assert [solution_style(0, i) for i in range(50)] == [solution_style(0, i, 0.5) for i in range(50)]  # the default
+
+
+CHAIN_ASSET = REPO / "assets" / "chain-base"
+
+
+def test_chain_warm_start_writes_the_runs_data_files_beside_the_model(tmp_path):
+    from common.chain import RL_LEVELS
+    from common.datasets import read_records
+
+    argv, deterministic = sys.argv, torch.are_deterministic_algorithms_enabled()
+    sys.argv = ["warmstart.py", "--task", "chain", "--out", str(tmp_path / "c"), "--steps", "1", "--eval-problems", "2"]
+    try:
+        runpy.run_path(str(REPO / "launch" / "warmstart.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+        torch.use_deterministic_algorithms(deterministic)
+    report = json.loads((tmp_path / "c" / "warmstart.json").read_text())
+    assert report["task"] == "chain" and report["direct_fraction"] == 0.7 and report["guess_accuracy"] == 0.5
+    train, held = read_records(str(tmp_path / "c" / "train.jsonl")), read_records(str(tmp_path / "c" / "eval.jsonl"))
+    assert len(train) == 4096 and {r.data_source for r in train} == {"chain"}
+    assert {r.data_source for r in held} == {"chain_short", "chain_long"} and len(held) == 256
+    assert not {r.text for r in train} & {r.text for r in held}
+    assert {r.text.count(" ") // 2 for r in train} == set(RL_LEVELS)  # "What is a + b - c?": operand count
+
+
+@pytest.mark.skipif(not CHAIN_ASSET.exists(), reason="assets/chain-base not built: covrl-warmstart --task chain")
+def test_committed_chain_model_prefers_the_strategy_that_fails():
+    """The study's regime: most sampled answers are direct guesses, worked solutions are far more often right, and
+    the reloaded asset, prompted from its own eval.jsonl as a run prompts it, still works problems out correctly."""
+    from common.datasets import read_records
+
+    report = json.loads((CHAIN_ASSET / "warmstart.json").read_text())
+    for name in ("chain_short", "chain_long"):
+        styles = report["styles"][name]
+        assert styles["direct"]["share"] > 0.6 and styles["worked"]["accuracy"] > styles["direct"]["accuracy"] + 0.4
+        assert 0.2 <= report["accuracy"][name] <= 0.5, report["accuracy"]
+    assert (CHAIN_ASSET / "model.safetensors").stat().st_size < 10_000_000
+
+    model = AutoModelForCausalLM.from_pretrained(CHAIN_ASSET)
+    tok = AutoTokenizer.from_pretrained(CHAIN_ASSET)
+    records = read_records(str(CHAIN_ASSET / "eval.jsonl"))[:64]
+    prompts = [tok(render_prompt(r.text)).input_ids for r in records]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])  # left-padded [B, P]
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, P]
+    torch.manual_seed(0)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=64)
+    texts = tok.batch_decode(out[:, width:], skip_special_tokens=True)
+    worked = [(r, t) for r, t in zip(records, texts) if not t.lstrip().startswith("The answer is")]
+    right = sum(f"\\boxed{{{r.answer}}}" in t for r, t in worked)
+    assert worked and right >= 0.5 * len(worked), f"{right}/{len(worked)} worked solutions right: {texts[:3]}"
