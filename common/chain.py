@@ -5,7 +5,7 @@
 
 Why a second task: on `arith` RL moves held-out accuracy by a few points (docs/study-arith), because the
 built-in model cannot *execute* most of what it attempts, so no choice of strategy helps much. Here every
-worked step is one fact `x +/- d` with a single digit d and |x| <= 45 -- a few thousand facts that the warm
+worked step is one fact `x +/- d` with a single digit d and -36 <= x <= 45 -- about 1 600 facts that the warm
 start sees many times, so the worked strategy is reliable on questions it has never seen. The warm start's
 corpus answers most questions directly, and its direct answers are *guesses* (`guess`): right half the time,
 otherwise off by 1..3, as a pretrained model that answers without working is often close but wrong. So the base
@@ -77,6 +77,8 @@ class ChainTask:
 
     @staticmethod
     def _unique_set(rng: Random, levels: tuple[int, ...], size: int) -> list[Problem]:
+        if size > 4000:  # 3-operand questions: 10^3 operand choices x 4 operator pairs; a set this big never fills
+            raise ValueError(f"eval_size {size} is more than the chain task's held-out sets can hold (4000)")
         seen: set[str] = set()
         problems: list[Problem] = []
         while len(problems) < size:

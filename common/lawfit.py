@@ -56,9 +56,10 @@ def fit_law(entropies: list[float], rewards: list[float]) -> LawFit:
     return LawFit(a=-slope, b=intercept, r2=1.0 - ss_res / ss_tot if ss_tot else 1.0, n=n)
 
 
-def early_prediction(entropies: list[float], rewards: list[float], fraction: float = 0.15) -> tuple[LawFit, float]:
-    """Fit on the first `fraction` of the points; RMSE of its predictions on the rest."""
-    k = max(2, int(len(entropies) * fraction))
+def early_prediction(entropies: list[float], rewards: list[float], fraction: float = 0.15,
+                     k: int | None = None) -> tuple[LawFit, float]:
+    """Fit on the first `fraction` of the points (or the first `k`); RMSE of its predictions on the rest."""
+    k = max(2, int(len(entropies) * fraction)) if k is None else k
     if k >= len(entropies):
         raise ValueError(f"early_prediction: {len(entropies)} points leave nothing to predict after the first {k}")
     fit = fit_law(entropies[:k], rewards[:k])

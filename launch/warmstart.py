@@ -6,8 +6,8 @@
 Steps: train a byte-level BPE on arith texts; random-init a tiny Qwen2; SFT it
 on worked solutions with the loss on the response only; measure sampled
 accuracy at temperature 1; save model + tokenizer + warmstart.json atomically.
-`--task chain` builds the entropy study's base model instead (common/chain.py): SFT on a stream of 100 000
-fresh chain questions, most answered by a guess, and writes the run's train.jsonl / eval.jsonl beside it.
+`--task chain` builds the entropy study's base model instead (common/chain.py): SFT on 100 000 drawn chain
+questions (--sft-problems), most answered by a guess, and writes the run's train.jsonl / eval.jsonl beside it.
 
 Why two solution styles (`ArithTask.solution(p, style)`): a pretrained model
 answers some questions straight away and works others out. The SFT data mixes
@@ -72,9 +72,9 @@ PEAK_LR = 2e-3  # 3e-3 learned slightly worse and 6e-3 much worse in 600-step ru
 WARMUP_STEPS = 20
 EVAL_TRAIN_PROBLEMS = 256
 DIRECT_FRACTION = 0.5  # share of SFT solutions written in the `direct` style
-# --task chain (common/chain.py): the study's base model. SFT on a stream this long never repeats a question
-# within the run, so the model learns the x +/- d facts rather than the questions; most solutions are direct,
-# so the base model prefers the strategy that fails and RL has a strategy to discover.
+# --task chain (common/chain.py): the study's base model. 100 000 draws (about 62 000 distinct questions; only the
+# short chains repeat), so the model learns the x +/- d facts rather than the questions; most solutions are direct
+# guesses, so the base model prefers the strategy that fails and RL has a strategy to discover.
 CHAIN_SFT_PROBLEMS = 100_000
 CHAIN_DIRECT_FRACTION = 0.7
 CHAIN_DEFAULT_STEPS = 1500
@@ -284,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                         "writes train.jsonl and eval.jsonl beside the model")
     parser.add_argument("--out", help="default assets/<task>-base")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sft-problems", type=int, default=CHAIN_SFT_PROBLEMS,
+                        help=f"chain only: SFT questions drawn (default {CHAIN_SFT_PROBLEMS})")
     parser.add_argument("--steps", type=int,
                         help=f"SFT steps (default {DEFAULT_STEPS} for arith, {CHAIN_DEFAULT_STEPS} for chain)")
     parser.add_argument("--direct-fraction", type=float,
@@ -310,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.use_deterministic_algorithms(True)
     started = time.time()
 
-    task = ChainTask(seed=args.seed, train_size=CHAIN_SFT_PROBLEMS) if chain else ArithTask(seed=args.seed)
+    if args.sft_problems < 1:
+        parser.error(f"--sft-problems must be at least 1, got {args.sft_problems}")
+    task = ChainTask(seed=args.seed, train_size=args.sft_problems) if chain else ArithTask(seed=args.seed)
     tok = build_tokenizer(task)
     model = build_model(len(tok), tok.eos_token_id, args.seed)
     print(f"vocab {len(tok)}  params {count_params(model)}", flush=True)
@@ -325,7 +329,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:13s} accuracy {acc:.3f}  mean response tokens {length:.1f}  by level {per_level}  by style {per_style}")
 
     report = {
-        "task": args.task,
         "seed": args.seed,
         "steps": args.steps,
         "eval_problems": {name: len(problems) for name, problems in evals.items()},
@@ -345,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     if chain:  # the RL prompts and the held-out sets, in the file layout a run reads (data.task = "files")
         rl = ChainTask(seed=args.seed, train_size=CHAIN_RL_TRAIN_SIZE, levels=RL_LEVELS).train()
         data = {"train.jsonl": (rl, "chain"), "eval.jsonl": ([p for ps in task.eval_sets().values() for p in ps], None)}
-        report["sft_problems"] = CHAIN_SFT_PROBLEMS
+        report["task"] = "chain"  # (the arith report keeps its keys: the committed asset's bytes stay reproducible)
+        report["sft_problems"] = args.sft_problems
         report["guess_accuracy"] = GUESS_ACCURACY
     save_atomic(Path(args.out), model, tok, report, data)
     print(f"wrote {args.out} in {time.time() - started:.0f} s")

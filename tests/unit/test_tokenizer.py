@@ -190,7 +190,8 @@ def test_chain_warm_start_writes_the_runs_data_files_beside_the_model(tmp_path):
     from common.datasets import read_records
 
     argv, deterministic = sys.argv, torch.are_deterministic_algorithms_enabled()
-    sys.argv = ["warmstart.py", "--task", "chain", "--out", str(tmp_path / "c"), "--steps", "1", "--eval-problems", "2"]
+    sys.argv = ["warmstart.py", "--task", "chain", "--out", str(tmp_path / "c"), "--steps", "1", "--eval-problems", "2",
+                "--sft-problems", "500"]
     try:
         runpy.run_path(str(REPO / "launch" / "warmstart.py"), run_name="__main__")
     finally:
