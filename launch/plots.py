@@ -22,6 +22,7 @@ import math
 import os
 import sys
 
+import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -36,7 +37,7 @@ def _save(fig: Figure, path: str) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     FigureCanvasAgg(fig)
-    fig.savefig(tmp, format="png", dpi=100)
+    fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")  # a legend beside the axes stays in the image
     os.replace(tmp, path)
     return path
 
@@ -103,28 +104,31 @@ def plot_law_fit(points: Series, fits: dict[str, LawFit | None], path: str, *, p
                  ylabel: str = "accuracy", title: str = "R = -a exp(H) + b") -> str:
     """Scatter of (entropy, reward) points per label, each label's fitted curve (dashed, over its own
     entropy range) and the pooled fit (black, over all points' range); returns `path`."""
-    fig = _figure(7.5, 5)
+    many = len(points) > 6  # a study with seeds and staleness runs: legend beside the plot, 20 distinct colours
+    fig = _figure(11.5 if many else 7.5, 5)
     ax = fig.subplots()
     all_h = [h for pts in points.values() for h, _ in pts]
     for i, (label, pts) in enumerate(points.items()):
         if not pts:
             continue
+        color = matplotlib.colormaps["tab20"](i % 20) if many else f"C{i}"
         hs, rs = zip(*pts)
-        ax.scatter(hs, rs, s=18, color=f"C{i}", label=label)
+        ax.scatter(hs, rs, s=18, color=color, label=label)
         fit = fits.get(label)
         if fit is not None and max(hs) > min(hs):
-            ax.plot(*_curve(fit, min(hs), max(hs)), "--", color=f"C{i}",
+            ax.plot(*_curve(fit, min(hs), max(hs)), "--", color=color,
                     label=f"{label} fit: a={fit.a:.3g} b={fit.b:.3g} R²={fit.r2:.2f}")
     if pooled is not None and all_h and max(all_h) > min(all_h):
         ax.plot(*_curve(pooled, min(all_h), max(all_h)), "-", color="black", linewidth=2,
                 label=f"pooled fit: a={pooled.a:.3g} b={pooled.b:.3g} R²={pooled.r2:.2f}")
     if all_h:
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0)) if many else \
+            ax.legend(fontsize="small")
     else:
         _no_data(ax)
     ax.set_xlabel("policy entropy H")
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(title, fontsize="medium")
     ax.grid(alpha=0.3)
     return _save(fig, path)
 

@@ -321,6 +321,21 @@ def test_seeds_show_their_spread_and_judge_the_headline_comparison(tmp_path):
     assert g[0].startswith("- (g) Clip-Cov") and g[0].endswith("holds beyond the seed spread.")
     # kl_cov (0.845, 0.860) is higher than grpo (0.832, 0.850) on average but overlaps it: not a win.
     assert g[1].startswith("- (g) KL-Cov") and g[1].endswith("within the seed spread: not a win.")
+    # (b) on entropy, judged the same way: clip_cov's seeds end below both of grpo's (larger offsets), so it does
+    # not hold; with kl_cov made to end above grpo on one seed only, it is higher on average but not an effect.
+    b = claim(text, "b").splitlines()
+    assert "over 2 and 2 seed(s)" in b[0] and "does not hold at this scale" in b[0]
+    for name, dh in (("kl_cov", -0.06), ("kl_cov@s1", 0.0)):
+        write_run(tmp_path / name, lambda v, d=dh: ENTROPY["grpo"](v) - d)
+    text = study_report.render_report([study_report.load_run(str(tmp_path), n) for n in shift], {}, NOW,
+                                      method_overrides={})
+    kl = claim(text, "b").splitlines()[1]
+    assert kl.startswith("- (b) KL-Cov") and kl.endswith("within the seed spread: not an effect).")
+    for name, dh in (("kl_cov", -0.1), ("kl_cov@s1", -0.2)):
+        write_run(tmp_path / name, lambda v, d=dh: ENTROPY["grpo"](v) - d)
+    text = study_report.render_report([study_report.load_run(str(tmp_path), n) for n in shift], {}, NOW,
+                                      method_overrides={})
+    assert claim(text, "b").splitlines()[1].endswith("**holds** (beyond the seed spread).")
 
 
 def test_the_staleness_axis_is_tabled_and_plotted_per_method(tmp_path):
@@ -340,6 +355,13 @@ def test_the_staleness_axis_is_tabled_and_plotted_per_method(tmp_path):
     assert order == ["grpo@k0", "grpo", "grpo@k4"]  # by k: 0, 1, 4
     # Higher k here ends with lower entropy (larger offset), so higher accuracy on the law.
     assert "- grpo: the end entropy falls with k" in section and "final mean eval accuracy rises with k" in section
+    assert "seed spread unknown" in section  # grpo ran at one seed here
+    # A second seed 0.15 apart: the end entropy's range over k (0.2) is beyond it; one 0.3 apart: within it.
+    for offset, word in ((0.15, "beyond"), (0.3, "within")):
+        write_run(tmp_path / "grpo@s1", lambda v, d=offset: ENTROPY["grpo"](v) - d)
+        section = study_report.render_report([study_report.load_run(str(tmp_path), n) for n in names + ["grpo@s1"]],
+                                             {}, NOW, method_overrides={}).split("## 8. Staleness")[1]
+        assert f"range 0.2000 {word} the seed spread {offset:.4f}" in section
     assert f"]({study_report.STALENESS_PLOT})" in text
     assert open(tmp_path / study_report.STALENESS_PLOT, "rb").read(8) == PNG_MAGIC
 
