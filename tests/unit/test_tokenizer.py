@@ -185,18 +185,22 @@ def test_warmstart_direct_fraction_sets_the_share_of_direct_solutions():
 CHAIN_ASSET = REPO / "assets" / "chain-base"
 
 
-def test_chain_warm_start_writes_the_runs_data_files_beside_the_model(tmp_path):
+def test_chain_warm_start_writes_the_runs_data_files_beside_the_model_the_same_bytes_twice(tmp_path):
     from common.chain import RL_LEVELS
     from common.datasets import read_records
 
-    argv, deterministic = sys.argv, torch.are_deterministic_algorithms_enabled()
-    sys.argv = ["warmstart.py", "--task", "chain", "--out", str(tmp_path / "c"), "--steps", "1", "--eval-problems", "2",
-                "--sft-problems", "500"]
-    try:
-        runpy.run_path(str(REPO / "launch" / "warmstart.py"), run_name="__main__")
-    finally:
-        sys.argv = argv
-        torch.use_deterministic_algorithms(deterministic)
+    hashes = []
+    for out in ("c", "d"):
+        argv, deterministic = sys.argv, torch.are_deterministic_algorithms_enabled()
+        sys.argv = ["warmstart.py", "--task", "chain", "--out", str(tmp_path / out), "--steps", "2",
+                    "--eval-problems", "2", "--sft-problems", "500"]
+        try:
+            runpy.run_path(str(REPO / "launch" / "warmstart.py"), run_name="__main__")
+        finally:
+            sys.argv = argv
+            torch.use_deterministic_algorithms(deterministic)
+        hashes.append({f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted((tmp_path / out).iterdir())})
+    assert hashes[0] == hashes[1] and {"train.jsonl", "eval.jsonl", "model.safetensors"} <= set(hashes[0])
     report = json.loads((tmp_path / "c" / "warmstart.json").read_text())
     assert report["task"] == "chain" and report["direct_fraction"] == 0.7 and report["guess_accuracy"] == 0.5
     train, held = read_records(str(tmp_path / "c" / "train.jsonl")), read_records(str(tmp_path / "c" / "eval.jsonl"))
