@@ -383,3 +383,10 @@ def test_seeds_and_staleness_make_the_runs_and_their_commands(tmp_path):
         except study.StudyError:
             continue
         raise AssertionError(f"{bad} was accepted")
+
+
+def test_covariance_claim_needs_a_correlation_beyond_chance():
+    # r = -0.009 over 1,520 steps is no correlation (the chance bound is 2 / sqrt(1520) = 0.051); -0.2 is one.
+    weak, strong = study_report.claim_cov(-0.009, 1520), study_report.claim_cov(-0.2, 1520)
+    assert "r < −0.051" in weak and "does not hold at this scale" in weak
+    assert "**holds**" in strong
