@@ -161,6 +161,29 @@ def _parse(question: str) -> tuple[list[int], list[str]]:
     )
 
 
+def unique_problems(rng: Random, make, levels: tuple[int, ...], size: int) -> list[Problem]:
+    """`size` distinct questions from `make(rng, level)`, levels in equal shares (round robin): a held-out set."""
+    seen: set[str] = set()
+    problems: list[Problem] = []
+    while len(problems) < size:
+        p = make(rng, levels[len(problems) % len(levels)])
+        if p.question not in seen:
+            seen.add(p.question)
+            problems.append(p)
+    return problems
+
+
+def train_problems(rng: Random, make, levels: tuple[int, ...], size: int, held_out: set[str]) -> list[Problem]:
+    """`size` questions from `make(rng, level)`, levels in equal shares, none of them in `held_out`, shuffled."""
+    problems: list[Problem] = []
+    while len(problems) < size:
+        p = make(rng, levels[len(problems) % len(levels)])
+        if p.question not in held_out:
+            problems.append(p)
+    rng.shuffle(problems)
+    return problems
+
+
 class ArithTask:
     """Deterministic train and held-out eval sets for a given seed."""
 
@@ -180,28 +203,11 @@ class ArithTask:
         self._train = self._train_set(Random(f"arith/{seed}/train"), held_out)
 
     def _unique_set(self, rng: Random, levels: tuple[int, ...]) -> list[Problem]:
-        """`eval_size` distinct questions, levels in equal shares (round robin)."""
-        seen: set[str] = set()
-        problems: list[Problem] = []
-        while len(problems) < self.eval_size:
-            p = _make_problem(rng, levels[len(problems) % len(levels)])
-            if p.question not in seen:
-                seen.add(p.question)
-                problems.append(p)
-        return problems
+        return unique_problems(rng, _make_problem, levels, self.eval_size)
 
     def _train_set(self, rng: Random, held_out: set[str]) -> list[Problem]:
-        """`train_size` problems, all four levels in equal shares, shuffled.
-
-        Repeats are allowed: level 1 has only a few hundred distinct questions.
-        """
-        problems: list[Problem] = []
-        while len(problems) < self.train_size:
-            p = _make_problem(rng, 1 + len(problems) % 4)
-            if p.question not in held_out:
-                problems.append(p)
-        rng.shuffle(problems)
-        return problems
+        """All four levels; repeats are allowed: level 1 has only a few hundred distinct questions."""
+        return train_problems(rng, _make_problem, (1, 2, 3, 4), self.train_size, held_out)
 
     def train(self) -> list[Problem]:
         return list(self._train)

@@ -22,10 +22,11 @@ first from their own RNG stream; the train stream rejects any question in them. 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from random import Random
 
-from common.arith import Problem, _evaluate
+from common.arith import Problem, _evaluate, train_problems, unique_problems
 
 DATA_SOURCE = "chain"
 LEVELS = (2, 3, 4, 5, 6)  # operand counts
@@ -64,29 +65,15 @@ class ChainTask:
         bad = [n for n in levels if n not in LEVELS]
         if bad or not levels:
             raise ValueError(f"chain levels are operand counts in {list(LEVELS)}, got {list(levels)}")
+        if eval_size > 4000:  # 3-operand questions: 10^3 operand choices x 4 operator pairs; a bigger set never fills
+            raise ValueError(f"eval_size {eval_size} is more than the chain task's held-out sets can hold (4000)")
         eval_rng = Random(f"chain/{seed}/eval")
-        self._eval = {name: self._unique_set(eval_rng, lv, eval_size) for name, lv in EVAL_SETS.items()}
+        self._eval = {name: [replace(p, data_source=name)  # tagged by the set: chain_short / chain_long
+                             for p in unique_problems(eval_rng, make_problem, lv, eval_size)]
+                      for name, lv in EVAL_SETS.items()}
         held_out = {p.question for problems in self._eval.values() for p in problems}
         rng = Random(f"chain/{seed}/train/{','.join(map(str, levels))}")
-        self._train: list[Problem] = []
-        while len(self._train) < train_size:
-            p = make_problem(rng, levels[len(self._train) % len(levels)])
-            if p.question not in held_out:
-                self._train.append(p)
-        rng.shuffle(self._train)
-
-    @staticmethod
-    def _unique_set(rng: Random, levels: tuple[int, ...], size: int) -> list[Problem]:
-        if size > 4000:  # 3-operand questions: 10^3 operand choices x 4 operator pairs; a set this big never fills
-            raise ValueError(f"eval_size {size} is more than the chain task's held-out sets can hold (4000)")
-        seen: set[str] = set()
-        problems: list[Problem] = []
-        while len(problems) < size:
-            p = make_problem(rng, levels[len(problems) % len(levels)])
-            if p.question not in seen:
-                seen.add(p.question)
-                problems.append(Problem(p.question, p.answer, _source(p.level), p.level))
-        return problems
+        self._train = train_problems(rng, make_problem, levels, train_size, held_out)
 
     def train(self) -> list[Problem]:
         return list(self._train)
@@ -95,14 +82,10 @@ class ChainTask:
         return {name: list(problems) for name, problems in self._eval.items()}
 
 
-def _source(level: int) -> str:
-    return next(name for name, levels in EVAL_SETS.items() if level in levels)
-
-
-def write_jsonl(problems: list[Problem], path: Path, data_source: str | None = None) -> None:
+def write_jsonl(problems: list[Problem], path: Path) -> None:
     """Rows in covrl's file layout (common/datasets.py): prompt, reward_model.ground_truth, data_source."""
     with open(path, "w", encoding="utf-8") as f:
         for p in problems:
-            row = {"prompt": p.question, "reward_model": {"ground_truth": p.answer},
-                   "data_source": data_source or p.data_source, "level": p.level}
+            row = {"prompt": p.question, "reward_model": {"ground_truth": p.answer}, "data_source": p.data_source,
+                   "level": p.level}
             f.write(json.dumps(row, sort_keys=True) + "\n")

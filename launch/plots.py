@@ -121,9 +121,10 @@ def plot_law_fit(points: Series, fits: dict[str, LawFit | None], path: str, *, p
     if pooled is not None and all_h and max(all_h) > min(all_h):
         ax.plot(*_curve(pooled, min(all_h), max(all_h)), "-", color="black", linewidth=2,
                 label=f"pooled fit: a={pooled.a:.3g} b={pooled.b:.3g} R²={pooled.r2:.2f}")
-    if all_h:
-        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0)) if many else \
-            ax.legend(fontsize="small")
+    if all_h and many:
+        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    elif all_h:
+        ax.legend(fontsize="small")
     else:
         _no_data(ax)
     ax.set_xlabel("policy entropy H")

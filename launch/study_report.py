@@ -278,10 +278,15 @@ def in_family(name: str) -> bool:
     return variant(name)[0] in GRPO_FAMILY
 
 
+def family_points(points_by_run: dict[str, list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """The points of every GRPO-family run, pooled: what claim (d) and the law plot's black line fit."""
+    return [p for name, pts in points_by_run.items() if in_family(name) for p in pts]
+
+
 def _fit_rows(points_by_method: dict[str, list[tuple[float, float]]]) -> list[list[str]]:
     rows = []
     pooled = [p for pts in points_by_method.values() for p in pts]
-    family = [p for name, pts in points_by_method.items() if in_family(name) for p in pts]
+    family = family_points(points_by_method)
     for name, pts in list(points_by_method.items()) + [("pooled (GRPO family)", family),
                                                         ("pooled (all methods)", pooled)]:
         fit, why = try_fit(pts)
@@ -384,6 +389,14 @@ def claim_collapse(by: dict[str, MethodRun]) -> str:
             f"{_verdict(h1 < h0 and flat)}.")
 
 
+def _end_entropy(run: MethodRun) -> float | None:
+    return span[1] if (span := entropy_span(run.rows)) else None
+
+
+def _final_acc(run: MethodRun) -> float | None:
+    return fin[1] if (fin := final_eval(run.rows)) else None
+
+
 def _seed_values(by: dict[str, MethodRun], runs: list[MethodRun], method: str, value) -> list[float]:
     """`value(run)` for each seed of `method` (its plain run alone when it ran at one seed), Nones left out."""
     return [v for r in seed_runs(runs).get(method, [by[method]] if method in by else []) if (v := value(r)) is not None]
@@ -408,8 +421,7 @@ def claim_entropy_above_grpo(by: dict[str, MethodRun], runs: list[MethodRun], ta
                       "no actor/entropy values")
     if why:
         return f"{title}: skipped ({why})."
-    end = lambda r: (span := entropy_span(r.rows)) and span[1]  # noqa: E731
-    mine, base = _seed_values(by, runs, method, end), _seed_values(by, runs, "grpo", end)
+    mine, base = _seed_values(by, runs, method, _end_entropy), _seed_values(by, runs, "grpo", _end_entropy)
     higher, how = _beyond_seeds(mine, base)
     ratio = (sum(mine) / len(mine)) / (sum(base) / len(base)) if sum(base) else float("nan")
     return (f"{title}. Paper: {paper}. Measured mean entropy over the last 10 % of steps: {method} {_spread(mine)} vs "
@@ -531,6 +543,7 @@ def section_staleness(runs: list[MethodRun]) -> str:
     head = "## 8. Staleness"
     if not groups:
         return f"{head}\n\nNo staleness axis in this study (`--staleness 0,4`)."
+    by = {r.name: r for r in runs}
     rows, findings = [], []
     for m, pairs in groups.items():
         ends, accs = [], []
@@ -542,9 +555,7 @@ def section_staleness(runs: list[MethodRun]) -> str:
             if span and fin:
                 ends.append(span[1])
                 accs.append(fin[1])
-        seeds = seed_runs(runs).get(m, [])
-        seed_ends = [span[1] for r in seeds if (span := entropy_span(r.rows))]
-        seed_accs = [fin[1] for r in seeds if (fin := final_eval(r.rows))]
+        seed_ends, seed_accs = _seed_values(by, runs, m, _end_entropy), _seed_values(by, runs, m, _final_acc)
         findings.append(f"- {m}: the end entropy {_monotone(ends)} ({', '.join(f'{e:.4f}' for e in ends)}; "
                         f"{_against_seeds(ends, seed_ends)}), the final mean eval accuracy {_monotone(accs)} "
                         f"({', '.join(f'{a:.4f}' for a in accs)}; {_against_seeds(accs, seed_accs)}), in order of k.")
@@ -560,9 +571,7 @@ def section_staleness(runs: list[MethodRun]) -> str:
 def claim_accuracy_beyond_seeds(by: dict[str, MethodRun], runs: list[MethodRun], method: str, label: str) -> str:
     """(g) `method` ends at a higher held-out accuracy than GRPO, judged against the seed spread."""
     title = f"(g) {label} ends at a higher held-out accuracy than GRPO"
-    groups = seed_runs(runs)
-    finals = {m: [f[1] for r in groups.get(m, [by[m]] if m in by else []) if (f := final_eval(r.rows)) is not None]
-              for m in ("grpo", method)}
+    finals = {m: _seed_values(by, runs, m, _final_acc) for m in ("grpo", method)}
     if not finals["grpo"] or not finals[method]:
         missing = [m for m, v in finals.items() if not v]
         return f"{title}: skipped ({', '.join(missing)} has no evaluation)."
@@ -589,7 +598,7 @@ def render_report(runs: list[MethodRun], meta: dict, now: datetime.datetime, *,
     cov_pts = {r.name: cov_points(r.rows) for r in runs}
     pooled_cov = [p for pts in cov_pts.values() for p in pts]
     pooled_r = pearson([c for c, _ in pooled_cov], [d for _, d in pooled_cov])
-    family_fit = try_fit([p for name, pts in eval_pts.items() if in_family(name) for p in pts])
+    family_fit = try_fit(family_points(eval_pts))
     by = {r.name: r for r in runs}
     claims = claim_lines(runs, family_fit, pooled_r, len(pooled_cov)) + [
         claim_accuracy_beyond_seeds(by, runs, "clip_cov", "Clip-Cov"),
@@ -619,7 +628,7 @@ def write_plots(study_dir: str, runs: list[MethodRun]) -> list[str]:
     acc_panels |= {ds: {r.name: key_series(r.rows, f"eval/{ds}/acc") for r in runs} for ds in sources}
     eval_pts = {r.name: [(h, a) for _, h, a in eval_points(r.rows)] for r in runs}
     fits = {m: try_fit(pts)[0] for m, pts in eval_pts.items()}
-    family = try_fit([p for name, pts in eval_pts.items() if in_family(name) for p in pts])[0]
+    family = try_fit(family_points(eval_pts))[0]
     out = os.path.join
     return [
         plot_metric(rows, "actor/entropy", out(study_dir, "entropy.png"), title="policy entropy (actor/entropy) vs step"),

@@ -259,9 +259,9 @@ def accuracy(model, tok, problems: list[Problem]) -> tuple[float, float, dict[in
     return sum(correct) / len(correct), sum(map(len, responses)) / len(responses), per_level, per_style
 
 
-def save_atomic(out: Path, model, tok, report: dict, data: dict | None = None) -> None:
+def save_atomic(out: Path, model, tok, report: dict, data: dict[str, list[Problem]] | None = None) -> None:
     """Write beside `out`, then rename into place: readers never see a half-written model.
-    `data`: {file name: (problems, data_source or None for each problem's own)} written as jsonl beside it."""
+    `data`: {file name: problems} written as jsonl beside it."""
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -269,8 +269,8 @@ def save_atomic(out: Path, model, tok, report: dict, data: dict | None = None) -
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     (tmp / "warmstart.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    for name, (problems, source) in (data or {}).items():
-        write_jsonl(problems, tmp / name, source)
+    for name, problems in (data or {}).items():
+        write_jsonl(problems, tmp / name)
     if out.exists():  # a non-empty directory cannot be replaced in one rename; move it aside first
         os.replace(out, old)
     os.replace(tmp, out)
@@ -304,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps if args.steps is not None else (CHAIN_DEFAULT_STEPS if chain else DEFAULT_STEPS)
     if args.direct_fraction is None:
         args.direct_fraction = CHAIN_DIRECT_FRACTION if chain else DIRECT_FRACTION
+    if args.sft_problems < 1:
+        parser.error(f"--sft-problems must be at least 1, got {args.sft_problems}")
     if args.steps < 0 or (args.eval_problems is not None and args.eval_problems < 1) or \
             not 0 <= args.direct_fraction <= 1:
         parser.error(f"need --steps >= 0, --eval-problems >= 1 and 0 <= --direct-fraction <= 1, got {args.steps}, "
@@ -312,8 +314,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.use_deterministic_algorithms(True)
     started = time.time()
 
-    if args.sft_problems < 1:
-        parser.error(f"--sft-problems must be at least 1, got {args.sft_problems}")
     task = ChainTask(seed=args.seed, train_size=args.sft_problems) if chain else ArithTask(seed=args.seed)
     tok = build_tokenizer(task)
     model = build_model(len(tok), tok.eos_token_id, args.seed)
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     data = {}
     if chain:  # the RL prompts and the held-out sets, in the file layout a run reads (data.task = "files")
         rl = ChainTask(seed=args.seed, train_size=CHAIN_RL_TRAIN_SIZE, levels=RL_LEVELS).train()
-        data = {"train.jsonl": (rl, "chain"), "eval.jsonl": ([p for ps in task.eval_sets().values() for p in ps], None)}
+        data = {"train.jsonl": rl, "eval.jsonl": [p for ps in task.eval_sets().values() for p in ps]}
         report["task"] = "chain"  # (the arith report keeps its keys: the committed asset's bytes stay reproducible)
         report["sft_problems"] = args.sft_problems
         report["guess_accuracy"] = GUESS_ACCURACY
