@@ -12,10 +12,16 @@ Contracts kept from the CPU path, and how:
   under the distribution actually sampled from (after temperature and top-p). vLLM's default,
   `raw_logprobs`, is taken before temperature: every importance weight at T != 1 would be biased.
   `generation_config="vllm"`, so no sampling default from the model directory changes that distribution.
-- Versions per token: the engine core labels each step's output with the weight version set by
-  `finish_weight_update(weight_version=...)` / `update_weight_version`, which change only while
-  generation is paused; `CompletionOutput.weight_versions` spans become one int per token. Exact even
-  when a response spans an update.
+- Versions per token, on every supported vLLM (0.26 to 0.33; `vllm_api` finds what the installed one has):
+  - vLLM 0.33: the engine core labels each step's output with the weight version set by
+    `finish_weight_update(weight_version=...)` / `update_weight_version`, which change only while generation is
+    paused; `CompletionOutput.weight_versions` spans become one int per token. Exact even when a response spans
+    an update, so both weight_update modes are allowed.
+  - vLLM 0.26 has no labels. "finish" stays exact because covrl drains first: the gate closes, covrl's admitted
+    requests end, and only then does the engine pause, so every response ran wholly on the version it was
+    submitted under (a paused 0.26 would otherwise hold queued or preempted requests across the update and
+    finish them on new weights). "keep" cannot be made exact without vLLM internals and is refused at start,
+    with the fix (finish, or vLLM 0.33).
 - Seeds (`generator.seed_requests`, on by default): every request carries its prompt's seed. vLLM 0.33's default
   model runner (V2) samples with Gumbel noise keyed on (seed, position, token), so a seeded request costs nothing
   and its samples do not depend on what is batched with it; the legacy runner (VLLM_USE_V2_MODEL_RUNNER=0) samples
@@ -29,7 +35,7 @@ Contracts kept from the CPU path, and how:
 
 A weight update (chosen once, at setup) pauses generation, loads, stamps the version, resumes:
 - `weight_update="finish"`: `pause_generation(mode="wait")`: requests in flight finish on the old
-  weights; new ones wait for the new weights. Every response has one version.
+  weights; new ones wait for the new weights. Every response has one version. (0.26: covrl's drain first.)
 - `weight_update="keep"`: `pause_generation(mode="keep")`: requests freeze and continue on the new
   weights (PipelineRL-style). `clear_cache=True` in both modes: the KV of frozen requests is recomputed
   under the new weights. That departs from the CPU sampler (which keeps the KV of earlier tokens),
@@ -247,30 +253,83 @@ class VllmSettings:
         VW.torch_dtype(self.dtype)
 
 
-def vllm_api():
-    """The vLLM names VllmEngine uses, resolved once (tests pass a fake namespace instead)."""
+class NeverRaised(Exception):
+    """Stands in for `RetryableRequestError` on a vLLM that has none (0.26): a paused engine there queues new
+    requests instead of rejecting them, so there is nothing to retry."""
+
+
+def nccl_info_fields(engine_cls) -> tuple[frozenset, frozenset]:
+    """(init_info fields, update_info fields) of vLLM's NCCL weight-transfer backend, from the dataclasses it
+    parses the two request dicts into (`init_info_cls`, `update_info_cls`)."""
     import dataclasses
 
+    return (frozenset(f.name for f in dataclasses.fields(engine_cls.init_info_cls)),
+            frozenset(f.name for f in dataclasses.fields(engine_cls.update_info_cls)))
+
+
+def vllm_api():
+    """The vLLM names VllmEngine uses, resolved once, and what this vLLM can do, found by looking (never by its
+    version string; tests pass a fake namespace instead). Supported: vLLM 0.26 through 0.33. The differences:
+    - `version_spans`: CompletionOutput.weight_versions (0.33) labels each token with the engine's weight version;
+      without it (0.26) covrl keeps every response on one version itself (see `VllmEngine._paused`);
+    - `engine_versions`: AsyncLLM.update_weight_version and `finish_weight_update(weight_version=)` (0.33);
+    - `Retryable`: vllm.exceptions.RetryableRequestError (0.33: a paused engine rejects new requests), else a
+      private exception never raised (0.26 queues them);
+    - `nccl_fields`: where NCCL's `packed` flag lives (init info in 0.33, update info in 0.26)."""
+    import dataclasses
+    import inspect
+
     import vllm
-    from vllm.exceptions import RetryableRequestError
+    import vllm.exceptions
     from vllm.outputs import CompletionOutput
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
     api = SimpleNamespace(AsyncLLM=AsyncLLM, AsyncEngineArgs=vllm.AsyncEngineArgs, SamplingParams=vllm.SamplingParams,
-                          FINAL_ONLY=RequestOutputKind.FINAL_ONLY, Retryable=RetryableRequestError,
+                          FINAL_ONLY=RequestOutputKind.FINAL_ONLY,
+                          Retryable=getattr(vllm.exceptions, "RetryableRequestError", NeverRaised),
                           version_spans="weight_versions" in {f.name for f in dataclasses.fields(CompletionOutput)},
-                          native_nccl=False, version=vllm.__version__)
+                          engine_versions=hasattr(AsyncLLM, "update_weight_version"),
+                          native_nccl=False, nccl_fields=None, version=vllm.__version__)
     try:
         from vllm.config import WeightTransferConfig
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
     except ImportError:
         return api  # an older vLLM: the worker extension carries NCCL updates
     api.WeightTransferConfig, api.InitRequest, api.UpdateRequest = (WeightTransferConfig, WeightTransferInitRequest,
                                                                     WeightTransferUpdateRequest)
     api.native_nccl = all(hasattr(AsyncLLM, m) for m in ("init_weight_transfer_engine", "start_weight_update",
                                                          "update_weights", "finish_weight_update"))
+    if api.native_nccl:
+        api.engine_versions = api.engine_versions and (
+            "weight_version" in inspect.signature(AsyncLLM.finish_weight_update).parameters)
+        api.nccl_fields = nccl_info_fields(NCCLWeightTransferEngine)
     return api
+
+
+def nccl_init_info(info: dict, fields: tuple[frozenset, frozenset] | None) -> dict:
+    """init_info for vLLM's native NCCL path. covrl's protocol is one broadcast per parameter (`packed=False`):
+    0.33 reads that flag here, 0.26 from each update's info (`nccl_update_info`). `fields` None (a fake API in
+    the unit tests): as 0.33."""
+    if fields is None or "packed" in fields[0]:
+        info = {**info, "packed": False}
+    return _checked(info, None if fields is None else fields[0], "init")
+
+
+def nccl_update_info(meta: dict, fields: tuple[frozenset, frozenset] | None) -> dict:
+    """update_info of one bucket for vLLM's native NCCL path (`packed=False` where this vLLM reads it here)."""
+    if fields is not None and "packed" not in fields[0] and "packed" in fields[1]:
+        meta = {**meta, "packed": False}
+    return _checked(meta, None if fields is None else fields[1], "update")
+
+
+def _checked(info: dict, fields: frozenset | None, which: str) -> dict:
+    if fields is not None and (missing := set(info) - fields):
+        raise RuntimeError(f"vLLM's NCCL weight-transfer {which} info has no field(s) {sorted(missing)}: this vLLM "
+                           "is outside covrl's supported range (0.26 to 0.33); use generator.weight_transport = "
+                           "\"rpc\" or install vllm==0.33.0")
+    return info
 
 
 class _Loop:
@@ -318,19 +377,24 @@ class VllmEngine(Engine):
         self.dtype = VW.torch_dtype(settings.dtype)
         self.api = api if api is not None else vllm_api()
         if settings.weight_update == "keep" and not self.api.version_spans:
-            raise ValueError(f"weight_update=\"keep\" needs per-token weight versions from vLLM (0.33 has them); "
-                             f"vLLM {self.api.version} has not: use weight_update=\"finish\"")
+            raise ValueError(f"generator.weight_update = \"keep\" needs vLLM to label each token with its weight "
+                             f"version (CompletionOutput.weight_versions, vLLM >= 0.33); vLLM {self.api.version} "
+                             "does not: set generator.weight_update = \"finish\" or install vllm==0.33.0")
+        # Without per-token labels, "finish" is exact only if no request outlives a pause: covrl drains its own
+        # requests first (a paused 0.26 engine would hold queued or preempted ones across the update).
+        self.drain = not self.api.version_spans
         self.version = 0
         self.tp = settings.tensor_parallel_size or (1 if llm is not None else visible_device_count())
         self.nccl = None  # "native" | "extension" once joined
         self.counters: collections.Counter[str] = collections.Counter()
         self.last_update_s = 0.0
         self._ids = itertools.count()
+        self._inflight = 0  # covrl's requests admitted to vLLM and not yet final (owned by the loop's thread)
         self._loop = _Loop()
         try:
             self.llm = llm if llm is not None else self._loop.run(self._build(model_path))
-            self._open = self._loop.run(self._make_gate())
-            self._loop.run(self.llm.update_weight_version("0"))  # the engine core's label is "default" until set
+            self._open, self._idle = self._loop.run(self._make_gates())
+            self._loop.run(self._label(0))  # the engine core's label is "default" until set
         except BaseException:
             self._loop.close()
             raise
@@ -363,10 +427,19 @@ class VllmEngine(Engine):
         return self.api.AsyncLLM.from_engine_args(self.api.AsyncEngineArgs(**kw))
 
     @staticmethod
-    async def _make_gate() -> asyncio.Event:
-        gate = asyncio.Event()  # closed while a "finish" update runs: paused vLLM rejects new requests then
+    async def _make_gates() -> tuple[asyncio.Event, asyncio.Event]:
+        """(open, idle), made on the loop. `open` is closed while a "finish" update runs (a paused 0.33 rejects new
+        requests, a paused 0.26 would hold them across the update); `idle` is set while no request is in flight."""
+        gate, idle = asyncio.Event(), asyncio.Event()
         gate.set()
-        return gate
+        idle.set()
+        return gate, idle
+
+    async def _label(self, version: int) -> None:
+        """The engine's own weight-version label, where it keeps one (0.33); 0.26 has none and covrl's
+        `self.version` is the label."""
+        if self.api.engine_versions:
+            await self.llm.update_weight_version(str(version))
 
     # ---- generation ----
 
@@ -403,6 +476,8 @@ class VllmEngine(Engine):
         while True:
             await self._open.wait()
             version, rid = self.version, f"covrl-{next(self._ids)}"
+            self._inflight += 1  # no await since the gate: an update that closes it next counts this request
+            self._idle.clear()
             try:
                 final = None
                 async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, params, rid):
@@ -412,6 +487,10 @@ class VllmEngine(Engine):
                 return final, version
             except self.api.Retryable:  # a pause began between the gate and admission: nothing was generated
                 self.counters["vllm/requests_retried"] += 1
+            finally:
+                self._inflight -= 1
+                if not self._inflight:
+                    self._idle.set()
 
     # ---- weight updates ----
 
@@ -427,6 +506,10 @@ class VllmEngine(Engine):
         if mode == "wait":
             self._open.clear()
         try:
+            if mode == "wait" and self.drain:
+                t0 = time.perf_counter()
+                await self._idle.wait()  # every admitted request ends on the weights it started on
+                self.counters["vllm/drain_s"] += time.perf_counter() - t0
             await self.llm.pause_generation(mode=mode, clear_cache=True)
             try:
                 await load()
@@ -446,7 +529,7 @@ class VllmEngine(Engine):
                 meta = VW.bucket_meta(self.lay, first, end, self.dtype)
                 await self.llm.collective_rpc("covrl_load_weights", args=(
                     meta["names"], meta["shapes"], meta["dtype_names"][0], rpc_bytes(flat[start:stop], self.dtype)))
-            await self.llm.update_weight_version(str(version))
+            await self._label(version)
 
         self._update(version, load)
 
@@ -455,7 +538,8 @@ class VllmEngine(Engine):
         same time). Workers take ranks 1..tp."""
         info = dict(master_address=host, master_port=int(port), rank_offset=1, world_size=int(world_size))
         if self.api.native_nccl:
-            coro = self.llm.init_weight_transfer_engine(self.api.InitRequest(init_info={**info, "packed": False}))
+            init = nccl_init_info(info, self.api.nccl_fields)
+            coro = self.llm.init_weight_transfer_engine(self.api.InitRequest(init_info=init))
             self.nccl = "native"
         else:
             coro = self.llm.collective_rpc("covrl_init_nccl", kwargs=info)
@@ -502,13 +586,17 @@ class VllmEngine(Engine):
         async def native():
             await self.llm.start_weight_update()
             for meta in metas:
-                await self.llm.update_weights(self.api.UpdateRequest(update_info=meta))
-            await self.llm.finish_weight_update(weight_version=str(version))
+                update = nccl_update_info(meta, self.api.nccl_fields)
+                await self.llm.update_weights(self.api.UpdateRequest(update_info=update))
+            if self.api.engine_versions:
+                await self.llm.finish_weight_update(weight_version=str(version))
+            else:
+                await self.llm.finish_weight_update()
 
         async def extension():
             for meta in metas:
                 await self.llm.collective_rpc("covrl_receive_nccl", args=(meta["names"], meta["dtype_names"], meta["shapes"]))
-            await self.llm.update_weight_version(str(version))
+            await self._label(version)
 
         self._update(version, native if self.nccl == "native" else extension)
 

@@ -1,7 +1,8 @@
 """The vLLM engine's pure logic on CPU: the learner -> vLLM name map, bucket metadata, fingerprints, seeds,
-version stamps, and VllmEngine driven by a fake AsyncLLM that keeps vLLM's documented pause semantics
-("wait": in-flight requests finish and new ones are rejected; "keep": in-flight requests freeze) and
-labels every token with the weight version of the step that produced it, as vLLM 0.33's engine core does.
+version stamps, and VllmEngine driven by a fake AsyncLLM shaped like either supported API: 0.33 (a paused
+"wait" rejects new requests; every token labelled with the engine's weight version) or 0.26 (no labels, no
+version methods, a paused engine queues new requests, requests beyond max_running wait and are held across a
+pause). The fake records which weights really produced each token, so the tests check labels against truth.
 The real API is checked by test_vllm_contract.py (marker `vllm`) and tests/gpu (marker `gpu`)."""
 
 from __future__ import annotations
@@ -243,61 +244,91 @@ class FakeWorker(VE.CovrlWorkerExtension):
 
 
 class FakeLLM:
-    """AsyncLLM as VllmEngine uses it: every request steps its n children one token per tick."""
+    """AsyncLLM as VllmEngine uses it: every request steps its n children one token per tick.
 
-    def __init__(self, worker, length=20, tick_s=0.004):
-        self.worker, self.length, self.tick_s = worker, length, tick_s
+    `shape` is the API it imitates. "0.33": a paused engine ("wait") rejects new requests with Retryable; every
+    token is labelled with the engine's version (update_weight_version / finish_weight_update(weight_version)).
+    "0.26": no labels and no version methods; a paused engine queues new requests in every mode; at most
+    `max_running` requests run, the rest wait, and a "wait" pause completes when the running ones are done, so
+    waiting requests are held across the update. Either way `truth` records, per request and child, the weight
+    epoch (loads so far) under which each token was really produced."""
+
+    def __init__(self, worker, length=20, tick_s=0.004, shape="0.33", max_running=1 << 30):
+        self.worker, self.length, self.tick_s, self.shape, self.max_running = worker, length, tick_s, shape, max_running
         self.calls: list[tuple] = []
         self.label, self.paused, self.mode, self.inflight, self.ticks = "default", False, None, 0, 0
+        self.running, self.epoch, self.loaded_since_pause = 0, 0, False
         self.reject_next = 0
         self.seen_params = []
+        self.truth: dict[str, list[list[int]]] = {}
+        self.prompts: dict[str, list[int]] = {}
+        if shape == "0.33":
+            self.update_weight_version = self._update_weight_version
 
-    async def update_weight_version(self, v):
+    async def _update_weight_version(self, v):
         self.calls.append(("version", v))
         self.label = v
 
+    async def _admit(self):
+        if self.shape == "0.33":
+            if self.reject_next or (self.paused and self.mode == "wait"):
+                self.reject_next = max(0, self.reject_next - 1)
+                raise Retryable("Generation is paused. Please retry after it resumes.")
+        while self.paused or self.running >= self.max_running:  # 0.26: queued, never rejected
+            await asyncio.sleep(0.001)
+        self.running += 1
+
     async def generate(self, prompt, params, request_id):
         self.seen_params.append(params)
-        if self.reject_next or (self.paused and self.mode == "wait"):
-            self.reject_next = max(0, self.reject_next - 1)
-            raise Retryable("Generation is paused. Please retry after it resumes.")
+        self.prompts[request_id] = prompt["prompt_token_ids"]
+        await self._admit()
         self.inflight += 1
         try:
-            rows = [([], [], []) for _ in range(params.n)]
+            rows = [([], [], [], []) for _ in range(params.n)]
             for t in range(self.length):
                 while self.paused and self.mode == "keep":
                     await asyncio.sleep(0.001)
-                for j, (toks, lps, labels) in enumerate(rows):
+                for j, (toks, lps, labels, epochs) in enumerate(rows):
                     toks.append((prompt["prompt_token_ids"][-1] + (getattr(params, "seed", None) or 0) // VE.MAX_N + j + t) % 97 + 1)
                     lps.append(-0.01 * (t + 1))
                     labels.append(self.label)
+                    epochs.append(self.epoch)
                 self.ticks += 1
                 await asyncio.sleep(self.tick_s)
-            outs = []
-            for j, (toks, lps, labels) in enumerate(rows):
-                spans, start = [], 0
-                for i in range(1, len(labels) + 1):
-                    if i == len(labels) or labels[i] != labels[start]:
-                        spans.append(Span(labels[start], start, i))
-                        start = i
-                outs.append(SimpleNamespace(index=j, token_ids=toks, logprobs=FlatLP(toks, lps), finish_reason="length",
-                                            weight_versions=spans))
+            self.truth[request_id] = [epochs for _, _, _, epochs in rows]
+            outs = [self._output(j, toks, lps, labels) for j, (toks, lps, labels, _) in enumerate(rows)]
             yield SimpleNamespace(request_id=request_id, outputs=outs[::-1], finished=True)  # any order: sorted by index
         finally:
             self.inflight -= 1
+            self.running -= 1
+
+    def _output(self, j, toks, lps, labels):
+        out = SimpleNamespace(index=j, token_ids=toks, logprobs=FlatLP(toks, lps), finish_reason="length")
+        if self.shape == "0.33":
+            spans, start = [], 0
+            for i in range(1, len(labels) + 1):
+                if i == len(labels) or labels[i] != labels[start]:
+                    spans.append(Span(labels[start], start, i))
+                    start = i
+            out.weight_versions = spans
+        return out
 
     async def pause_generation(self, *, mode="abort", clear_cache=True):
         self.calls.append(("pause", mode, clear_cache))
-        self.paused, self.mode = True, mode
-        while mode == "wait" and self.inflight:
+        self.paused, self.mode, self.loaded_since_pause = True, mode, False
+        while mode == "wait" and self.running:
             await asyncio.sleep(0.001)
 
     async def resume_generation(self):
         self.calls.append(("resume",))
+        if self.loaded_since_pause:
+            self.epoch += 1
         self.paused = False
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         self.calls.append(("rpc", method))
+        if method in ("covrl_load_weights", "covrl_receive_nccl"):
+            self.loaded_since_pause = True
         if method.startswith("covrl_"):
             return [getattr(self.worker, method)(*args, **(kwargs or {}))]
         return [None]
@@ -310,15 +341,28 @@ class FakeLLM:
 
     async def update_weights(self, request):
         self.calls.append(("update", request.update_info))
+        self.loaded_since_pause = True
 
-    async def finish_weight_update(self, weight_version=None):
-        self.calls.append(("finish", weight_version))
-        self.label = weight_version
+    async def finish_weight_update(self, **kw):
+        if self.shape == "0.26" and kw:
+            raise TypeError(f"finish_weight_update() got an unexpected keyword argument {next(iter(kw))!r}")
+        self.calls.append(("finish", kw.get("weight_version")))
+        if self.shape == "0.33":
+            self.label = kw["weight_version"]
 
 
-def fake_api(native=True):
+# The NCCL info fields of each version: 0.33 reads `packed` from the init info, 0.26 from each update's info.
+NCCL_INIT = frozenset({"master_address", "master_port", "rank_offset", "world_size"})
+NCCL_UPDATE = frozenset({"names", "dtype_names", "shapes"})
+NCCL_FIELDS = {"0.33": (NCCL_INIT | {"packed"}, NCCL_UPDATE),
+               "0.26": (NCCL_INIT, NCCL_UPDATE | {"packed", "packed_buffer_size_bytes", "packed_num_buffers"})}
+
+
+def fake_api(native=True, shape="0.33"):
+    new = shape == "0.33"
     return SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw), FINAL_ONLY="final_only",
-                           Retryable=Retryable, version_spans=True, native_nccl=native, version="fake",
+                           Retryable=Retryable if new else VE.NeverRaised, version_spans=new, engine_versions=new,
+                           native_nccl=native, nccl_fields=NCCL_FIELDS[shape], version=f"fake {shape}",
                            InitRequest=lambda init_info: SimpleNamespace(init_info=init_info),
                            UpdateRequest=lambda update_info: SimpleNamespace(update_info=update_info))
 
@@ -327,10 +371,10 @@ def fake_api(native=True):
 def make_engine(tiny_model_dir):
     engines = []
 
-    def make(weight_update="finish", native=True, **kw):
+    def make(weight_update="finish", native=True, shape="0.33", **kw):
         lay = W.layout(VE.meta_model(tiny_model_dir))
-        llm = FakeLLM(FakeWorker(FakeModel(lay)), **kw)
-        eng = VE.VllmEngine(tiny_model_dir, stop_ids=[0], llm=llm, api=fake_api(native),
+        llm = FakeLLM(FakeWorker(FakeModel(lay)), shape=shape, **kw)
+        eng = VE.VllmEngine(tiny_model_dir, stop_ids=[0], llm=llm, api=fake_api(native, shape),
                             settings=VE.VllmSettings(weight_update=weight_update, poll_s=0.002))
         engines.append(eng)
         return eng, llm
@@ -408,6 +452,89 @@ def test_keep_mode_update_continues_requests_and_stamps_each_token(make_engine):
             k = v.index(7)  # a response that spans the update: old tokens keep 0, later ones carry 7
             assert 0 < k < 20 and v == [0] * k + [7] * (20 - k)
             assert len(c.token_ids) == 20
+
+
+def true_versions(llm, prompt, versions_loaded):
+    """Per child, the covrl version each token of `prompt`'s request was really produced under (the fake's epochs
+    mapped through the versions loaded, in order)."""
+    (rid,) = [r for r, p in llm.prompts.items() if p == prompt and r in llm.truth]
+    return [[([0] + versions_loaded)[e] for e in epochs] for epochs in llm.truth[rid]]
+
+
+def update_mid_generation(eng, llm, prompts, n, version):
+    flat = torch.zeros(eng.lay.numel)
+    applied = threading.Event()
+
+    def hook():
+        if llm.ticks >= 5 and not applied.is_set():
+            applied.set()
+            eng.load_flat(flat, version)
+
+    groups = eng.generate(prompts, n, SP, list(range(len(prompts))), before_forward=hook)
+    assert applied.is_set() and eng.version == version
+    return groups
+
+
+def test_vllm026_finish_mode_drains_so_each_token_carries_the_version_it_ran_on(make_engine):
+    """0.26 labels no tokens and holds queued requests across a pause: covrl drains its own requests before pausing,
+    so the version at submission is the version every token ran on, also for requests vLLM had queued."""
+    eng, llm = make_engine("finish", shape="0.26", max_running=2)
+    assert eng.drain and llm.calls == []  # no version label to set on 0.26
+    prompts = [[1], [2], [3], [4]]
+    groups = update_mid_generation(eng, llm, prompts, 2, 1)
+    for prompt, group in zip(prompts, groups):
+        assert [c.versions.tolist() for c in group] == true_versions(llm, prompt, [1]) == [[0] * 20] * 2
+    assert [c[0] for c in llm.calls if c[0] != "rpc"] == ["pause", "resume"] and eng.counters["vllm/drain_s"] > 0
+    later = eng.generate([[5]], 1, SP, [9])
+    assert later[0][0].versions.tolist() == true_versions(llm, [5], [1])[0] == [1] * 20
+
+
+def test_vllm026_without_the_drain_queued_requests_would_be_mislabelled(make_engine):
+    """The control that makes the drain test able to fail: the same run with the drain off labels the requests
+    vLLM held across the pause with the old version, though they ran on the new weights."""
+    eng, llm = make_engine("finish", shape="0.26", max_running=2)
+    eng.drain = False
+    prompts = [[1], [2], [3], [4]]
+    groups = update_mid_generation(eng, llm, prompts, 2, 1)
+    wrong = [p for p, g in zip(prompts, groups) if [c.versions.tolist() for c in g] != true_versions(llm, p, [1])]
+    assert wrong == [[3], [4]]  # the two that were queued behind max_running
+
+
+def test_vllm026_keep_mode_is_refused_with_the_fix(make_engine):
+    with pytest.raises(ValueError, match=r'weight_update = "finish" or install vllm==0\.33\.0'):
+        make_engine("keep", shape="0.26")
+
+
+def test_vllm033_keep_mode_labels_equal_what_each_token_ran_on(make_engine):
+    eng, llm = make_engine("keep", shape="0.33")
+    assert not eng.drain
+    groups = update_mid_generation(eng, llm, [[1], [2]], 2, 7)
+    for prompt, group in zip([[1], [2]], groups):
+        truth = true_versions(llm, prompt, [7])
+        assert [c.versions.tolist() for c in group] == truth and all(0 in v and 7 in v for v in truth)
+
+
+def test_vllm026_native_nccl_puts_packed_in_the_update_and_finishes_without_a_version(make_engine, monkeypatch):
+    monkeypatch.setattr(W, "BUCKET_NUMEL", 3000)
+    eng, llm = make_engine("finish", native=True, shape="0.26")
+    eng.join_nccl("10.0.0.1", 29555, 3)
+    assert llm.calls[-1] == ("init", dict(master_address="10.0.0.1", master_port=29555, rank_offset=1, world_size=3))
+    eng.receive_nccl(4)
+    calls = llm.calls[llm.calls.index(("pause", "wait", True)):]
+    assert [c[0] for c in calls] == ["pause", "start"] + ["update"] * len(W.bucket_plan(eng.lay)) + ["finish", "resume"]
+    assert all(c[1]["packed"] is False for c in calls if c[0] == "update")
+    assert calls[-2] == ("finish", None) and eng.version == 4 and llm.epoch == 1
+
+
+def test_nccl_infos_refuse_fields_this_vllm_lacks():
+    init = VE.nccl_init_info({"master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 2},
+                             NCCL_FIELDS["0.33"])
+    assert init["packed"] is False
+    meta = {"names": ["a"], "dtype_names": ["bfloat16"], "shapes": [[2]]}
+    assert VE.nccl_update_info(meta, NCCL_FIELDS["0.33"]) == meta
+    assert VE.nccl_update_info(meta, NCCL_FIELDS["0.26"]) == {**meta, "packed": False}
+    with pytest.raises(RuntimeError, match=r"no field\(s\) \['rank_offset'\].*weight_transport = \"rpc\""):
+        VE.nccl_init_info({"rank_offset": 1}, (frozenset({"master_address"}), NCCL_UPDATE))
 
 
 def test_a_request_rejected_while_paused_is_retried(make_engine):
