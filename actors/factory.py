@@ -48,7 +48,12 @@ def load_engine(cfg, model_path: str):
         if importlib.util.find_spec("vllm") is None:
             raise ValueError("generator.engine selects vLLM (this generator has GPUs) but vllm is not installed: "
                              "see README \"GPU install\", or set generator.engine = \"torch\"")
-        return VllmEngine.from_config(cfg, model_path, stop_ids=stops), tokenizer
+        engine = VllmEngine.from_config(cfg, model_path, stop_ids=stops)
+        st = engine.settings
+        log.info("generator engine: vllm %s on cuda, tp %d, %s, weight update %s (%s), weights over %s",
+                 engine.api.version, engine.tp, st.dtype, st.weight_update,
+                 "covrl drains before each update" if engine.drain else "per-token version labels", st.transport)
+        return engine, tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
     # This process's GPU when the launcher gave it one (CUDA_VISIBLE_DEVICES per generator; "" hides them all),

@@ -1,7 +1,7 @@
 """GPU proof: one command that shows, on a machine with one NVIDIA GPU, that covrl's GPU path works end to end,
 and measures it.
 
-    python3 -m launch.gpu_proof [--out DIR] [--work DIR] [--stages tests,z1,throughput,z3] [--rehearse-cpu]
+    python3 -m launch.gpu_proof [--out DIR] [--work DIR] [--stages vllm-kit,...,z3] [--rehearse-cpu] [--deadline-s S]
     python3 -m launch.gpu_proof --record DIR/gpu_proof.json [MORE.json ...]   # into tests/bench/results.json
 
 Run it from the repository root: a GPU machine without covrl installed finds the packages there (`-m` puts the
@@ -10,11 +10,28 @@ current directory on sys.path); with covrl installed, `covrl-gpu-proof` is the s
 
 Everything a stage needs is checked first (CUDA, the packages, the colocated placement, the engine's device
 argument); a missing piece is one line on stderr and exit 2, before anything runs. Then the stages, in the
-order given (default tests, z1, throughput, z3: the ZeRO-3 repeat last, so a time limit cuts it rather than the
-throughput figures), each timed, each with its log in `--out` (`<stage>.log`):
+order given (default: the order of value, vllm-kit, vllm-tests, vllm-run, tests, z1, throughput, z3, so a time
+limit cuts the ZeRO-3 repeat first), each timed, each with its log in `--out` (`<stage>.log`):
 
-  tests       `pytest -q -m gpu tests/gpu -p no:cacheprovider -rs` with a JUnit report: passed / failed /
-              skipped counts and every skip's reason (the vLLM tests skip without vLLM, the NCCL ones without 2
+  vllm-kit    vLLM itself, without covrl's engine (a child process, tests/gpu/proof_workers.py vllm-smoke): its
+              compiled ops load (`vllm._C_stable_libtorch`, in the kit pruned to sm_90) and `_C.rms_norm` matches a
+              float64 reference; FlashAttention 3 is importable; an AsyncLLM builds on assets/arith-base; two
+              requests with one seed give the same samples, another seed others; processed logprobs, one per token;
+              pause(keep) / collective_rpc / resume, then generation again. If `_C` does not load, the proof stops
+              within a minute with exit 3 and says to carry the fallback kit (PTX kept) instead; if vLLM does not
+              import at all, the vLLM stages are not run and the torch stages go on.
+  vllm-tests  `pytest -m gpu tests/gpu/test_vllm_engine.py`: covrl's VllmEngine on the GPU (stops, logprobs of the
+              tempered distribution, seeds, an rpc update, a finish-mode update with 64 sequences in flight whose
+              every token scores under the version it is labelled with, keep mode or its refusal on 0.26, and
+              launch/gpu_check.py's learner + generator roles over the rpc weight channel).
+  vllm-run    A colocated 1-GPU cluster run with the vLLM generator (rpc weights, gpu_memory_utilization 0.3, eager)
+              and the bf16 DeepSpeed learner (ZeRO-1) on assets/arith-base: 12 steps on-policy
+              (rollout.max_staleness_steps = 0) at temperature 0.7. The z1 checks (checksums equal on both sides
+              after every publish, every version received, the checkpoint, the device lines), and the staleness-0
+              agreement: at every step mean pi_prox / pi_behav within 1 +- 0.05 and at most 1 % of tokens over
+              the importance cap. (CPU rehearsal: the torch engine, as vLLM needs a GPU.)
+  tests       `pytest -q -m gpu tests/gpu --ignore tests/gpu/test_vllm_engine.py -p no:cacheprovider -rs` with a
+              JUnit report: passed / failed / skipped counts and every skip's reason (the NCCL ones skip without 2
               GPUs). Passes when nothing failed or errored; all-skipped counts as passed.
   z1          A colocated 1-GPU cluster run (one learner rank and one torch-engine generator share GPU 0) on the
               built-in model `assets/arith-base`, bf16, DeepSpeed ZeRO-1: 24 steps, a checkpoint every 12, no
@@ -43,7 +60,8 @@ throughput figures), each timed, each with its log in `--out` (`<stage>.log`):
               backward. Peak GPU memory too. (2) Generation: the torch engine (actors/engine.py `TorchEngine(...,
               device=)`) on the GPU, bf16, 32 prompts x 8 samples x 256 new tokens at temperature 1; the stop id
               is the model's last vocabulary id, which a random model rarely samples; tokens/s = tokens generated
-              / seconds.
+              / seconds. (3) The same generation with covrl's vLLM engine (`--throughput-parts vllm-gen`; eager,
+              so CUDA graphs' capture time stays out of a short lease: a lower bound on vLLM's speed).
 
 At the end: `--out`/gpu_proof.json (device, versions, UTC date, git commit, a digest of the sources, and per stage
 passed / seconds / figures / key log lines), gpu_proof_logs.tar.gz (stage logs, the runs' logs, metrics and
@@ -54,6 +72,8 @@ model) go to `--work` (default: --out), which the device tool need not bring bac
 
 `--rehearse-cpu`: the same stages on a CPU-only machine at toy scale (`--gpus 0`, float32, 4 steps with resume
 from 2, a tiny random model for throughput, MFU null), so this script's logic is proven before GPU time is spent.
+vllm-kit then only imports vLLM's Python (`--python .venv-vllm026/bin/python` has it) and vllm-tests is skipped:
+a skipped stage is recorded as such, never as passed.
 
 `--record FILE.json [...]`: merges finished gpu_proof.json files (later files' stages win) into
 tests/bench/results.json under "gpu_proof"; the rest of results.json stays as it is.
@@ -81,7 +101,10 @@ from dataclasses import dataclass, replace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-STAGES = ("tests", "z1", "throughput", "z3")
+STAGES = ("vllm-kit", "vllm-tests", "vllm-run", "tests", "z1", "throughput", "z3")
+VLLM_STAGES = ("vllm-kit", "vllm-tests", "vllm-run")
+VLLM_TESTS = "tests/gpu/test_vllm_engine.py"
+KIT_FAILED_EXIT = 3  # the kit's compiled ops did not load: rerun with the fallback kit (README "GPU proof")
 RESULT_TAG = "GPU_PROOF_RESULT "  # tests/gpu/proof_workers.py prints its result after this tag
 # The throughput workers import the learner and the engine, which launch/ never does (tests/unit/test_imports.py):
 # they live with the GPU tests and run as child processes (one CUDA context each, freed when they exit).
@@ -134,17 +157,18 @@ class Scale:
     gen_prompt_tokens: int
     run_timeout_s: float  # one cluster launch
     worker_timeout_s: float  # one throughput worker
+    vllm_steps: int  # the vllm-run stage's steps
 
 
 GPU = Scale(gpus=1, dtype="bfloat16", steps=24, ckpt_every=12, resume_first=12, resume_ckpt_every=6, model=QWEN25_05B,
             samples=64, prompt_tokens=64, response_tokens=512, micro_batch_tokens=(1024, 4096, 8192), warmup=2,
             timed=5,
             gen_prompts=32, gen_samples=8, gen_tokens=256, gen_prompt_tokens=64, run_timeout_s=360,
-            worker_timeout_s=360)
+            worker_timeout_s=360, vllm_steps=12)
 CPU = Scale(gpus=0, dtype="float32", steps=4, ckpt_every=2, resume_first=2, resume_ckpt_every=1, model=TINY,
             samples=8, prompt_tokens=16, response_tokens=32, micro_batch_tokens=(64, 512), warmup=1, timed=2,
             gen_prompts=4, gen_samples=2, gen_tokens=16, gen_prompt_tokens=16, run_timeout_s=900,
-            worker_timeout_s=600)
+            worker_timeout_s=600, vllm_steps=4)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -397,7 +421,7 @@ def preflight(args, scale: Scale) -> tuple[dict, list[str]]:
                  os.path.join(REPO, "launch", "cluster.py")):
         if not os.path.isfile(path):
             fail(f"{path} is missing: run from a complete checkout of the repository")
-    if {"z1", "z3"} & set(args.stages) and scale.gpus:
+    if {"z1", "z3", "vllm-run"} & set(args.stages) and scale.gpus:
         if facts["device_count"] < scale.gpus:
             fail(f"the cluster stages need {scale.gpus} GPU(s); torch sees {facts['device_count']}")
         from common.cluster import PlacementError, check_colocation, place_gpus
@@ -477,10 +501,11 @@ def version_warnings(args) -> list[str]:
 # stage: tests
 
 
-def stage_tests(ctx) -> dict:
+def stage_tests(ctx, paths: tuple = ("tests/gpu", f"--ignore={VLLM_TESTS}"), name: str = "tests") -> dict:
+    """`pytest -m gpu` over `paths`: the torch-side GPU tests (stage tests) or the vLLM engine's (vllm-tests)."""
     log, chk = ctx.log, ctx.checks
-    junit = os.path.join(ctx.args.work, "tests_junit.xml")
-    argv = [ctx.args.python, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider", "-rs",
+    junit = os.path.join(ctx.args.work, f"{name}_junit.xml")
+    argv = [ctx.args.python, "-m", "pytest", "-q", "-m", "gpu", *paths, "-p", "no:cacheprovider", "-rs",
             f"--junitxml={junit}"]
     code, seconds, lines = run_logged(argv, log, ctx.timeout(300), env=child_env(ctx.args))
     counts = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
@@ -513,6 +538,108 @@ def stage_tests(ctx) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# stages: vllm-kit, vllm-tests, vllm-run
+
+
+def skip(ctx, reason: str) -> None:
+    """This stage cannot run here (a GPU stage in the CPU rehearsal): recorded as skipped, not passed."""
+    ctx.checks("skipped here, and why", True, reason)
+    ctx.skip_reason = reason
+
+
+class StopProof(Exception):
+    """The rest of the proof cannot run (the kit's compiled ops did not load); the message says what to do."""
+
+
+def vllm_probe(ctx) -> dict:
+    """vLLM's version and location as the children see it (PYTHONPATH included), or why it does not import."""
+    code = "import json, vllm; print(json.dumps({'version': vllm.__version__, 'file': vllm.__file__}))"
+    p = subprocess.run([ctx.args.python, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env=child_env(ctx.args))
+    if p.returncode == 0:
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    return {"error": (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1][:300]}
+
+
+def stage_vllm_kit(ctx) -> dict:
+    """vLLM itself, without covrl's engine (tests/gpu/proof_workers.py vllm-smoke). If its compiled ops do not load,
+    the proof stops here: the next command carries the fallback kit instead (PTX kept)."""
+    log, chk, args = ctx.log, ctx.checks, ctx.args
+    probe = vllm_probe(ctx)
+    log.say(f"vllm: {probe}", key=True)
+    if args.rehearse_cpu and "version" not in probe:
+        skip(ctx, "CPU rehearsal: vLLM does not import here (run with --python .venv-vllm026/bin/python)")
+        return {"vllm": probe}
+    if not chk("vllm imports", "version" in probe, probe.get("error", "")):
+        ctx.vllm_broken = f"vllm does not import ({probe.get('error')}): carry the kit (make gpu-kit; README \"GPU proof\")"
+        return {"vllm": probe}
+    if args.rehearse_cpu:
+        skip(ctx, "CPU rehearsal: vLLM's kernels and engine need a GPU (its Python imported)")
+        return {"vllm": probe}
+    code, secs, lines = run_worker(ctx, "vllm-smoke", {"model": BASE_MODEL, "gpu_memory_utilization": 0.3},
+                                   timeout_s=240)
+    r = result_of(lines) or {}
+    if not chk("vLLM's compiled ops (_C) load", r.get("c_loaded") is True, r.get("c_error") or f"exit {code}"):
+        raise StopProof(f"vLLM's _C did not load ({r.get('c_error') or f'exit {code}'}): run the proof again with "
+                        f"the fallback kit (carry .kit/common and .kit/bin-ptx instead of .kit/bin-sm90)")
+    chk("rms_norm from _C matches a float64 reference (rel. err < 1e-2, every element written)",
+        r.get("rms_norm_all_written") is True and r.get("rms_norm_rel_err", 1) < 1e-2, f"{r.get('rms_norm_rel_err')}")
+    chk("FlashAttention 3 is available", r.get("fa3") is True, str(r.get("fa3_error") or ""))
+    chk("an AsyncLLM builds on assets/arith-base", "build_s" in r, f"exit {code} after {secs:.0f}s")
+    chk("the same seed gives the same samples", r.get("seeded_repeat_equal") is True)
+    chk("another seed gives other samples", r.get("other_seed_differs") is True)
+    chk("processed logprobs: one per token, finite, <= 0",
+        r.get("logprobs_per_token") is True and r.get("logprobs_valid") is True)
+    chk("pause(keep) / collective_rpc / resume, then generation", (r.get("after_resume_tokens") or 0) > 0,
+        str(r.get("collective_rpc")))
+    chk("the smoke worker exits 0", code == 0, f"exit {code}")
+    log.say(f"vLLM {r.get('vllm')} on {r.get('device')}: _C rms_norm rel err {r.get('rms_norm_rel_err')}, FA3 "
+            f"{r.get('fa3')}, FA2 {r.get('fa2')}, engine built in {r.get('build_s')}s", key=True)
+    return {"vllm": probe, **r}
+
+
+def stage_vllm_tests(ctx) -> dict:
+    if ctx.args.rehearse_cpu:
+        skip(ctx, "CPU rehearsal: the vLLM engine tests need a GPU")
+        return {}
+    return stage_tests(ctx, (VLLM_TESTS,), "vllm_tests")
+
+
+# The vllm-run stage's staleness-0 agreement: at every step, pi_prox (recomputed by the learner at the step start)
+# over pi_behav (the generator's logprob of the tokens it sampled, same weights) has mean within this of 1, and at
+# most this share of tokens truncated (rho > learner.importance.cap).
+IS_WEIGHT_BAND = 0.05
+IS_CLIP_MAX = 0.01
+
+
+def stage_vllm_run(ctx) -> dict:
+    """A colocated 1-GPU run with the vLLM generator (rpc weights) and the bf16 DeepSpeed learner, on-policy
+    (max_staleness_steps = 0) at temperature 0.7, so behaviour and learner logprobs are of the same weights and
+    the same tempered distribution. Rehearsed on CPU with the torch engine (the checks, not vLLM)."""
+    chk, s = ctx.checks, ctx.scale
+    engine = "torch" if ctx.args.rehearse_cpu else "vllm"
+    steps = s.vllm_steps
+    extra = ("rollout.max_staleness_steps=0", "rollout.temperature=0.7", "generator.gpu_memory_utilization=0.3",
+             "generator.enforce_eager=true")
+    figures = {"engine": engine, "zero_stage": 1, "dtype": s.dtype, "gpus": s.gpus,
+               "full_run": full_run(ctx, "vllm-run", 1, steps, steps, engine, extra)}
+    rows = [r for r in read_jsonl(os.path.join(ctx.args.work, "vllm-run", "metrics.jsonl"))
+            if r.get("actor/is_weight_mean") is not None]
+    stale = [r.get("staleness/max") for r in rows]
+    chk("every step trained on-policy (staleness/max 0)", bool(rows) and all(v == 0 for v in stale), f"{stale}")
+    w = [round(r["actor/is_weight_mean"], 4) for r in rows]
+    clip = [round(r.get("actor/is_weight_clipfrac", 0.0), 4) for r in rows]
+    chk(f"behaviour and learner logprobs agree: mean pi_prox/pi_behav within 1 +- {IS_WEIGHT_BAND} at every step",
+        bool(w) and all(abs(x - 1) <= IS_WEIGHT_BAND for x in w), f"{w}")
+    chk(f"at most {IS_CLIP_MAX:.0%} of tokens truncated by the importance cap", all(c <= IS_CLIP_MAX for c in clip),
+        f"{clip}")
+    figures["is_weight_mean"], figures["is_weight_clipfrac"] = w, clip
+    ctx.log.say(f"{engine} run: {len(rows)} steps, is_weight_mean {min(w, default=None)}..{max(w, default=None)}, "
+                f"clipfrac max {max(clip, default=None)}", key=True)
+    return figures
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # stages: z1 / z3
 
 
@@ -520,13 +647,17 @@ LEARNER_LINE = re.compile(r"learner: ZeRO-(\d+), optimizer offload (\S+), bf16 (
                           r"gradient checkpointing (\S+), device (\S+)")
 
 
-def cluster_argv(ctx, run_dir: str, zero: int, steps: int, ckpt_every: int) -> list[str]:
+def cluster_argv(ctx, run_dir: str, zero: int, steps: int, ckpt_every: int, engine: str = "torch",
+                 extra: tuple = ()) -> list[str]:
     s = ctx.scale
-    return [ctx.args.python, "-m", "launch.cluster", "--gens", "1", "--learners", "1", "--gpus",
+    argv = [ctx.args.python, "-m", "launch.cluster", "--gens", "1", "--learners", "1", "--gpus",
             str(s.gpus), "--steps", str(steps), "--run-dir", run_dir, "--quiet",
-            "--set", 'generator.engine="torch"', "--set", f'model.dtype="{s.dtype}"',
+            "--set", f'generator.engine="{engine}"', "--set", f'model.dtype="{s.dtype}"',
             "--set", f"learner.zero_stage={zero}", "--set", f"run.checkpoint_every_steps={ckpt_every}",
             "--set", "eval.every_steps=0"]
+    for setting in extra:
+        argv += ["--set", setting]
+    return argv
 
 
 def gen_logs(run_dir: str) -> list[tuple[str, dict]]:
@@ -605,54 +736,67 @@ def check_learner_line(ctx, chk, run_dir: str, zero: int, prefix: str) -> str | 
     return m.group(0)
 
 
-def check_generator_line(ctx, chk, run_dir: str) -> str | None:
-    """actors/factory.py's load_engine logs where the torch engine runs: "generator engine: torch on cuda, ..."."""
+def check_generator_line(ctx, chk, run_dir: str, engine: str = "torch") -> str | None:
+    """actors/factory.py's load_engine logs which engine runs where: "generator engine: torch on cuda, ..." or
+    "generator engine: vllm 0.26.0 on cuda, ..."."""
     path = os.path.join(run_dir, "logs", "gen0.log")
     with open(path, errors="replace") if os.path.exists(path) else open(os.devnull) as f:
         found = [ln.split(": ", 1)[-1].strip() for ln in f if "generator engine:" in ln]
     want = "cpu" if ctx.args.rehearse_cpu else "cuda"
-    chk(f"generator: torch engine on {want}", bool(found) and found[-1].startswith(f"generator engine: torch on {want}"),
+    pattern = re.compile(rf"generator engine: {engine}( \S+)? on {want}\b")
+    chk(f"generator: {engine} engine on {want}", bool(found) and bool(pattern.match(found[-1])),
         found[-1] if found else f"no 'generator engine:' line in {path}")
     return found[-1] if found else None
+
+
+def full_run(ctx, name: str, zero: int, steps: int, ckpt_every: int, engine: str = "torch",
+             extra: tuple = ()) -> dict:
+    """One cluster run with checkpoints, checked: exit 0, steps 1..steps once each, the generator's checksum of
+    every version equal to the learner's and every version received, a complete final checkpoint, the learner's
+    and the generator's device lines."""
+    log, chk, s, args = ctx.log, ctx.checks, ctx.scale, ctx.args
+    run = os.path.join(args.work, name)
+    fresh_dir(run)
+    ctx.bundle_runs.append(run)
+    log.say(f"full run: {steps} steps, ZeRO-{zero}, {s.dtype}, {engine} engine, checkpoint every {ckpt_every} -> {run}")
+    code, secs, lines = run_logged(cluster_argv(ctx, run, zero, steps, ckpt_every, engine, extra), log,
+                                   ctx.timeout(s.run_timeout_s), env=child_env(args), graceful=True)
+    for ln in launcher_key_lines(lines):
+        log.say(ln, key=True)
+    chk("full run exits 0", code == 0, f"exit {code} after {secs:.0f}s")
+    logged = [r["step"] for r in read_jsonl(os.path.join(run, "metrics.jsonl"))]
+    chk(f"metrics.jsonl has steps 1..{steps} once each", logged == list(range(1, steps + 1)), f"got {logged}")
+    rep = checksum_report(run)
+    missing = sorted(set(range(1, steps + 1)) - set(rep["received"]))
+    bad = rep["mismatches"]
+    chk("generator checksums equal the learner's for every version it received", rep["checked"] > 0 and not bad,
+        f"{rep['checked']} equal" + (f"; {len(bad)} differ: {bad[:3]}" if bad else ""))
+    chk(f"the generator received every version 1..{steps}", not missing, f"missing {missing}" if missing else "")
+    from common.checkpoints import complete_checkpoints
+
+    ckpts = complete_checkpoints(run)
+    chk(f"a complete checkpoint of step {steps} exists", any(st == steps for st, _ in ckpts),
+        f"complete: {[st for st, _ in ckpts]}")
+    final = dict(ckpts).get(steps)
+    if final:
+        chk("the checkpoint holds a loadable HF model dir", all(os.path.isfile(os.path.join(final, f)) for f in
+                                                                ("config.json", "model.safetensors")), final)
+    line = check_learner_line(ctx, chk, run, zero, "")
+    gen_line = check_generator_line(ctx, chk, run, engine)
+    return {"seconds": round(secs, 1), "exit_code": code, "checksums_equal": rep["checked"],
+            "checkpoints": [st for st, _ in ckpts], "learner_line": line, "generator_line": gen_line,
+            **run_figures(run)}
 
 
 def stage_zero(ctx, zero: int, resume: bool) -> dict:
     log, chk, s, args = ctx.log, ctx.checks, ctx.scale, ctx.args
     figures: dict = {"zero_stage": zero, "dtype": s.dtype, "gpus": s.gpus, "engine": "torch"}
     # 1. One full run with checkpoints.
-    run = os.path.join(args.work, f"z{zero}")
-    fresh_dir(run)
-    ctx.bundle_runs.append(run)
-    log.say(f"full run: {s.steps} steps, ZeRO-{zero}, {s.dtype}, checkpoint every {s.ckpt_every} -> {run}")
-    code, secs, lines = run_logged(cluster_argv(ctx, run, zero, s.steps, s.ckpt_every), log,
-                                   ctx.timeout(s.run_timeout_s), env=child_env(args), graceful=True)
-    for ln in launcher_key_lines(lines):
-        log.say(ln, key=True)
-    chk("full run exits 0", code == 0, f"exit {code} after {secs:.0f}s")
-    steps = [r["step"] for r in read_jsonl(os.path.join(run, "metrics.jsonl"))]
-    chk(f"metrics.jsonl has steps 1..{s.steps} once each", steps == list(range(1, s.steps + 1)), f"got {steps}")
-    rep = checksum_report(run)
-    missing = sorted(set(range(1, s.steps + 1)) - set(rep["received"]))
-    bad = rep["mismatches"]
-    chk("generator checksums equal the learner's for every version it received", rep["checked"] > 0 and not bad,
-        f"{rep['checked']} equal" + (f"; {len(bad)} differ: {bad[:3]}" if bad else ""))
-    chk(f"the generator received every version 1..{s.steps}", not missing, f"missing {missing}" if missing else "")
-    from common.checkpoints import complete_checkpoints
-
-    ckpts = complete_checkpoints(run)
-    chk(f"a complete checkpoint of step {s.steps} exists", any(st == s.steps for st, _ in ckpts),
-        f"complete: {[st for st, _ in ckpts]}")
-    final = dict(ckpts).get(s.steps)
-    if final:
-        chk("the checkpoint holds a loadable HF model dir", all(os.path.isfile(os.path.join(final, f)) for f in
-                                                                ("config.json", "model.safetensors")), final)
-    line = check_learner_line(ctx, chk, run, zero, "")
-    gen_line = check_generator_line(ctx, chk, run)
-    figures["full_run"] = {"seconds": round(secs, 1), "exit_code": code, "checksums_equal": rep["checked"],
-                           "checkpoints": [st for st, _ in ckpts], "learner_line": line, "generator_line": gen_line,
-                           **run_figures(run)}
+    figures["full_run"] = full_run(ctx, f"z{zero}", zero, s.steps, s.ckpt_every)
     if not resume:
         return figures
+    from common.checkpoints import complete_checkpoints
+
     # 2. Interrupt and resume: a run to resume_first steps, then --resume to the full length.
     rrun = os.path.join(args.work, f"z{zero}r")
     fresh_dir(rrun)
@@ -743,15 +887,18 @@ def stage_throughput(ctx) -> dict:
             figures["learner"] = tput_learner(ctx, common)
         if "gen" in args.throughput_parts:
             figures["generation"] = tput_gen(ctx, common)
+        if "vllm-gen" in args.throughput_parts and not args.rehearse_cpu:
+            figures["vllm_generation"] = tput_gen(ctx, {**common, "enforce_eager": True, "gpu_memory_utilization": 0.5},
+                                                  "vllm-gen")
     finally:
         if not args.keep_model:
             shutil.rmtree(model_dir, ignore_errors=True)
     return figures
 
 
-def run_worker(ctx, kind: str, spec: dict) -> tuple[int, float, list[str]]:
+def run_worker(ctx, kind: str, spec: dict, timeout_s: float | None = None) -> tuple[int, float, list[str]]:
     argv = [ctx.args.python, "-m", WORKER_MODULE, kind, json.dumps(spec)]
-    return run_logged(argv, ctx.log, ctx.timeout(ctx.scale.worker_timeout_s), env=child_env(ctx.args))
+    return run_logged(argv, ctx.log, ctx.timeout(timeout_s or ctx.scale.worker_timeout_s), env=child_env(ctx.args))
 
 
 def tput_learner(ctx, common: dict) -> dict:
@@ -791,13 +938,14 @@ def tput_learner(ctx, common: dict) -> dict:
     return r
 
 
-def tput_gen(ctx, common: dict) -> dict:
+def tput_gen(ctx, common: dict, worker: str = "gen") -> dict:
+    """Generation tokens/s of the torch engine (`gen`) or covrl's vLLM engine (`vllm-gen`), same prompts and counts."""
     log, chk, s = ctx.log, ctx.checks, ctx.scale
     spec = {**common, "prompts": s.gen_prompts, "samples": s.gen_samples, "new_tokens": s.gen_tokens,
             "prompt_tokens": s.gen_prompt_tokens}
-    code, secs, lines = run_worker(ctx, "gen", spec)
+    code, secs, lines = run_worker(ctx, worker, spec)
     r = result_of(lines)
-    if not chk("generation throughput measured", code == 0 and r is not None, f"exit {code} after {secs:.0f}s"):
+    if not chk(f"generation throughput measured ({worker})", code == 0 and r is not None, f"exit {code} after {secs:.0f}s"):
         err = next((ln for ln in reversed(lines) if ln.startswith("error:")), None)
         if err:
             log.say(err, key=True)
@@ -805,7 +953,8 @@ def tput_gen(ctx, common: dict) -> dict:
     want = "cpu" if ctx.args.rehearse_cpu else "cuda"
     chk(f"the engine's weights are on {want}", r["param_device"].startswith(want), r["param_device"])
     mem = f", peak GPU memory {r['peak_allocated_gib']:.1f} GiB" if r.get("peak_allocated_gib") is not None else ""
-    log.say(f"generation ({r['engine']}): {r['tokens_per_s']:.0f} tokens/s ({r['tokens']} tokens in {r['seconds']:.2f}s: "
+    eager = f", enforce_eager {r['enforce_eager']}, engine built in {r['build_s']:.0f}s" if "build_s" in r else ""
+    log.say(f"generation ({r['engine']}{eager}): {r['tokens_per_s']:.0f} tokens/s ({r['tokens']} tokens in {r['seconds']:.2f}s: "
             f"{r['prompts']} prompts x {r['samples']} samples x {r['new_tokens']} new tokens, {r['stopped']} rows "
             f"stopped early){mem}", key=True)
     return r
@@ -825,6 +974,8 @@ class Ctx:
     checks: Checks | None = None
     bundle: list | None = None
     bundle_runs: list | None = None
+    skip_reason: str | None = None  # set by a stage that cannot run here (a GPU stage in the CPU rehearsal)
+    vllm_broken: str | None = None  # set by vllm-kit when vLLM cannot run: the other vLLM stages do not start
 
     def timeout(self, want: float) -> float:
         if self.deadline is None:
@@ -836,10 +987,21 @@ def short(stage: str, res: dict) -> str:
     f = res.get("figures", {})
     if res.get("not_run"):
         return res["not_run"]
-    if stage == "tests":
+    if res.get("skipped"):
+        return f"skipped: {res['skipped']}"
+    if stage in ("tests", "vllm-tests"):
         c = f.get("counts", {})
         return (f"{c.get('passed', 0)} passed, {c.get('failed', 0)} failed, {c.get('errors', 0)} errors, "
                 f"{c.get('skipped', 0)} skipped")
+    if stage == "vllm-kit":
+        return (f"vLLM {f.get('vllm', {}).get('version')}: _C {'loads' if f.get('c_loaded') else 'FAILED'}, "
+                f"rms_norm rel err {f.get('rms_norm_rel_err')}, FA3 {f.get('fa3')}, engine built in {f.get('build_s')}s, "
+                f"seeded repeat {f.get('seeded_repeat_equal')}")
+    if stage == "vllm-run":
+        full = f.get("full_run", {})
+        return (f"{full.get('steps_logged', 0)} steps ({f.get('engine')}), {full.get('s_per_step_mean')} s/step, "
+                f"{full.get('checksums_equal', 0)} checksums equal, is_weight_mean "
+                f"{min(f.get('is_weight_mean') or [0])}..{max(f.get('is_weight_mean') or [0])}")
     if stage in ("z1", "z3"):
         full, rs = f.get("full_run", {}), f.get("resume")
         text = (f"{full.get('steps_logged', 0)} steps, {full.get('s_per_step_mean')} s/step, "
@@ -855,6 +1017,8 @@ def short(stage: str, res: dict) -> str:
             parts.append(f"learner {lr['tokens_per_s']:.0f} tok/s, {mfu}")
         if (g := f.get("generation")) and "tokens_per_s" in g:
             parts.append(f"gen {g['tokens_per_s']:.0f} tok/s")
+        if (g := f.get("vllm_generation")) and "tokens_per_s" in g:
+            parts.append(f"vLLM gen {g['tokens_per_s']:.0f} tok/s")
         return "; ".join(parts) or "no figures"
     return ""
 
@@ -862,7 +1026,8 @@ def short(stage: str, res: dict) -> str:
 def table(doc: dict) -> str:
     rows = [("stage", "passed", "seconds", "figures")]
     for name, res in doc["stages"].items():
-        rows.append((name, "yes" if res.get("passed") else "NO", f"{res.get('seconds', 0):.0f}", short(name, res)))
+        verdict = "skip" if res.get("skipped") else "yes" if res.get("passed") else "NO"
+        rows.append((name, verdict, f"{res.get('seconds', 0):.0f}", short(name, res)))
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [f"{a:<{w[0]}}  {b:<{w[1]}}  {c:>{w[2]}}  {d}" for a, b, c, d in rows]
     head = f"GPU proof on {doc['device']} (torch {doc['versions'].get('torch')}, CUDA {doc['versions'].get('cuda')}), " \
@@ -871,7 +1036,8 @@ def table(doc: dict) -> str:
 
 
 def write_doc(path: str, doc: dict) -> None:
-    doc["all_passed"] = bool(doc["stages"]) and all(r.get("passed") for r in doc["stages"].values())
+    ran = [r for r in doc["stages"].values() if not r.get("skipped")]
+    doc["all_passed"] = bool(ran) and all(r.get("passed") for r in ran)
     with open(path + ".tmp", "w") as f:
         json.dump(doc, f, indent=1)
     os.replace(path + ".tmp", path)
@@ -945,24 +1111,23 @@ def run_proof(args) -> int:
         print(f"warning: {w}")
     deadline = t_start + args.deadline_s if args.deadline_s else None
     ctx = Ctx(args=args, scale=scale, facts=facts, deadline=deadline, bundle=[], bundle_runs=[])
-    interrupted = False
+    interrupted, stopped = False, None
     for name in args.stages:
-        if deadline is not None and deadline - time.monotonic() < 60:
-            doc["stages"][name] = {"passed": False, "seconds": 0.0, "not_run": "not run: --deadline-s reached",
-                                   "figures": {}, "checks": {}, "key_lines": []}
+        broken = ctx.vllm_broken if name in VLLM_STAGES else None
+        if stopped or broken or (deadline is not None and deadline - time.monotonic() < 60):
+            why = f"not run: {stopped or broken or '--deadline-s reached'}"
+            doc["stages"][name] = {"passed": False, "seconds": 0.0, "not_run": why, "figures": {}, "checks": {},
+                                   "key_lines": []}
             write_doc(doc_path, doc)
             continue
         log = StageLog(os.path.join(args.out, f"{name}.log"), name)
-        ctx.log, ctx.checks = log, Checks(log)
+        ctx.log, ctx.checks, ctx.skip_reason = log, Checks(log), None
         t0 = time.monotonic()
         figures, error = {}, None
         try:
-            if name == "tests":
-                figures = stage_tests(ctx)
-            elif name in ("z1", "z3"):
-                figures = stage_zero(ctx, int(name[1]), resume=name == "z1" or args.z3_resume)
-            else:
-                figures = stage_throughput(ctx)
+            figures = run_stage(ctx, name)
+        except StopProof as e:
+            error = stopped = str(e)
         except KeyboardInterrupt:
             error, interrupted = "interrupted", True
         except Exception as e:  # a bug here or an unexpected layout: the stage fails, the proof goes on
@@ -974,9 +1139,12 @@ def run_proof(args) -> int:
             ctx.checks("stage completed", False, error)
         seconds = time.monotonic() - t0
         passed = not ctx.checks.failed and bool(ctx.checks.results)
-        log.say(f"{'PASSED' if passed else 'FAILED'} in {seconds:.0f}s", key=True)
+        skipped = ctx.skip_reason if passed else None
+        log.say(f"{'SKIPPED: ' + skipped if skipped else 'PASSED' if passed else 'FAILED'} in {seconds:.0f}s", key=True)
         doc["stages"][name] = {"passed": passed, "seconds": round(seconds, 1), "figures": figures,
                                "checks": ctx.checks.results, "key_lines": log.lines}
+        if skipped:
+            doc["stages"][name]["skipped"] = skipped
         log.close()
         write_doc(doc_path, doc)
         if interrupted:
@@ -990,8 +1158,25 @@ def run_proof(args) -> int:
     print()
     print(table(doc))
     print(f"-> {doc_path}")
-    ran = [doc["stages"][s] for s in args.stages if s in doc["stages"]]
+    if stopped:
+        print(f"stopped: {stopped}", file=sys.stderr)
+        return KIT_FAILED_EXIT
+    ran = [doc["stages"][s] for s in args.stages if s in doc["stages"] and not doc["stages"][s].get("skipped")]
     return 0 if ran and all(r.get("passed") for r in ran) and not interrupted else 1
+
+
+def run_stage(ctx, name: str) -> dict:
+    if name == "vllm-kit":
+        return stage_vllm_kit(ctx)
+    if name == "vllm-tests":
+        return stage_vllm_tests(ctx)
+    if name == "vllm-run":
+        return stage_vllm_run(ctx)
+    if name == "tests":
+        return stage_tests(ctx)
+    if name in ("z1", "z3"):
+        return stage_zero(ctx, int(name[1]), resume=name == "z1" or ctx.args.z3_resume)
+    return stage_throughput(ctx)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1027,7 +1212,7 @@ def record(files: list[str], force: bool, results_path: str = RESULTS) -> int:
         merged["date"] = max(merged["date"], doc["date"])
         merged["merged_from"].append(origin)
         merged["warnings"] = sorted(set(merged.get("warnings", [])) | set(doc.get("warnings", [])))
-    merged["all_passed"] = all(r.get("passed") for r in merged["stages"].values())
+    merged["all_passed"] = all(r.get("passed") for r in merged["stages"].values() if not r.get("skipped"))
     if merged.get("git_commit") == "unknown" and merged.get("source_digest") == source_digest():
         # The GPU machine's copy had no .git; this checkout has the very same sources.
         merged["git_commit"], merged["git_dirty"] = git_commit()
@@ -1055,7 +1240,8 @@ def parse_args(argv=None):
     ap.add_argument("--work", help="run directories, checkpoints and the throughput model (default: --out)")
     ap.add_argument("--stages", default=",".join(STAGES),
                     help=f"comma-separated, run in this order (default {','.join(STAGES)})")
-    ap.add_argument("--throughput-parts", default="learner,gen", help="learner,gen (default both)")
+    ap.add_argument("--throughput-parts", default="learner,gen,vllm-gen",
+                    help="learner,gen,vllm-gen (default all; vllm-gen is not rehearsed on CPU)")
     ap.add_argument("--z3-resume", action=argparse.BooleanOptionalAction, default=True,
                     help="z3 also proves interrupt-and-resume (default); --no-z3-resume: only the full run")
     ap.add_argument("--rehearse-cpu", action="store_true", help="the same stages on CPU at toy scale (no GPU needed)")
@@ -1084,8 +1270,8 @@ def parse_args(argv=None):
     if bad := [s for s in args.stages if s not in STAGES]:
         ap.error(f"--stages: unknown {', '.join(bad)}; choose from {', '.join(STAGES)}")
     args.throughput_parts = [s.strip() for s in args.throughput_parts.split(",") if s.strip()]
-    if bad := [s for s in args.throughput_parts if s not in ("learner", "gen")]:
-        ap.error(f"--throughput-parts: unknown {', '.join(bad)}; choose from learner, gen")
+    if bad := [s for s in args.throughput_parts if s not in ("learner", "gen", "vllm-gen")]:
+        ap.error(f"--throughput-parts: unknown {', '.join(bad)}; choose from learner, gen, vllm-gen")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     args.out = os.path.abspath(args.out or os.path.join(REPO, "runs", f"gpu-proof-{stamp}"))
     args.work = os.path.abspath(args.work or args.out)

@@ -1,15 +1,20 @@
 """The throughput workers of launch/gpu_proof.py, each a child process (one CUDA context, freed when it exits):
 
-    python -m tests.gpu.proof_workers build-model|learner|gen SPEC_JSON   (from the repository root)
+    python -m tests.gpu.proof_workers build-model|learner|gen|vllm-gen|vllm-smoke SPEC_JSON   (from the repo root)
 
 `build-model` writes a random-init model of the shape SPEC names (offline), `learner` times `learner.trainer.Trainer`
 train steps on synthetic batches (tokens/s and model FLOP/s per packing budget), `gen` times the torch engine's
-generation. Each prints one result line, `RESULT_TAG` + JSON, which gpu_proof.py reads. They live here, not in
+generation and `vllm-gen` covrl's vLLM engine's. `vllm-smoke` proves the vLLM install itself, without covrl's engine:
+its compiled ops (`_C`) load and compute, FA3 is there, an AsyncLLM builds, seeded sampling repeats, processed
+logprobs come back, pause / collective_rpc / resume work. Each prints result lines, `RESULT_TAG` + JSON (the last
+one is the result; `vllm-smoke` prints one after each phase, so a crash keeps what was proven), which gpu_proof.py
+reads. They live here, not in
 launch/, because they import the learner and the engine (launch/ imports only common/: tests/unit/test_imports.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -146,7 +151,6 @@ def worker_learner(spec: dict) -> int:
 
 
 def worker_gen(spec: dict) -> int:
-    import numpy as np
     import torch
 
     from actors import engine as E
@@ -159,9 +163,7 @@ def worker_gen(spec: dict) -> int:
     stop = vocab - 1  # a random model samples any one id with probability ~1/vocab per step
     engine = E.TorchEngine(spec["model"], eos_token_id=[stop], pad_token_id=0, dtype=dtype, device=spec["device"])
     param_device = str(next(engine.model.parameters()).device)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, vocab - 1, spec["prompt_tokens"]).tolist() for _ in range(spec["prompts"])]
-    seeds = list(range(spec["prompts"]))
+    prompts, seeds = gen_prompts(spec, vocab), list(range(spec["prompts"]))
     engine.generate(prompts[:2], 2, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8), seeds[:2])  # warm-up
     if cuda:
         torch.cuda.synchronize()
@@ -184,7 +186,132 @@ def worker_gen(spec: dict) -> int:
     return 0
 
 
-WORKERS = {"build-model": worker_build_model, "learner": worker_learner, "gen": worker_gen}
+def gen_prompts(spec: dict, vocab: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, vocab - 1, spec["prompt_tokens"]).tolist() for _ in range(spec["prompts"])]
+
+
+def worker_vllm_gen(spec: dict) -> int:
+    """covrl's VllmEngine on the throughput model: the same prompts and counts as `gen`, so the two compare."""
+    import torch
+
+    from actors.vllm_engine import VllmEngine, VllmSettings
+    from common.messages import SamplingParams
+
+    with open(os.path.join(spec["model"], "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    stop = vocab - 1
+    t0 = time.perf_counter()
+    engine = VllmEngine(spec["model"], stop_ids=[stop], settings=VllmSettings(
+        dtype=spec["dtype"], gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.5),
+        enforce_eager=spec.get("enforce_eager", True), max_model_len=spec["prompt_tokens"] + spec["new_tokens"] + 8))
+    build_s = time.perf_counter() - t0
+    try:
+        prompts, seeds = gen_prompts(spec, vocab), list(range(spec["prompts"]))
+        engine.generate(prompts[:2], 2, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8), seeds[:2])
+        t0 = time.perf_counter()
+        groups = engine.generate(prompts, spec["samples"], SamplingParams(temperature=1.0, top_p=1.0,
+                                                                          max_new_tokens=spec["new_tokens"]), seeds)
+        seconds = time.perf_counter() - t0
+        comps = [c for g in groups for c in g]
+        tokens = sum(len(c.token_ids) for c in comps)
+        emit({"engine": f"vLLM {engine.api.version}", "param_device": "cuda", "prompts": spec["prompts"],
+              "samples": spec["samples"], "new_tokens": spec["new_tokens"], "prompt_tokens": spec["prompt_tokens"],
+              "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "build_s": build_s,
+              "enforce_eager": spec.get("enforce_eager", True), "stopped": sum(c.finish_reason == "stop" for c in comps),
+              "stop_id": stop, "torch": torch.__version__})
+    finally:
+        engine.close()
+    return 0
+
+
+def smoke_ops(out: dict) -> None:
+    """vLLM's compiled ops load (the kit's pruned `_C`) and one computes what it should; FA3 is importable."""
+    import importlib
+
+    import torch
+
+    t0 = time.perf_counter()
+    try:
+        import vllm._C_stable_libtorch  # noqa: F401  (registers torch.ops._C*)
+    except BaseException as e:  # the first thing a pruned fatbin could break: say it and stop
+        out["c_loaded"], out["c_error"] = False, f"{type(e).__name__}: {e}"[:500]
+        emit(out)
+        raise SystemExit(3)
+    out["c_loaded"] = True
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.rand(256, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+    got = torch.full_like(x, float("nan"))  # poisoned: every element must be written
+    torch.ops._C.rms_norm(got, x, w, 1e-6)
+    torch.cuda.synchronize()
+    ref = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    out["rms_norm_rel_err"] = float((got.double() - ref).norm() / ref.norm())
+    out["rms_norm_all_written"] = bool(torch.isfinite(got).all())
+    fa = importlib.import_module("vllm.vllm_flash_attn.flash_attn_interface")
+    out["fa3"], out["fa2"] = bool(getattr(fa, "FA3_AVAILABLE", False)), bool(getattr(fa, "FA2_AVAILABLE", False))
+    out["fa3_error"] = getattr(fa, "FA3_UNAVAILABLE_REASON", None)
+    out["ops_s"] = round(time.perf_counter() - t0, 1)
+    emit(out)
+
+
+async def smoke_engine(out: dict, spec: dict) -> None:
+    import vllm
+    from transformers import AutoTokenizer
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    model = spec.get("model", BASE_MODEL)
+    ids = AutoTokenizer.from_pretrained(model)("12+34=")["input_ids"]
+    t0 = time.perf_counter()
+    llm = AsyncLLM.from_engine_args(vllm.AsyncEngineArgs(
+        model=model, tokenizer=model, dtype="bfloat16", seed=0, gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3),
+        max_model_len=256, enforce_eager=spec.get("enforce_eager", True), logprobs_mode="processed_logprobs",
+        generation_config="vllm", enable_prefix_caching=True, disable_log_stats=True))
+    out["build_s"] = round(time.perf_counter() - t0, 1)
+    emit(out)
+
+    async def sample(rid: str, seed: int):
+        sp = vllm.SamplingParams(n=4, temperature=0.7, top_p=0.95, max_tokens=32, logprobs=0, detokenize=False,
+                                 flat_logprobs=True, seed=seed, output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        async for o in llm.generate({"prompt_token_ids": ids}, sp, rid):
+            final = o
+        return [(list(c.token_ids), list(c.logprobs.logprobs)) for c in sorted(final.outputs, key=lambda c: c.index)]
+
+    try:
+        a, b, c = await asyncio.gather(sample("a", 7 << 16), sample("b", 7 << 16), sample("c", 9 << 16))
+        out["seeded_repeat_equal"] = [t for t, _ in a] == [t for t, _ in b]
+        out["other_seed_differs"] = [t for t, _ in a] != [t for t, _ in c]
+        lps = [x for _, lp in a for x in lp]
+        out["logprobs_per_token"] = all(len(t) == len(lp) for t, lp in a)
+        out["logprobs_valid"] = bool(lps) and all(math.isfinite(x) and x <= 0 for x in lps)
+        out["tokens_sampled"] = sum(len(t) for t, _ in a)
+        await llm.pause_generation(mode="keep", clear_cache=True)
+        out["collective_rpc"] = repr(await llm.collective_rpc("check_health"))[:80]
+        await llm.resume_generation()
+        out["after_resume_tokens"] = len((await sample("d", 1 << 16))[0][0])
+    finally:
+        llm.shutdown()
+
+
+def worker_vllm_smoke(spec: dict) -> int:
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    import torch
+    import vllm
+
+    out = {"vllm": vllm.__version__, "vllm_file": vllm.__file__, "torch": torch.__version__,
+           "device": torch.cuda.get_device_name(0)}
+    smoke_ops(out)
+    asyncio.run(smoke_engine(out, spec))
+    emit(out)
+    return 0
+
+
+WORKERS = {"build-model": worker_build_model, "learner": worker_learner, "gen": worker_gen,
+           "vllm-gen": worker_vllm_gen, "vllm-smoke": worker_vllm_smoke}
 
 
 def main(argv: list[str]) -> int:

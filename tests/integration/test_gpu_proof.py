@@ -16,12 +16,17 @@ pytestmark = pytest.mark.slow
 def test_the_gpu_proof_passes_its_cpu_rehearsal(tmp_path):
     # As `make gpu-proof` runs it on a GPU machine: a module, from the repository root.
     out = subprocess.run([sys.executable, "-m", "launch.gpu_proof", "--rehearse-cpu",
-                          "--stages", "z1,throughput", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
+                          "--stages", "vllm-kit,vllm-tests,vllm-run,z1,throughput", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
                          cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     doc = json.loads((tmp_path / "out" / "gpu_proof.json").read_text())
     z1, tput = doc["stages"]["z1"], doc["stages"]["throughput"]
     assert z1["passed"] and tput["passed"], doc
+    # vLLM's own stages need a GPU (skipped, not passed); vllm-run's checks rehearse with the torch engine.
+    assert doc["stages"]["vllm-kit"]["skipped"] and doc["stages"]["vllm-tests"]["skipped"]
+    run = doc["stages"]["vllm-run"]
+    assert run["passed"] and run["figures"]["engine"] == "torch" and run["figures"]["full_run"]["checksums_equal"] == 4
+    assert run["figures"]["is_weight_mean"] == [1.0] * 4  # fp32 on both sides, on-policy: the same logprobs
     assert "ALL PASSED" in out.stdout
     full, resume = z1["figures"]["full_run"], z1["figures"]["resume"]
     assert full["checksums_equal"] == full["steps_logged"] == 4 and full["checkpoints"] == [2, 4]
