@@ -1,7 +1,9 @@
 """Contract tests: every vLLM name, argument and config object that actors/vllm_engine.py and
-common/vllm_weights.py use exists in the installed vLLM, with the meaning we rely on. No GPU needed:
-they construct configs and inspect signatures (`make test-gpu-contract` runs them in .venv-gpu).
-Skipped when vllm is not importable (the CPU environment)."""
+common/vllm_weights.py use exists in the installed vLLM, with the meaning we rely on, and `vllm_api()`'s feature
+detection reads the installed version right. Two API shapes are supported (0.26 and 0.33; the differences are in
+`vllm_api`'s docstring): where they differ, a test checks the shape this vLLM has and that the engine layer
+chose the matching path. No GPU needed: they construct configs and inspect signatures (`make test-gpu-contract`
+runs them against vLLM 0.26.0 and 0.33.0). Skipped when vllm is not importable (the CPU environment)."""
 
 from __future__ import annotations
 
@@ -37,14 +39,21 @@ def test_async_llm_has_the_methods_we_call_with_our_arguments():
     assert {"method", "timeout", "args", "kwargs"} <= set(_params(AsyncLLM.collective_rpc))
     assert "request" in _params(AsyncLLM.init_weight_transfer_engine)
     assert "request" in _params(AsyncLLM.update_weights)
-    assert "weight_version" in _params(AsyncLLM.finish_weight_update)
-    assert "new_version" in _params(AsyncLLM.update_weight_version)
-    assert set(_params(AsyncLLM.start_weight_update)) == {"self"}  # 0.33: no arguments
-    for name in ("pause_generation", "resume_generation", "collective_rpc", "init_weight_transfer_engine",
-                 "start_weight_update", "update_weights", "finish_weight_update", "update_weight_version"):
+    assert set(_params(AsyncLLM.start_weight_update)) == {"self"}  # no arguments in 0.26 and 0.33
+    api = VE.vllm_api()
+    awaited = ["pause_generation", "resume_generation", "collective_rpc", "init_weight_transfer_engine",
+               "start_weight_update", "update_weights", "finish_weight_update"]
+    if api.engine_versions:  # 0.33: the engine labels versions
+        assert "weight_version" in _params(AsyncLLM.finish_weight_update)
+        assert "new_version" in _params(AsyncLLM.update_weight_version)
+        awaited.append("update_weight_version")
+    else:  # 0.26: no label anywhere; VllmEngine calls finish_weight_update() bare and keeps the label itself
+        assert set(_params(AsyncLLM.finish_weight_update)) == {"self"}
+        assert not hasattr(AsyncLLM, "update_weight_version")
+    for name in awaited:
         assert inspect.iscoroutinefunction(getattr(AsyncLLM, name)), f"AsyncLLM.{name} is awaited by VllmEngine"
     assert "engine_args" in _params(AsyncLLM.from_engine_args) and callable(AsyncLLM.shutdown)
-    assert VE.vllm_api().native_nccl
+    assert api.native_nccl
 
 
 def test_pause_modes_we_map_to_exist():
@@ -91,28 +100,40 @@ def test_child_requests_get_seed_plus_index():
 
 
 def test_outputs_carry_tokens_logprobs_and_weight_version_spans():
+    import vllm.outputs
     from vllm.logprobs import FlatLogprobs, Logprob
-    from vllm.outputs import CompletionOutput, RequestOutput, WeightVersionSpan
+    from vllm.outputs import CompletionOutput, RequestOutput
 
     fields = {f.name for f in dataclasses.fields(CompletionOutput)}
-    assert {"index", "token_ids", "logprobs", "finish_reason", "weight_versions"} <= fields
-    assert VE.vllm_api().version_spans
+    assert {"index", "token_ids", "logprobs", "finish_reason"} <= fields
+    assert VE.vllm_api().version_spans == ("weight_versions" in fields)
     assert {"outputs", "finished"} <= set(_params(RequestOutput.__init__))
-    spans = [WeightVersionSpan("0", 0, 2), WeightVersionSpan("1", 2, 3)]
-    assert VE.versions_from_spans(spans, 3).tolist() == [0, 0, 1]
     flat = FlatLogprobs()
     for tok, lp in ((7, -0.25), (3, -2.0)):
         flat.append({tok: Logprob(logprob=lp, rank=1)})
     assert VE.sampled_logprobs([7, 3], flat).tolist() == [-0.25, -2.0]
-    out = CompletionOutput(index=0, text="", token_ids=[7, 3], cumulative_logprob=-2.25, logprobs=flat,
-                           finish_reason="stop", weight_versions=spans[:1] + [WeightVersionSpan("0", 2, 2)])
+    kw = dict(index=0, text="", token_ids=[7, 3], cumulative_logprob=-2.25, logprobs=flat, finish_reason="stop")
+    if "weight_versions" not in fields:  # 0.26: no labels; the engine's version at submission (finish mode, drained)
+        assert not hasattr(vllm.outputs, "WeightVersionSpan")
+        assert VE.to_completion(CompletionOutput(**kw), 4).versions.tolist() == [4, 4]
+        with pytest.raises(RuntimeError, match="no per-token weight versions"):
+            VE.to_completion(CompletionOutput(**kw), None)
+        return
+    Span = vllm.outputs.WeightVersionSpan
+    spans = [Span("0", 0, 2), Span("1", 2, 3)]
+    assert VE.versions_from_spans(spans, 3).tolist() == [0, 0, 1]
+    out = CompletionOutput(**kw, weight_versions=spans[:1] + [Span("0", 2, 2)])
     assert VE.to_completion(out, None).versions.tolist() == [0, 0]
 
 
 def test_paused_rejections_are_the_retryable_error_generate_raises():
-    from vllm.exceptions import GenerationError, RetryableRequestError
+    import vllm.exceptions
 
-    assert VE.vllm_api().Retryable is RetryableRequestError and issubclass(RetryableRequestError, GenerationError)
+    retryable = getattr(vllm.exceptions, "RetryableRequestError", None)
+    if retryable is None:  # 0.26: a paused engine queues new requests; nothing to retry
+        assert VE.vllm_api().Retryable is VE.NeverRaised
+    else:
+        assert VE.vllm_api().Retryable is retryable and issubclass(retryable, vllm.exceptions.GenerationError)
     from vllm import TokensPrompt
 
     assert "prompt_token_ids" in typing.get_type_hints(TokensPrompt)  # we pass {"prompt_token_ids": [...]}
@@ -122,15 +143,20 @@ def test_weight_transfer_requests_and_nccl_infos_accept_ours():
     from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-    init = dict(master_address="127.0.0.1", master_port=29500, rank_offset=1, world_size=3, packed=False)
+    fields = VE.vllm_api().nccl_fields
+    assert fields == VE.nccl_info_fields(NCCLWeightTransferEngine)
+    # covrl's one-broadcast-per-parameter protocol (packed=False) lands in whichever info this vLLM reads it from
+    assert "packed" in fields[0] or "packed" in fields[1]
+    init = VE.nccl_init_info(dict(master_address="127.0.0.1", master_port=29500, rank_offset=1, world_size=3), fields)
     assert WeightTransferInitRequest(init_info=init).init_info == init
     info = NCCLWeightTransferEngine.init_info_cls(**init)
-    assert (info.rank_offset, info.world_size, info.packed) == (1, 3, False)
+    assert (info.rank_offset, info.world_size) == (1, 3)
     lay = W.Layout(("model.norm.weight", "lm_head.weight"), ((8,), (16, 8)))
-    meta = VW.bucket_meta(lay, 0, 2, torch.bfloat16)
+    meta = VE.nccl_update_info(VW.bucket_meta(lay, 0, 2, torch.bfloat16), fields)
     upd = NCCLWeightTransferEngine.update_info_cls(**meta)
     assert upd.names == ["model.norm.weight", "lm_head.weight"] and upd.dtype_names == ["bfloat16"] * 2
     assert getattr(torch, upd.dtype_names[0]) is torch.bfloat16  # how the receiver reads the dtype
+    assert (info if "packed" in fields[0] else upd).packed is False
     assert WeightTransferUpdateRequest(update_info=meta).update_info == meta
 
 
@@ -139,7 +165,8 @@ def test_trainer_and_extension_nccl_helpers_exist():
     from vllm.distributed.utils import StatelessProcessGroup
     from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
-    assert list(_params(trainer_init))[:2] == ["init_info", "rank"]
+    first, *rest = _params(trainer_init).values()  # learner/nccl.py calls trainer_init(init_info) only
+    assert first.name == "init_info" and all(p.default is not inspect.Parameter.empty for p in rest)
     assert {"group", "device"} <= set(_params(PyNcclCommunicator.__init__))
     assert {"tensor", "src", "stream"} <= set(_params(PyNcclCommunicator.broadcast))
     assert callable(PyNcclCommunicator.destroy)
