@@ -49,7 +49,8 @@ $(BSTAMP): $(DEPS)
 	$(BPY) -m pip install -q -r .venv-bench/requirements.txt trl==1.16.0
 	touch $(BSTAMP)
 
-# The GPU environment (.venv-gpu): vLLM from the gpu extra with its own torch 2.14.0 (CUDA build, ~9 GB),
+# The GPU environment (.venv-gpu), for a GPU machine with a registry (`make test-gpu`; the contract tests use the
+# light CPU envs below): vLLM from the gpu extra with its own torch 2.14.0 (CUDA build, ~9 GB),
 # then covrl's dependencies, then covrl itself (editable, as in .venv). vLLM 0.33.0 is installed --no-deps and its
 # declared requirements after it, with certifi unpinned: it asks for certifi>=2026.10.19, which the registry did not
 # have on 2026-11-22.
@@ -70,9 +71,56 @@ $(GSTAMP): $(DEPS)
 	$(GPY) -m pip install -q --no-deps -e .
 	touch $(GSTAMP)
 
-# Needs no GPU: the names, signatures and config objects actors/vllm_engine.py uses exist in the installed vLLM.
-test-gpu-contract: $(GSTAMP)
-	PYTHONPATH=. $(GPY) -m pytest -q -m vllm tests/unit/test_vllm_contract.py -p no:cacheprovider
+# The contract environments (.venv-vllm-0.26.0, .venv-vllm-0.33.0; 2.7 GB each): CPU only, one per vLLM version
+# covrl supports. The contract tests construct configs and inspect signatures, so vLLM's Python is enough: each env
+# is the torch 2.13.0 CPU build and covrl's dependencies (as in .venv), then VLLM_CPU_DEPS, then vLLM itself with
+# --no-deps (it pins a CUDA torch: 2.11.0 for 0.26, 2.14.0 for 0.33, and ~60 GPU-side packages the tests never
+# import), then covrl (editable). VLLM_CPU_DEPS is exactly what importing the modules the tests touch needs, found by
+# adding one missing module at a time until nothing raised ModuleNotFoundError (2026-11-26), each pinned and
+# installed --no-deps: xgrammar declares triton (286 MB), which its import does not need. What vLLM logs as missing
+# (vllm._C, triton) is not used by the tests. VLLM_WHEELS=DIR takes vLLM's wheel from DIR instead of the registry.
+VLLM_CONTRACT := 0.26.0 0.33.0
+VLLM_CPU_DEPS := pybase64==1.5.1 cbor2==6.3.0 cachetools==8.0.2 cloudpickle==3.1.3 uvloop==0.23.0 \
+	prometheus-client==0.26.0 aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 \
+	multidict==7.2.1 propcache==0.5.4 yarl==1.25.1 openai==3.57.0 openai-harmony==0.0.8 \
+	fastapi==0.136.3 starlette==1.10.0 xgrammar==0.2.7 apache-tvm-ffi==0.1.10 llguidance==1.7.6
+VLLM_CPU_DEPS_0.33.0 := partial-json-parser==0.2.1.1.post7
+VLLM_WHEELS ?=
+VSTAMPS := $(foreach v,$(VLLM_CONTRACT),.venv-vllm-$(v)/.covrl-deps)
+
+.PHONY: venv-vllm
+venv-vllm: $(VSTAMPS)
+
+.venv-vllm-%/.covrl-deps: $(DEPS)
+	test -x $(@D)/bin/python || python3 -m venv $(@D)
+	$(@D)/bin/python -m pip install -q --upgrade pip
+	$(@D)/bin/python -m pip install -q torch==2.13.0
+	$(@D)/bin/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+		print("\n".join(p["dependencies"] + p["optional-dependencies"]["test"]))' > $(@D)/requirements.txt
+	$(@D)/bin/python -m pip install -q -r $(@D)/requirements.txt
+	$(@D)/bin/python -m pip install -q --no-deps $(VLLM_CPU_DEPS) $(VLLM_CPU_DEPS_$*)
+	$(@D)/bin/python -m pip install -q --no-deps $(if $(VLLM_WHEELS),--find-links $(VLLM_WHEELS)) vllm==$*
+	$(@D)/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
+# Needs no GPU: the names, signatures and config objects actors/vllm_engine.py uses exist in each supported vLLM.
+# Runs every version, then one line per version ("vLLM 0.26.0: 12 passed"); fails if any version failed or passed
+# nothing (pytest.importorskip turns an import error in vllm into skips).
+test-gpu-contract: $(VSTAMPS)
+	@status=0; for v in $(VLLM_CONTRACT); do \
+		env=.venv-vllm-$$v; \
+		got=$$($$env/bin/python -c 'import importlib.metadata as m; print(m.version("vllm"))') || exit 1; \
+		[ "$$got" = "$$v" ] || { echo "$$env has vLLM $$got, not $$v: rm -rf $$env and rerun"; exit 1; }; \
+		echo "== vLLM $$v ($$env)"; \
+		PYTHONPATH=. $$env/bin/python -m pytest -q -m vllm tests/unit/test_vllm_contract.py -p no:cacheprovider \
+			> $$env/contract.log 2>&1 || status=1; \
+		cat $$env/contract.log; \
+		tail -n 1 $$env/contract.log | grep -q passed || status=1; \
+	done; \
+	for v in $(VLLM_CONTRACT); do \
+		echo "vLLM $$v: $$(tail -n 1 .venv-vllm-$$v/contract.log | sed -e 's/^=* *//' -e 's/ in [0-9.]*s.*$$//')"; \
+	done; \
+	exit $$status
 
 # On a GPU machine: the real vLLM engine, the NCCL weight path (2+ GPUs), then launch/gpu_check.py.
 test-gpu: $(GSTAMP)
@@ -82,43 +130,31 @@ clean-runs:
 	rm -rf runs
 
 # ---- GPU proof (launch/gpu_proof.py) --------------------------------------------------------------------------------
-# A GPU machine without a registry gets covrl's missing packages as wheels in .whl/ (git-ignored; the device tool
-# carries it). `make gpu-wheels` runs HERE, where pip reaches a registry: every wheel such a machine lacks, for
-# CPython 3.12 on manylinux x86_64. That machine has torch 2.11 (CUDA), transformers 5.17 and the common packages
-# (numpy, tokenizers, safetensors, huggingface-hub 1.x, httpx, typer, sympy, msgpack, ninja, einops, psutil,
-# py-cpuinfo, packaging, tqdm, regex, pyyaml, pytest, tensorboard, matplotlib, pyarrow). What travels:
-#   compiled: msgspec, pyzmq, pydantic-core (pydantic's core, for deepspeed);
-#   pure:     transformers 5.20.2 (pyproject pins >=5.20,<5.21), huggingface-hub 1.33.0 (transformers 5.20 needs
-#             >=1.31, 5.17 allowed >=1.5; its click/hf-xet minimums are for the CLI and downloads, not used offline),
-#             math-verify + latex2sympy2_extended + antlr4 runtime, tomli_w, pydantic + annotated-types +
-#             typing-inspection + typing-extensions (pydantic 2.14 needs >=4.16), hjson;
-#   built:    deepspeed 0.19.8 (sdist only on the registry; pip reuses a wheel it built before).
-WHEEL_PY ?= python3
+# A GPU machine without a registry (Python 3.12, torch 2.11.0+cu130, transformers 5.17) gets what it lacks to run
+# covrl and vLLM 0.26.0 as the kit in .kit/ (git-ignored; launch/gpu_kit.py says what is in it and why).
+# `make gpu-kit` runs HERE, where pip reaches a registry; a second run reuses the downloads and archives. A command
+# on the GPU machine carries .kit/common and ONE of .kit/bin-sm90 (primary: vLLM's _C pruned to sm_90) or
+# .kit/bin-ptx (fallback: PTX kept); with the tracked tree it stays under 60 MiB (`python3 -m launch.gpu_kit check`,
+# and tests/unit/test_gpu_kit.py from launch/gpu_kit_sizes.json, which the build updates: commit it).
+# GPU_KIT_ARGS: e.g. "--wheel-cache DIR" (a folder that already holds wheels), "--with-transformers".
+KIT_PY ?= python3
 GPU_PY ?= python3
-GPU_WHEEL_TAGS := --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
-GPU_WHEELS_COMPILED := msgspec==0.22.0 pyzmq==27.3.0 pydantic-core==2.50.5
-GPU_WHEELS_PURE := transformers==5.20.2 huggingface-hub==1.33.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0 \
-	antlr4-python3-runtime==4.13.2 tomli_w==1.2.0 pydantic==2.14.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
-	typing-extensions==4.16.0 hjson==3.1.0
+GPU_KIT_ARGS ?=
 GPU_PROOF_ARGS ?=
 
-.PHONY: gpu-wheels gpu-proof
+.PHONY: gpu-kit gpu-wheels gpu-proof
 
-gpu-wheels:
-	mkdir -p .whl
-	$(WHEEL_PY) -m pip download -q $(GPU_WHEEL_TAGS) --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS_COMPILED)
-	$(WHEEL_PY) -m pip download -q $(GPU_WHEEL_TAGS) --platform any -d .whl $(GPU_WHEELS_PURE)
-	ls .whl/deepspeed-0.19.8-*.whl >/dev/null 2>&1 || $(WHEEL_PY) -m pip wheel -q --no-deps deepspeed==0.19.8 -w .whl
-	@ls -1 .whl; du -sh .whl
+gpu-kit:
+	$(KIT_PY) -m launch.gpu_kit build --out .kit $(GPU_KIT_ARGS)
 
-# The one command for a machine with one NVIDIA GPU (no registry, no .venv): the carried wheels into /tmp/site,
+gpu-wheels: gpu-kit
+
+# The one command for a machine with one NVIDIA GPU (no registry, no .venv): the carried kit into /tmp/site,
 # then every stage of launch/gpu_proof.py, run as a module from the repo root (covrl is not installed there; `-m`
 # puts the checkout on sys.path and the script puts it on its children's PYTHONPATH). Results in $OUT (the device
 # tool's folder) or runs/gpu-proof; the runs themselves (checkpoints, the 0.5B model) in /tmp/covrl-gpu-proof.
 # E.g. GPU_PROOF_ARGS="--stages z3 --no-z3-resume".
 gpu-proof:
-	@if [ -d .whl ]; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-		--target /tmp/site .whl/*.whl || exit 1; fi
+	@if [ -d .kit ]; then $(GPU_PY) -m launch.gpu_kit unpack --kit .kit --target /tmp/site || exit 1; fi
 	PYTHONPATH=/tmp/site$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PY) -m launch.gpu_proof \
 		--out $${OUT:-runs/gpu-proof} --work $${GPU_PROOF_WORK:-/tmp/covrl-gpu-proof} $(GPU_PROOF_ARGS)

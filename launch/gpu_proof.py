@@ -72,7 +72,7 @@ model) go to `--work` (default: --out), which the device tool need not bring bac
 
 `--rehearse-cpu`: the same stages on a CPU-only machine at toy scale (`--gpus 0`, float32, 4 steps with resume
 from 2, a tiny random model for throughput, MFU null), so this script's logic is proven before GPU time is spent.
-vllm-kit then only imports vLLM's Python (`--python .venv-vllm026/bin/python` has it) and vllm-tests is skipped:
+vllm-kit then only imports vLLM's Python (`--python .venv-vllm-0.26.0/bin/python` has it) and vllm-tests is skipped:
 a skipped stage is recorded as such, never as passed.
 
 `--record FILE.json [...]`: merges finished gpu_proof.json files (later files' stages win) into
@@ -412,8 +412,8 @@ def preflight(args, scale: Scale) -> tuple[dict, list[str]]:
     if probed["bad"]:
         name, why = next(iter(probed["bad"].items()))
         fail(f"cannot import {name} ({why}); {len(probed['bad'])} package(s) missing or broken in all: "
-             f"{', '.join(probed['bad'])}. On the GPU machine install the carried wheels first (make gpu-proof does: "
-             f"make gpu-wheels on a machine with a registry, then carry .whl)")
+             f"{', '.join(probed['bad'])}. On the GPU machine unpack the carried kit first (make gpu-proof does: "
+             f"make gpu-kit on a machine with a registry, then carry .kit/common, .kit/bin-sm90 and .kit/manifest.json)")
     # Versions the project declares: mismatches are warnings (torch cannot travel as a wheel).
     warnings = version_warnings(args)
     facts["versions"] = package_versions(args)
@@ -568,7 +568,7 @@ def stage_vllm_kit(ctx) -> dict:
     probe = vllm_probe(ctx)
     log.say(f"vllm: {probe}", key=True)
     if args.rehearse_cpu and "version" not in probe:
-        skip(ctx, "CPU rehearsal: vLLM does not import here (run with --python .venv-vllm026/bin/python)")
+        skip(ctx, "CPU rehearsal: vLLM does not import here (run with --python .venv-vllm-0.26.0/bin/python)")
         return {"vllm": probe}
     if not chk("vllm imports", "version" in probe, probe.get("error", "")):
         ctx.vllm_broken = f"vllm does not import ({probe.get('error')}): carry the kit (make gpu-kit; README \"GPU proof\")"
