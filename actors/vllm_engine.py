@@ -124,9 +124,15 @@ SPAWN_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
 def use_spawn(environ=os.environ) -> None:
     """Start vLLM's engine core and workers with spawn, not fork (this process runs threads); a value the user
-    set explicitly is kept."""
+    set explicitly is kept. Also: without FlashInfer installed (a slim install, such as the GPU kit), vLLM's
+    FlashInfer top-k/top-p sampler is turned off, because vLLM 0.26's V2 runner imports FlashInfer unguarded
+    when that sampler is on (seen on an H200, 2026-11-26: "No module named 'flashinfer'" at engine start)."""
     for key, value in SPAWN_ENV.items():
         environ.setdefault(key, value)
+    import importlib.util
+
+    if importlib.util.find_spec("flashinfer") is None:
+        environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 
 def engine_kwargs(model_path: str, settings: "VllmSettings", tp: int, native_nccl: bool) -> dict:

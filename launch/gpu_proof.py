@@ -569,13 +569,13 @@ def stage_vllm_kit(ctx) -> dict:
     log.say(f"vllm: {probe}", key=True)
     if args.rehearse_cpu and "version" not in probe:
         skip(ctx, "CPU rehearsal: vLLM does not import here (run with --python .venv-vllm-0.26.0/bin/python)")
-        return {"vllm": probe}
+        return {"probe": probe}
     if not chk("vllm imports", "version" in probe, probe.get("error", "")):
         ctx.vllm_broken = f"vllm does not import ({probe.get('error')}): carry the kit (make gpu-kit; README \"GPU proof\")"
-        return {"vllm": probe}
+        return {"probe": probe}
     if args.rehearse_cpu:
         skip(ctx, "CPU rehearsal: vLLM's kernels and engine need a GPU (its Python imported)")
-        return {"vllm": probe}
+        return {"probe": probe}
     code, secs, lines = run_worker(ctx, "vllm-smoke", {"model": BASE_MODEL, "gpu_memory_utilization": 0.3},
                                    timeout_s=240)
     r = result_of(lines) or {}
@@ -585,7 +585,10 @@ def stage_vllm_kit(ctx) -> dict:
     chk("rms_norm from _C matches a float64 reference (rel. err < 1e-2, every element written)",
         r.get("rms_norm_all_written") is True and r.get("rms_norm_rel_err", 1) < 1e-2, f"{r.get('rms_norm_rel_err')}")
     chk("FlashAttention 3 is available", r.get("fa3") is True, str(r.get("fa3_error") or ""))
-    chk("an AsyncLLM builds on assets/arith-base", "build_s" in r, f"exit {code} after {secs:.0f}s")
+    if not chk("an AsyncLLM builds on assets/arith-base", "build_s" in r, f"exit {code} after {secs:.0f}s"):
+        err = next((ln for ln in reversed(lines) if re.search(r"\b\w+Error: ", ln)), "")
+        log.say(f"the engine did not build: {err.strip()[-300:]}", key=True)
+        ctx.vllm_broken = f"vLLM's engine did not build in vllm-kit ({err.strip()[-200:]})"
     chk("the same seed gives the same samples", r.get("seeded_repeat_equal") is True)
     chk("another seed gives other samples", r.get("other_seed_differs") is True)
     chk("processed logprobs: one per token, finite, <= 0",
@@ -595,7 +598,7 @@ def stage_vllm_kit(ctx) -> dict:
     chk("the smoke worker exits 0", code == 0, f"exit {code}")
     log.say(f"vLLM {r.get('vllm')} on {r.get('device')}: _C rms_norm rel err {r.get('rms_norm_rel_err')}, FA3 "
             f"{r.get('fa3')}, FA2 {r.get('fa2')}, engine built in {r.get('build_s')}s", key=True)
-    return {"vllm": probe, **r}
+    return {"probe": probe, **r}
 
 
 def stage_vllm_tests(ctx) -> dict:
@@ -994,7 +997,7 @@ def short(stage: str, res: dict) -> str:
         return (f"{c.get('passed', 0)} passed, {c.get('failed', 0)} failed, {c.get('errors', 0)} errors, "
                 f"{c.get('skipped', 0)} skipped")
     if stage == "vllm-kit":
-        return (f"vLLM {f.get('vllm', {}).get('version')}: _C {'loads' if f.get('c_loaded') else 'FAILED'}, "
+        return (f"vLLM {f.get('vllm') or f.get('probe', {}).get('version')}: _C {'loads' if f.get('c_loaded') else 'FAILED'}, "
                 f"rms_norm rel err {f.get('rms_norm_rel_err')}, FA3 {f.get('fa3')}, engine built in {f.get('build_s')}s, "
                 f"seeded repeat {f.get('seeded_repeat_equal')}")
     if stage == "vllm-run":

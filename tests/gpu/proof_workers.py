@@ -298,7 +298,9 @@ async def smoke_engine(out: dict, spec: dict) -> None:
 
 
 def worker_vllm_smoke(spec: dict) -> int:
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    from actors.vllm_engine import use_spawn
+
+    use_spawn()  # spawn, and FlashInfer's sampler off where FlashInfer is not installed (as covrl's engine does)
     import torch
     import vllm
 

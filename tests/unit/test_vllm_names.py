@@ -628,7 +628,13 @@ def test_the_engine_core_is_spawned_not_forked(make_engine, monkeypatch):
     engine core, so vLLM must spawn it; a method the user set explicitly is kept."""
     env = {}
     VE.use_spawn(env)
-    assert env == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    # no FlashInfer here: its sampler is off (vLLM 0.26 imports FlashInfer unguarded when it is on); a user's
+    # explicit choice is kept
+    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    env = {"VLLM_USE_FLASHINFER_SAMPLER": "1"}
+    VE.use_spawn(env)
+    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
     env = {"VLLM_WORKER_MULTIPROC_METHOD": "forkserver"}
     VE.use_spawn(env)
     assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "forkserver"
