@@ -211,10 +211,11 @@ def finish_reason(reason: str | None) -> str:
                        "the engine failed or was stopped (see the generator log)")
 
 
-def to_completion(out, fallback_version: int | None) -> Completion:
-    """One vLLM CompletionOutput as the actor's Completion."""
+def to_completion(out, fallback_version: int | None, spans: bool = True) -> Completion:
+    """One vLLM CompletionOutput as the actor's Completion; `spans` False: the engine's labels are not covrl's
+    versions (a vLLM whose label covrl cannot set), so the fallback is used."""
     tokens = np.asarray(out.token_ids, dtype=np.int32)
-    versions = versions_from_spans(getattr(out, "weight_versions", None), len(tokens))
+    versions = versions_from_spans(getattr(out, "weight_versions", None) if spans else None, len(tokens))
     if versions is None:
         if fallback_version is None:
             raise RuntimeError("this vLLM reports no per-token weight versions and the weights changed while the "
@@ -276,9 +277,11 @@ def nccl_info_fields(engine_cls) -> tuple[frozenset, frozenset]:
 def vllm_api():
     """The vLLM names VllmEngine uses, resolved once, and what this vLLM can do, found by looking (never by its
     version string; tests pass a fake namespace instead). Supported: vLLM 0.26 through 0.33. The differences:
-    - `version_spans`: CompletionOutput.weight_versions (0.33) labels each token with the engine's weight version;
-      without it (0.26) covrl keeps every response on one version itself (see `VllmEngine._paused`);
-    - `engine_versions`: AsyncLLM.update_weight_version and `finish_weight_update(weight_version=)` (0.33);
+    - `version_spans`: CompletionOutput.weight_versions (0.33) labels each token with the engine's weight version,
+      which covrl sets (`engine_versions`); without both (0.26) covrl keeps every response on one version itself
+      (see `VllmEngine._paused`) and ignores any spans;
+    - `engine_versions`: AsyncLLM.update_weight_version (0.33); `finish_takes_version`: the native NCCL path's
+      `finish_weight_update(weight_version=)` (0.33), else the label is set after a bare finish;
     - `Retryable`: vllm.exceptions.RetryableRequestError (0.33: a paused engine rejects new requests), else a
       private exception never raised (0.26 queues them);
     - `nccl_fields`: where NCCL's `packed` flag lives (init info in 0.33, update info in 0.26)."""
@@ -294,9 +297,10 @@ def vllm_api():
     api = SimpleNamespace(AsyncLLM=AsyncLLM, AsyncEngineArgs=vllm.AsyncEngineArgs, SamplingParams=vllm.SamplingParams,
                           FINAL_ONLY=RequestOutputKind.FINAL_ONLY,
                           Retryable=getattr(vllm.exceptions, "RetryableRequestError", NeverRaised),
-                          version_spans="weight_versions" in {f.name for f in dataclasses.fields(CompletionOutput)},
-                          engine_versions=hasattr(AsyncLLM, "update_weight_version"),
+                          engine_versions=hasattr(AsyncLLM, "update_weight_version"), finish_takes_version=False,
                           native_nccl=False, nccl_fields=None, version=vllm.__version__)
+    # spans are only covrl's versions if covrl can set the engine's label: else they would read "default"
+    api.version_spans = api.engine_versions and "weight_versions" in {f.name for f in dataclasses.fields(CompletionOutput)}
     try:
         from vllm.config import WeightTransferConfig
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
@@ -308,8 +312,7 @@ def vllm_api():
     api.native_nccl = all(hasattr(AsyncLLM, m) for m in ("init_weight_transfer_engine", "start_weight_update",
                                                          "update_weights", "finish_weight_update"))
     if api.native_nccl:
-        api.engine_versions = api.engine_versions and (
-            "weight_version" in inspect.signature(AsyncLLM.finish_weight_update).parameters)
+        api.finish_takes_version = "weight_version" in inspect.signature(AsyncLLM.finish_weight_update).parameters
         api.nccl_fields = nccl_info_fields(NCCLWeightTransferEngine)
     return api
 
@@ -318,6 +321,10 @@ def nccl_init_info(info: dict, fields: tuple[frozenset, frozenset] | None) -> di
     """init_info for vLLM's native NCCL path. covrl's protocol is one broadcast per parameter (`packed=False`):
     0.33 reads that flag here, 0.26 from each update's info (`nccl_update_info`). `fields` None (a fake API in
     the unit tests): as 0.33."""
+    if fields is not None and "packed" not in fields[0] | fields[1]:
+        raise RuntimeError("vLLM's NCCL weight-transfer infos have no `packed` flag, so covrl cannot ask for its "
+                           "one-broadcast-per-parameter protocol: this vLLM is outside covrl's supported range (0.26 "
+                           "to 0.33); use generator.weight_transport = \"rpc\" or install vllm==0.33.0")
     if fields is None or "packed" in fields[0]:
         info = {**info, "packed": False}
     return _checked(info, None if fields is None else fields[0], "init")
@@ -472,7 +479,7 @@ class VllmEngine(Engine):
             if len(comps) != n:
                 raise RuntimeError(f"vLLM returned {len(comps)} completions for a request of n={n}")
             fallback = v_submit if v_submit == self.version or self.settings.weight_update == "finish" else None
-            groups.append([to_completion(c, fallback) for c in comps])
+            groups.append([to_completion(c, fallback, self.api.version_spans) for c in comps])
         return groups
 
     async def _generate_all(self, prompts, params):
@@ -480,7 +487,8 @@ class VllmEngine(Engine):
 
     async def _one(self, prompt_ids, params):
         while True:
-            await self._open.wait()
+            while not self._open.is_set():  # re-checked after waking: another update may have closed it again
+                await self._open.wait()
             version, rid = self.version, f"covrl-{next(self._ids)}"
             self._inflight += 1  # no await since the gate: an update that closes it next counts this request
             self._idle.clear()
@@ -594,10 +602,11 @@ class VllmEngine(Engine):
             for meta in metas:
                 update = nccl_update_info(meta, self.api.nccl_fields)
                 await self.llm.update_weights(self.api.UpdateRequest(update_info=update))
-            if self.api.engine_versions:
+            if self.api.finish_takes_version:
                 await self.llm.finish_weight_update(weight_version=str(version))
             else:
                 await self.llm.finish_weight_update()
+                await self._label(version)
 
         async def extension():
             for meta in metas:

@@ -303,8 +303,7 @@ def plan_jobs(out: Path, wheels: dict[str, Path], site: Path, with_transformers:
     site jobs read `site`, which `build` installs only when one of them must run."""
     vllm = wheels[VLLM]
     vllm_in = {"wheel": vllm.name, "sha256": sha256_file(vllm)}
-    prune_code = "".join(inspect.getsource(f) for f in (fatbin.parse_containers, fatbin._parse_entries,
-                                                       fatbin.prune_fatbin_section, *fatbin.POLICIES.values()))
+    prune_code = inspect.getsource(fatbin)  # the whole module: any change to reading or pruning rebuilds
     prune_in = {"prune_code": hashlib.sha256(prune_code.encode()).hexdigest(), "binaries": [C_LIB, *BIN_UNCHANGED]}
     site_reqs = [r for r in wheels if r != VLLM and (with_transformers or r != TRANSFORMERS)]
     site_in = {"wheels": sorted(wheels[r].name for r in site_reqs)}
@@ -450,12 +449,17 @@ def unpack(kit: Path, target: Path) -> list[str]:
     archives = sorted((kit / "common").glob("*.tar.xz")) + sorted((kit / folder).glob("*.tar.xz"))
     if not any(a.parent.name == "common" for a in archives):
         raise KitError(f"gpu_kit unpack: {kit}/common holds no .tar.xz: carry {kit}/common with the bin variant")
-    known = load_json(kit / "manifest.json").get("files", {})
+    manifest = kit / "manifest.json"
+    known = load_json(manifest).get("files", {}) if manifest.is_file() else None
+    if known is not None and (unknown := [a.relative_to(kit).as_posix() for a in archives
+                                          if a.relative_to(kit).as_posix() not in known]):
+        raise KitError(f"gpu_kit unpack: {', '.join(unknown)} not in {manifest}: a kit of another build? rebuild with "
+                       f"make gpu-kit and carry it whole")
     target.mkdir(parents=True, exist_ok=True)
 
     def extract(archive: Path) -> str:
         rel = archive.relative_to(kit).as_posix()
-        if rel in known and sha256_file(archive) != known[rel]["sha256"]:
+        if known is not None and sha256_file(archive) != known[rel]["sha256"]:
             raise KitError(f"gpu_kit unpack: {archive} differs from manifest.json (sha256): an incomplete copy? "
                            f"rebuild with make gpu-kit and carry it again")
         with tarfile.open(archive, "r:xz") as tar:
@@ -471,8 +475,9 @@ def unpack(kit: Path, target: Path) -> list[str]:
     variant = next(n for n, (f, _, _) in VARIANTS.items() if f == folder)
     (target / "_covrl_kit.json").write_text(json.dumps({"variant": variant, "folder": folder,
                                                         "archives": [a.relative_to(kit).as_posix() for a in archives]}))
-    return [f"gpu_kit: unpacked {kit} into {target} in {time.time() - t0:.1f} s; binaries: {folder} ({variant})",
-            *lines]
+    checked = "sha256 checked against manifest.json" if known is not None else "no manifest.json: sha256 not checked"
+    return [f"gpu_kit: unpacked {kit} into {target} in {time.time() - t0:.1f} s; binaries: {folder} ({variant}); "
+            f"{checked}", *lines]
 
 
 # ---- command line -----------------------------------------------------------------------------------------------

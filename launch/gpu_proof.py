@@ -27,9 +27,10 @@ limit cuts the ZeRO-3 repeat first), each timed, each with its log in `--out` (`
   vllm-run    A colocated 1-GPU cluster run with the vLLM generator (rpc weights, gpu_memory_utilization 0.3, eager)
               and the bf16 DeepSpeed learner (ZeRO-1) on assets/arith-base: 12 steps on-policy
               (rollout.max_staleness_steps = 0) at temperature 0.7. The z1 checks (checksums equal on both sides
-              after every publish, every version received, the checkpoint, the device lines), and the staleness-0
-              agreement: at every step mean pi_prox / pi_behav within 1 +- 0.05 and at most 1 % of tokens over
-              the importance cap. (CPU rehearsal: the torch engine, as vLLM needs a GPU.)
+              after every publish, every version received, the checkpoint, the device lines), staleness 0, and at
+              most 1 % of tokens with pi_prox / pi_behav over the importance cap; the mean ratio within 1 +- 0.05
+              is an implementation check only (its expectation is 1 for any two policies: the agreement itself is
+              vllm-tests'). (CPU rehearsal: the torch engine, as vLLM needs a GPU.)
   tests       `pytest -q -m gpu tests/gpu --ignore tests/gpu/test_vllm_engine.py -p no:cacheprovider -rs` with a
               JUnit report: passed / failed / skipped counts and every skip's reason (the NCCL ones skip without 2
               GPUs). Passes when nothing failed or errored; all-skipped counts as passed.
@@ -67,8 +68,9 @@ At the end: `--out`/gpu_proof.json (device, versions, UTC date, git commit, a di
 passed / seconds / figures / key log lines), gpu_proof_logs.tar.gz (stage logs, the runs' logs, metrics and
 generator logs, the JUnit report; no checkpoints), and a short table. gpu_proof.json is also written after every
 stage, so a run stopped by a time limit keeps what it finished; running again into the same --out (same device,
-same sources) adds or replaces stages. Exit 0 only if every stage run passed. The runs (checkpoints, the 0.5B
-model) go to `--work` (default: --out), which the device tool need not bring back.
+same sources) adds or replaces stages. Exit 0 only if every stage passed; 4 if every stage that ran passed but
+--deadline-s left some not run; 3 if vLLM's _C did not load (carry the fallback kit); else 1. The runs
+(checkpoints, the 0.5B model) go to `--work` (default: --out), which the device tool need not bring back.
 
 `--rehearse-cpu`: the same stages on a CPU-only machine at toy scale (`--gpus 0`, float32, 4 steps with resume
 from 2, a tiny random model for throughput, MFU null), so this script's logic is proven before GPU time is spent.
@@ -105,6 +107,7 @@ STAGES = ("vllm-kit", "vllm-tests", "vllm-run", "tests", "z1", "throughput", "z3
 VLLM_STAGES = ("vllm-kit", "vllm-tests", "vllm-run")
 VLLM_TESTS = "tests/gpu/test_vllm_engine.py"
 KIT_FAILED_EXIT = 3  # the kit's compiled ops did not load: rerun with the fallback kit (README "GPU proof")
+DEADLINE_EXIT = 4  # every stage that ran passed, and --deadline-s left some not run: run those in another command
 RESULT_TAG = "GPU_PROOF_RESULT "  # tests/gpu/proof_workers.py prints its result after this tag
 # The throughput workers import the learner and the engine, which launch/ never does (tests/unit/test_imports.py):
 # they live with the GPU tests and run as child processes (one CUDA context each, freed when they exit).
@@ -579,7 +582,7 @@ def stage_vllm_kit(ctx) -> dict:
     code, secs, lines = run_worker(ctx, "vllm-smoke", {"model": BASE_MODEL, "gpu_memory_utilization": 0.3},
                                    timeout_s=240)
     r = result_of(lines) or {}
-    if not chk("vLLM's compiled ops (_C) load", r.get("c_loaded") is True, r.get("c_error") or f"exit {code}"):
+    if not chk("vLLM's compiled ops (_C) load and launch", r.get("c_loaded") is True, r.get("c_error") or f"exit {code}"):
         raise StopProof(f"vLLM's _C did not load ({r.get('c_error') or f'exit {code}'}): run the proof again with "
                         f"the fallback kit (carry .kit/common and .kit/bin-ptx instead of .kit/bin-sm90)")
     chk("rms_norm from _C matches a float64 reference (rel. err < 1e-2, every element written)",
@@ -605,12 +608,19 @@ def stage_vllm_tests(ctx) -> dict:
     if ctx.args.rehearse_cpu:
         skip(ctx, "CPU rehearsal: the vLLM engine tests need a GPU")
         return {}
-    return stage_tests(ctx, (VLLM_TESTS,), "vllm_tests")
+    figures = stage_tests(ctx, (VLLM_TESTS,), "vllm_tests")
+    c = figures["counts"]  # a pytest that cannot import vLLM skips them all: that proves nothing
+    ctx.checks("the vLLM engine tests ran (none skipped)", c["passed"] > 0 and c["skipped"] == 0,
+               f"{c['passed']} passed, {c['skipped']} skipped")
+    return figures
 
 
-# The vllm-run stage's staleness-0 agreement: at every step, pi_prox (recomputed by the learner at the step start)
-# over pi_behav (the generator's logprob of the tokens it sampled, same weights) has mean within this of 1, and at
-# most this share of tokens truncated (rho > learner.importance.cap).
+# The vllm-run stage's staleness-0 checks on pi_prox (recomputed by the learner at the step start) over pi_behav
+# (the generator's logprob of the tokens it sampled, same weights). The mean ratio within 1 +- IS_WEIGHT_BAND is an
+# implementation check only: E_behav[pi_prox / pi_behav] = 1 for any two policies, so it fails only on a gross
+# error. The share of tokens over the importance cap (rho > 2, i.e. |dlogp| > 0.69 on one token) is the sensitive
+# one. The agreement itself (mean |dlogp| <= 0.05, tempered, against the untempered control) is vllm-tests'
+# test_behaviour_logprobs_are_of_the_tempered_distribution and gpu_check's.
 IS_WEIGHT_BAND = 0.05
 IS_CLIP_MAX = 0.01
 
@@ -632,7 +642,7 @@ def stage_vllm_run(ctx) -> dict:
     chk("every step trained on-policy (staleness/max 0)", bool(rows) and all(v == 0 for v in stale), f"{stale}")
     w = [round(r["actor/is_weight_mean"], 4) for r in rows]
     clip = [round(r.get("actor/is_weight_clipfrac", 0.0), 4) for r in rows]
-    chk(f"behaviour and learner logprobs agree: mean pi_prox/pi_behav within 1 +- {IS_WEIGHT_BAND} at every step",
+    chk(f"implementation check: mean pi_prox/pi_behav within 1 +- {IS_WEIGHT_BAND} at every step",
         bool(w) and all(abs(x - 1) <= IS_WEIGHT_BAND for x in w), f"{w}")
     chk(f"at most {IS_CLIP_MAX:.0%} of tokens truncated by the importance cap", all(c <= IS_CLIP_MAX for c in clip),
         f"{clip}")
@@ -890,7 +900,7 @@ def stage_throughput(ctx) -> dict:
             figures["learner"] = tput_learner(ctx, common)
         if "gen" in args.throughput_parts:
             figures["generation"] = tput_gen(ctx, common)
-        if "vllm-gen" in args.throughput_parts and not args.rehearse_cpu:
+        if "vllm-gen" in args.throughput_parts and not args.rehearse_cpu and not ctx.vllm_broken:
             figures["vllm_generation"] = tput_gen(ctx, {**common, "enforce_eager": True, "gpu_memory_utilization": 0.5},
                                                   "vllm-gen")
     finally:
@@ -1165,7 +1175,10 @@ def run_proof(args) -> int:
         print(f"stopped: {stopped}", file=sys.stderr)
         return KIT_FAILED_EXIT
     ran = [doc["stages"][s] for s in args.stages if s in doc["stages"] and not doc["stages"][s].get("skipped")]
-    return 0 if ran and all(r.get("passed") for r in ran) and not interrupted else 1
+    cut = [r for r in ran if r.get("not_run")]
+    if interrupted or not ran or not all(r.get("passed") for r in ran if not r.get("not_run")):
+        return 1
+    return DEADLINE_EXIT if cut else 0
 
 
 def run_stage(ctx, name: str) -> dict:

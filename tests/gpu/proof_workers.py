@@ -234,19 +234,20 @@ def smoke_ops(out: dict) -> None:
     import torch
 
     t0 = time.perf_counter()
-    try:
-        import vllm._C_stable_libtorch  # noqa: F401  (registers torch.ops._C*)
-    except BaseException as e:  # the first thing a pruned fatbin could break: say it and stop
-        out["c_loaded"], out["c_error"] = False, f"{type(e).__name__}: {e}"[:500]
-        emit(out)
-        raise SystemExit(3)
-    out["c_loaded"] = True
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.rand(256, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
     got = torch.full_like(x, float("nan"))  # poisoned: every element must be written
-    torch.ops._C.rms_norm(got, x, w, 1e-6)
-    torch.cuda.synchronize()
+    try:  # what a pruned fatbin could break: the library's load, or (CUDA loads modules lazily) its first launch
+        import vllm._C_stable_libtorch  # noqa: F401  (registers torch.ops._C*)
+
+        torch.ops._C.rms_norm(got, x, w, 1e-6)
+        torch.cuda.synchronize()
+    except BaseException as e:  # say it and stop: the proof then asks for the fallback kit
+        out["c_loaded"], out["c_error"] = False, f"{type(e).__name__}: {e}"[:500]
+        emit(out)
+        raise SystemExit(3)
+    out["c_loaded"] = True
     ref = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
     out["rms_norm_rel_err"] = float((got.double() - ref).norm() / ref.norm())
     out["rms_norm_all_written"] = bool(torch.isfinite(got).all())

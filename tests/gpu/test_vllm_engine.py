@@ -165,9 +165,10 @@ def test_finish_mode_update_mid_generation_every_token_scores_under_its_labelled
             labels.append(label)
             toks = [c.token_ids.tolist()]
             got = torch.from_numpy(c.logprobs)
-            right += float((got - learner_lp(models[label], prompts[i], toks)).abs().sum())
-            wrong += float((got - learner_lp(models[21 - label], prompts[i], toks)).abs().sum())
-            n += len(c.token_ids)
+            r = float((got - learner_lp(models[label], prompts[i], toks)).abs().sum())
+            w = float((got - learner_lp(models[21 - label], prompts[i], toks)).abs().sum())
+            assert r < w, f"response {i}: its tokens score better under the version it is not labelled with"
+            right, wrong, n = right + r, wrong + w, n + len(c.token_ids)
     print(f"labels {sorted(set(labels))}: {labels.count(10)} at 10, {labels.count(11)} at 11; mean |dlogp| under "
           f"the labelled version {right / n:.4f}, under the other {wrong / n:.4f}")
     assert right / n <= MAX_DLOGP, f"mean |dlogp| {right / n:.4f} under the labelled versions"

@@ -198,9 +198,15 @@ def test_unpack_refuses_both_or_neither_variant_in_one_line(tmp_path, capsys, bi
 
 def test_unpack_refuses_an_archive_that_differs_from_the_manifest(tmp_path):
     kit = tiny_kit(tmp_path / "kit")
-    (kit / "manifest.json").write_text(json.dumps({"files": {"common/vllm-py.tar.xz": {"sha256": "0" * 64}}}))
+    good = {"bin-sm90/vllm-bin.tar.xz": {"sha256": K.sha256_file(kit / "bin-sm90" / "vllm-bin.tar.xz")}}
+    (kit / "manifest.json").write_text(json.dumps({"files": {**good, "common/vllm-py.tar.xz": {"sha256": "0" * 64}}}))
     with pytest.raises(K.KitError, match="differs from manifest.json"):
         K.unpack(kit, tmp_path / "site")
+    # an archive the manifest does not know (another build's) is refused before anything is extracted
+    (kit / "manifest.json").write_text(json.dumps({"files": good}))
+    with pytest.raises(K.KitError, match=r"common/vllm-py\.tar\.xz not in .*manifest\.json"):
+        K.unpack(kit, tmp_path / "site")
+    assert not (tmp_path / "site" / "pkg").exists()
 
 
 def test_unpack_refuses_a_member_outside_the_target(tmp_path):

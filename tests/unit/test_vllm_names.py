@@ -362,6 +362,7 @@ def fake_api(native=True, shape="0.33"):
     new = shape == "0.33"
     return SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw), FINAL_ONLY="final_only",
                            Retryable=Retryable if new else VE.NeverRaised, version_spans=new, engine_versions=new,
+                           finish_takes_version=new,
                            native_nccl=native, nccl_fields=NCCL_FIELDS[shape], version=f"fake {shape}",
                            InitRequest=lambda init_info: SimpleNamespace(init_info=init_info),
                            UpdateRequest=lambda update_info: SimpleNamespace(update_info=update_info))
@@ -534,7 +535,9 @@ def test_nccl_infos_refuse_fields_this_vllm_lacks():
     assert VE.nccl_update_info(meta, NCCL_FIELDS["0.33"]) == meta
     assert VE.nccl_update_info(meta, NCCL_FIELDS["0.26"]) == {**meta, "packed": False}
     with pytest.raises(RuntimeError, match=r"no field\(s\) \['rank_offset'\].*weight_transport = \"rpc\""):
-        VE.nccl_init_info({"rank_offset": 1}, (frozenset({"master_address"}), NCCL_UPDATE))
+        VE.nccl_init_info({"rank_offset": 1}, (frozenset({"master_address", "packed"}), NCCL_UPDATE))
+    with pytest.raises(RuntimeError, match="no `packed` flag"):  # neither info has it: the protocol is unknown
+        VE.nccl_init_info({"rank_offset": 1}, (frozenset({"rank_offset"}), NCCL_UPDATE))
 
 
 def test_a_request_rejected_while_paused_is_retried(make_engine):
@@ -626,6 +629,11 @@ def test_direct_receiver_helpers_announce_and_join(make_engine):
 def test_the_engine_core_is_spawned_not_forked(make_engine, monkeypatch):
     """The generator runs threads (asyncio loop, weight receiver, gloo) before vLLM starts its
     engine core, so vLLM must spawn it; a method the user set explicitly is kept."""
+    import importlib.util
+
+    real, have_flashinfer = importlib.util.find_spec, [False]
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if have_flashinfer[0] else None) if name == "flashinfer" else real(name, *a))
     env = {}
     VE.use_spawn(env)
     assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
@@ -635,6 +643,10 @@ def test_the_engine_core_is_spawned_not_forked(make_engine, monkeypatch):
     env = {"VLLM_USE_FLASHINFER_SAMPLER": "1"}
     VE.use_spawn(env)
     assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
+    have_flashinfer[0] = True  # installed: vLLM's own default stands
+    env = {}
+    VE.use_spawn(env)
+    assert "VLLM_USE_FLASHINFER_SAMPLER" not in env
     env = {"VLLM_WORKER_MULTIPROC_METHOD": "forkserver"}
     VE.use_spawn(env)
     assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "forkserver"
