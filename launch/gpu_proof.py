@@ -963,8 +963,9 @@ def tput_gen(ctx, common: dict, worker: str = "gen") -> dict:
         if err:
             log.say(err, key=True)
         return {"exit_code": code}
-    want = "cpu" if ctx.args.rehearse_cpu else "cuda"
-    chk(f"the engine's weights are on {want}", r["param_device"].startswith(want), r["param_device"])
+    if "param_device" in r:  # the torch engine's, in its own process (vLLM's live in its workers)
+        want = "cpu" if ctx.args.rehearse_cpu else "cuda"
+        chk(f"the engine's weights are on {want}", r["param_device"].startswith(want), r["param_device"])
     mem = f", peak GPU memory {r['peak_allocated_gib']:.1f} GiB" if r.get("peak_allocated_gib") is not None else ""
     eager = f", enforce_eager {r['enforce_eager']}, engine built in {r['build_s']:.0f}s" if "build_s" in r else ""
     log.say(f"generation ({r['engine']}{eager}): {r['tokens_per_s']:.0f} tokens/s ({r['tokens']} tokens in {r['seconds']:.2f}s: "

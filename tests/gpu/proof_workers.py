@@ -150,19 +150,27 @@ def worker_learner(spec: dict) -> int:
     return 0
 
 
-def worker_gen(spec: dict) -> int:
+def model_vocab(spec: dict) -> int:
+    with open(os.path.join(spec["model"], "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+def gen_prompts(spec: dict, vocab: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, vocab - 1, spec["prompt_tokens"]).tolist() for _ in range(spec["prompts"])]
+
+
+def timed_generation(engine, spec: dict, vocab: int, cuda: bool) -> dict:
+    """Warm up, then time one generate of SPEC's prompts x samples x new tokens: the figures `gen` and `vllm-gen`
+    both report, on the same prompts. `cuda`: this process runs the kernels (the torch engine), so the clock waits
+    for the device and the peak memory is this process's; vLLM's workers are other processes, and its generate
+    returns only when they are done."""
     import torch
 
-    from actors import engine as E
     from common.messages import SamplingParams
 
-    dtype = getattr(torch, spec["dtype"])
-    cuda = spec["device"] == "cuda"
-    with open(os.path.join(spec["model"], "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
-    stop = vocab - 1  # a random model samples any one id with probability ~1/vocab per step
-    engine = E.TorchEngine(spec["model"], eos_token_id=[stop], pad_token_id=0, dtype=dtype, device=spec["device"])
-    param_device = str(next(engine.model.parameters()).device)
     prompts, seeds = gen_prompts(spec, vocab), list(range(spec["prompts"]))
     engine.generate(prompts[:2], 2, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8), seeds[:2])  # warm-up
     if cuda:
@@ -176,52 +184,44 @@ def worker_gen(spec: dict) -> int:
     seconds = time.perf_counter() - t0
     comps = [c for g in groups for c in g]
     tokens = sum(len(c.token_ids) for c in comps)
-    out = {"engine": type(engine).__name__, "param_device": param_device, "prompts": spec["prompts"],
-           "samples": spec["samples"], "new_tokens": spec["new_tokens"], "prompt_tokens": spec["prompt_tokens"],
-           "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-           "stopped": sum(c.finish_reason == "stop" for c in comps), "stop_id": stop}
+    out = {"prompts": spec["prompts"], "samples": spec["samples"], "new_tokens": spec["new_tokens"],
+           "prompt_tokens": spec["prompt_tokens"], "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+           "stopped": sum(c.finish_reason == "stop" for c in comps), "stop_id": vocab - 1}
     if cuda:
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    emit(out)
+    return out
+
+
+def worker_gen(spec: dict) -> int:
+    import torch
+
+    from actors import engine as E
+
+    vocab = model_vocab(spec)
+    stop = vocab - 1  # a random model samples any one id with probability ~1/vocab per step
+    engine = E.TorchEngine(spec["model"], eos_token_id=[stop], pad_token_id=0, dtype=getattr(torch, spec["dtype"]),
+                           device=spec["device"])
+    emit({"engine": type(engine).__name__, "param_device": str(next(engine.model.parameters()).device),
+          **timed_generation(engine, spec, vocab, spec["device"] == "cuda")})
     return 0
 
 
-def gen_prompts(spec: dict, vocab: int) -> list[list[int]]:
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    return [rng.integers(1, vocab - 1, spec["prompt_tokens"]).tolist() for _ in range(spec["prompts"])]
-
-
 def worker_vllm_gen(spec: dict) -> int:
-    """covrl's VllmEngine on the throughput model: the same prompts and counts as `gen`, so the two compare."""
+    """covrl's VllmEngine on the throughput model: the same prompts and counts as `gen`, so the two compare. Its
+    weights live in vLLM's worker processes, so no parameter device is reported here (vllm-kit shows vLLM on CUDA)."""
     import torch
 
     from actors.vllm_engine import VllmEngine, VllmSettings
-    from common.messages import SamplingParams
 
-    with open(os.path.join(spec["model"], "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
-    stop = vocab - 1
+    vocab = model_vocab(spec)
     t0 = time.perf_counter()
-    engine = VllmEngine(spec["model"], stop_ids=[stop], settings=VllmSettings(
+    engine = VllmEngine(spec["model"], stop_ids=[vocab - 1], settings=VllmSettings(
         dtype=spec["dtype"], gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.5),
         enforce_eager=spec.get("enforce_eager", True), max_model_len=spec["prompt_tokens"] + spec["new_tokens"] + 8))
     build_s = time.perf_counter() - t0
     try:
-        prompts, seeds = gen_prompts(spec, vocab), list(range(spec["prompts"]))
-        engine.generate(prompts[:2], 2, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8), seeds[:2])
-        t0 = time.perf_counter()
-        groups = engine.generate(prompts, spec["samples"], SamplingParams(temperature=1.0, top_p=1.0,
-                                                                          max_new_tokens=spec["new_tokens"]), seeds)
-        seconds = time.perf_counter() - t0
-        comps = [c for g in groups for c in g]
-        tokens = sum(len(c.token_ids) for c in comps)
-        emit({"engine": f"vLLM {engine.api.version}", "param_device": "cuda", "prompts": spec["prompts"],
-              "samples": spec["samples"], "new_tokens": spec["new_tokens"], "prompt_tokens": spec["prompt_tokens"],
-              "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "build_s": build_s,
-              "enforce_eager": spec.get("enforce_eager", True), "stopped": sum(c.finish_reason == "stop" for c in comps),
-              "stop_id": stop, "torch": torch.__version__})
+        emit({"engine": f"vLLM {engine.api.version}", "build_s": build_s, "enforce_eager": engine.settings.enforce_eager,
+              "torch": torch.__version__, **timed_generation(engine, spec, vocab, cuda=False)})
     finally:
         engine.close()
     return 0
