@@ -462,9 +462,13 @@ def unpack(kit: Path, target: Path) -> list[str]:
         if known is not None and sha256_file(archive) != known[rel]["sha256"]:
             raise KitError(f"gpu_kit unpack: {archive} differs from manifest.json (sha256): an incomplete copy? "
                            f"rebuild with make gpu-kit and carry it again")
-        with tarfile.open(archive, "r:xz") as tar:
-            names = tar.getnames()
-            tar.extractall(target, filter="data")
+        try:
+            with tarfile.open(archive, "r:xz") as tar:
+                names = tar.getnames()
+                tar.extractall(target, filter="data")
+        except (tarfile.ReadError, EOFError, lzma.LZMAError) as e:  # not OutsideDestinationError: that one is raised
+            raise KitError(f"gpu_kit unpack: {archive} is not a complete .tar.xz ({e}): an incomplete copy? rebuild "
+                           f"with make gpu-kit and carry it again") from None
         return f"  {rel}: {len(names)} files"
 
     # common's archives share no folder, so they extract in parallel; the bin archive writes into vllm/ too, and two

@@ -209,6 +209,14 @@ def test_unpack_refuses_an_archive_that_differs_from_the_manifest(tmp_path):
     assert not (tmp_path / "site" / "pkg").exists()
 
 
+def test_unpack_refuses_a_truncated_archive_in_one_line(tmp_path):
+    kit = tiny_kit(tmp_path / "kit")
+    path = kit / "common" / "vllm-py.tar.xz"
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(K.KitError, match="vllm-py.tar.xz is not a complete .tar.xz"):
+        K.unpack(kit, tmp_path / "site")
+
+
 def test_unpack_refuses_a_member_outside_the_target(tmp_path):
     kit = tiny_kit(tmp_path / "kit")
     K.write_tar_xz(kit / "common" / "evil.tar.xz", [K.Member("../escaped.txt", b"x")], preset=1)
