@@ -19,8 +19,10 @@ and work waits for the version it names.
 
 The main loop only ever waits for the hub in one place, its `recv` between requests, so a Stop reaches it there:
 "training finished" at the end, or "drained" when the run was scaled below this generator's id (the hub sends it
-only once every group and eval result this generator held is in). It exits 0 at the end of training and
-`EXIT_DRAINED` when drained, so the launcher's supervisor tells a finished generator from a scaled-away one.
+only once every group and eval result this generator held is in), or "lost: <why>" when it asks again after the
+hub gave up on it (it was frozen or stuck; its work went to others). It exits 0 at the end of training,
+`EXIT_DRAINED` when drained and `EXIT_LOST` when lost, so the launcher's supervisor tells a finished generator from
+a scaled-away one and restarts a lost one (if it has not stopped it already).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 
 from common import messages as M
 from common import weights as W
-from common.cluster import EXIT_DRAINED
+from common.cluster import EXIT_DRAINED, EXIT_LOST
 from common.config import Config
 from common.rewards import RewardPool
 from common.transport import GeneratorSocket
@@ -161,7 +163,7 @@ def handshake(sock: GeneratorSocket, run_id: str, gen_id: int, incarnation: str,
 def run_actor(cfg: Config, *, engine, tokenizer, hub_addr: str, key: bytes, run_id: str, gen_id: int, run_dir: str | None) -> int:
     incarnation = uuid.uuid4().hex
     sock = GeneratorSocket(hub_addr, key)
-    welcome = handshake(sock, run_id, gen_id, incarnation, cfg.transport.recv_timeout_s * 4)
+    welcome = handshake(sock, run_id, gen_id, incarnation, cfg.transport.welcome_timeout_s)
     log_path = os.path.join(run_dir, "generators", f"gen{gen_id}.jsonl") if run_dir else None
     if log_path:
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
@@ -184,6 +186,10 @@ def run_actor(cfg: Config, *, engine, tokenizer, hub_addr: str, key: bytes, run_
                         log.info("generator %d drained: the run's generator target no longer includes this id; "
                                  "exiting after %d rollout groups", gen_id, sent)
                         return EXIT_DRAINED
+                    if msg.reason.startswith("lost"):  # the hub gave up on this incarnation and re-issued its work
+                        log.error("generator %d: the hub declared this incarnation %s; exiting so that a fresh one "
+                                  "replaces it", gen_id, msg.reason)
+                        return EXIT_LOST
                     log.info("generator %d: stop (%s) after %d rollout groups", gen_id, msg.reason, sent)
                     return 0
                 if isinstance(msg, M.Work):

@@ -247,6 +247,7 @@ class VllmSettings:
     seed: int = _RUN.seed
     seed_requests: bool = _GEN.seed_requests  # per-request seeds: free on vLLM's V2 model runner, slow on V1
     poll_s: float = 0.02  # how often `generate` runs the before_forward hook while waiting
+    timeout_s: float = _GEN.engine_timeout_s  # every call into the engine (`EngineTimeout` past it)
 
     def __post_init__(self):
         if self.weight_update not in PAUSE_MODE:
@@ -345,6 +346,11 @@ def _checked(info: dict, fields: frozenset | None, which: str) -> dict:
     return info
 
 
+class EngineTimeout(RuntimeError):
+    """A call into the vLLM engine missed its deadline (`generator.engine_timeout_s`): the generator exits with an
+    error and the launcher restarts it."""
+
+
 class _Loop:
     """An asyncio loop in a daemon thread; the actor's threads submit coroutines to it."""
 
@@ -356,8 +362,16 @@ class _Loop:
     def submit(self, coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro, timeout_s: float | None = None):
-        return self.submit(coro).result(timeout_s)
+    def run(self, coro, timeout_s: float):
+        """Run `coro` on the loop and wait at most `timeout_s` for it; past that it is cancelled (vLLM aborts its
+        requests) and `EngineTimeout` is raised. Every await inside it is bounded by this deadline."""
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise EngineTimeout(f"a call into the vLLM engine did not return within {timeout_s:.0f}s "
+                                f"(generator.engine_timeout_s): the engine is taken to be wedged") from None
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -405,9 +419,9 @@ class VllmEngine(Engine):
         self._inflight = 0  # covrl's requests admitted to vLLM and not yet final (owned by the loop's thread)
         self._loop = _Loop()
         try:
-            self.llm = llm if llm is not None else self._loop.run(self._build(model_path))
-            self._open, self._idle = self._loop.run(self._make_gates())
-            self._loop.run(self._label(0))  # the engine core's label is "default" until set
+            self.llm = llm if llm is not None else self._loop.run(self._build(model_path), settings.timeout_s)
+            self._open, self._idle = self._loop.run(self._make_gates(), settings.timeout_s)
+            self._loop.run(self._label(0), settings.timeout_s)  # the engine core's label is "default" until set
         except BaseException:
             self._loop.close()
             raise
@@ -421,7 +435,8 @@ class VllmEngine(Engine):
         settings = VllmSettings(weight_update=gen.weight_update, transport=gen.weight_transport,
                                 dtype="bfloat16" if cfg.model.dtype == "float32" else cfg.model.dtype,
                                 gpu_memory_utilization=gen.gpu_memory_utilization, max_num_seqs=gen.max_num_seqs,
-                                enforce_eager=gen.enforce_eager, seed=cfg.run.seed, seed_requests=gen.seed_requests)
+                                enforce_eager=gen.enforce_eager, seed=cfg.run.seed, seed_requests=gen.seed_requests,
+                                timeout_s=gen.engine_timeout_s)
         return cls(model_path, stop_ids=stop_ids, settings=settings)
 
     async def _build(self, model_path: str):
@@ -463,14 +478,18 @@ class VllmEngine(Engine):
                                           output_kind=self.api.FINAL_ONLY) for s in seeds]
         fut = self._loop.submit(self._generate_all([list(map(int, p)) for p in prompts], params))
         hook = before_forward or (lambda: None)
+        deadline = time.monotonic() + self.settings.timeout_s
         try:
             while True:
                 hook()  # may apply staged weights (load_flat) while requests run
                 try:
-                    finals = fut.result(timeout=self.settings.poll_s)
+                    finals = fut.result(timeout=min(self.settings.poll_s, max(0.0, deadline - time.monotonic())))
                     break
                 except concurrent.futures.TimeoutError:
-                    continue
+                    if time.monotonic() >= deadline:
+                        raise EngineTimeout(f"vLLM did not finish {len(prompts)} prompts within "
+                                            f"{self.settings.timeout_s:.0f}s (generator.engine_timeout_s): the "
+                                            "engine is taken to be wedged") from None
         finally:
             fut.cancel()  # no-op when done; otherwise vLLM aborts the requests
         groups = []
@@ -511,7 +530,7 @@ class VllmEngine(Engine):
     def _update(self, version: int, load) -> None:
         """Pause, run `load()` (a coroutine function that loads and labels the version), resume."""
         t0 = time.perf_counter()
-        self._loop.run(self._paused(version, load))
+        self._loop.run(self._paused(version, load), self.settings.timeout_s)
         self.last_update_s = time.perf_counter() - t0
         self.counters["vllm/weight_updates"] += 1
 
@@ -617,7 +636,7 @@ class VllmEngine(Engine):
 
     def fingerprint(self, name: str = VW.FINGERPRINT_PARAM) -> list[float]:
         """`VW.fingerprint` of one (unfused, unsplit) parameter in every worker."""
-        return list(self._loop.run(self.llm.collective_rpc("covrl_fingerprint", args=(name,))))
+        return list(self._loop.run(self.llm.collective_rpc("covrl_fingerprint", args=(name,)), self.settings.timeout_s))
 
     def close(self) -> None:
         shutdown = getattr(self.llm, "shutdown", None)

@@ -97,6 +97,13 @@ class EvalSchedule:
         """This generator has eval prompts in flight (a draining generator is stopped only once it has none)."""
         return any(e.gen_id == gen_id for e in self.in_flight.values())
 
+    def versions_held(self) -> dict[int, int]:
+        """gen_id -> the newest version among the eval prompts it holds (the weights it needs to answer them)."""
+        out: dict[int, int] = {}
+        for e in self.in_flight.values():
+            out[e.gen_id] = max(out.get(e.gen_id, -1), e.version)
+        return out
+
     def requeue(self, gen_id: int) -> int:
         """A generator is gone: its eval prompts go back to the front of the queue. Returns how many."""
         lost = [tid for tid, e in self.in_flight.items() if e.gen_id == gen_id]

@@ -33,10 +33,21 @@ Invariants
   timeout case (its tickets are re-issued with their slots). Raising N again before the drain completes makes it
   a full member again. The gauges `cluster/generators` (connected, not draining) and `cluster/generators_target`
   are read with the counters, never snapshotted.
+- The hub is the one owner of the decision that a generator incarnation is *lost* (`_lose`, the one place), and
+  everyone else follows it: its work is re-issued with its slots, `on_lost` drops its weight channel at once (a
+  publish in progress stops waiting for it) and records the verdict for the launcher, which stops its process
+  group and restarts it (RUN_DIR/generators_lost.jsonl), and a late message from it gets `Stop(reason="lost: ...")`.
+  Why, counted under `hub/generator_lost/<why>`: `timeout` (silent for `transport.generator_timeout_s`: dead,
+  frozen or cut off), `stuck` (it holds work, has the weights that work needs, and its main loop has sent nothing
+  for the progress limit, whatever its heartbeat says: a hung engine), `weight_channel` (learner rank 0's weight
+  channel to it failed or missed its deadline: `lose`), `restarted` (a new incarnation said hello).
+  The progress limit is `transport.generator_progress_timeout_s`, or when that is 0 max(floor, factor x the slowest
+  reply seen), a reply's time running from when the generator was given work, or its previous message, with the
+  clock held while its heartbeat says it is still waiting for the weights its work names.
 
 The trainer thread talks to the hub only through `start`, `take_batch`, `set_version`, `wait_version_done`,
-`take_eval`, `stats`, `snapshot` / `restore` and `stop`, each under the hub's lock; the ZeroMQ socket belongs
-to the hub thread alone.
+`take_eval`, `stats`, `snapshot` / `restore` and `stop`, and the weight publisher through `lose`, each under the
+hub's lock; the ZeroMQ socket belongs to the hub thread alone.
 """
 
 from __future__ import annotations
@@ -87,9 +98,13 @@ class Ready:
 class GenState:
     identity: bytes
     incarnation: str
-    last_seen: float
-    weight_version: int = 0
+    last_seen: float  # any message, heartbeats included: liveness
+    pid: int = 0
+    weight_version: int = 0  # the newest version it has received (its heartbeat)
     wanted: int = 0  # groups asked for and not yet given
+    # The last sign of progress from its main loop (a request, a result) or the last time it was given work or
+    # had to wait for weights: what the stuck check measures from.
+    progress_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -111,12 +126,13 @@ class BrokerStats:
 class Hub:
     def __init__(self, cfg: Config, *, run_id: str, key: bytes, host: str, port: int, source: PromptSource,
                  weight_addr: str, generators: Callable[[], int], eval_prompts: dict[str, list[Prompt]] | None = None,
-                 on_join=None, on_leave=None, target_poll_s: float = 1.0):
+                 on_join=None, on_leave=None, on_lost=None, target_poll_s: float = 1.0):
         """`host`, `port`: where the hub binds (cluster.json's hub_addr; port 0: a random one). `generators`: the
         run's generator target now, called here once and then by the hub thread every `target_poll_s`; it must not
         raise (an exception stops the hub like any hub-thread failure), so a reader of a file keeps its last good
         value (learner/__main__.py). `on_join` / `on_leave`: called by the hub thread, with the lock held, when a
-        generator incarnation is welcomed / drained; neither may block."""
+        generator incarnation is welcomed / drained; `on_lost(gen_id, incarnation, pid, why, detail)`: when one is
+        declared lost (`_lose`), by whichever thread decided it, with the lock held. None of them may block."""
         self.cfg = cfg
         self.run_id = run_id
         self.sock = HubSocket(host, port, key)
@@ -129,6 +145,10 @@ class Hub:
         self.on_join = on_join  # (gen_id, incarnation) -> None: builds that incarnation's weight channel
         self.on_leave = on_leave  # (gen_id, incarnation) -> None: a drained incarnation's channel goes, not a failure
         self.drained: dict[int, str] = {}  # gen_id -> its last drained incarnation, whose late frames are expected
+        self.on_lost = on_lost  # (gen_id, incarnation, pid, why, detail) -> None: the verdict, for everyone else
+        self.lost: dict[int, tuple[str, str]] = {}  # gen_id -> (its last lost incarnation, why): told to stop
+        self.slowest_reply_s = 0.0  # the longest a generator's main loop took to answer work (the progress limit)
+        self._checked_at = 0.0
         self.rules = GroupRules.of(cfg)
         self.gps = cfg.rollout.groups_per_step
         r = cfg.rollout
@@ -214,6 +234,21 @@ class Hub:
                         f"are generators running and reaching the hub at {self.sock.address}?"
                     )
                 self.cv.wait(min(left, 1.0))
+
+    def lose(self, gen_id: int, incarnation: str, detail: str) -> None:
+        """Learner rank 0's weight channel to this incarnation failed or missed its deadline (`learner/publisher.py`):
+        declare it lost, unless it is gone already. Any thread; must not wait on the publisher (its `drop` only
+        marks)."""
+        with self.cv:
+            gen = self.gens.get(gen_id)
+            if gen is not None and gen.incarnation == incarnation:
+                self._lose(gen_id, "weight_channel", detail)
+
+    def progress_limit_s(self) -> float:
+        """How long a generator holding work may go without a message from its main loop before it is stuck."""
+        t = self.cfg.transport
+        return t.generator_progress_timeout_s or max(t.generator_progress_floor_s,
+                                                      t.generator_progress_factor * self.slowest_reply_s)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -323,6 +358,11 @@ class Hub:
                 if isinstance(msg, M.WorkRequest):  # it asked before our Stop reached it: say it again
                     self.sock.send(identity, M.Stop(reason="drained"))
                 return
+            lost = self.lost.get(msg.gen_id)
+            if lost is not None and lost[0] == msg.incarnation and isinstance(msg, (M.WorkRequest, M.Heartbeat)):
+                if isinstance(msg, M.WorkRequest):  # it came back (resumed, unwedged): it must not go on
+                    self.sock.send(identity, M.Stop(reason=f"lost: {lost[1]}"))
+                return
             self.counts["hub/rejected/unknown_generator"] += 1
             return
         gen.last_seen = now
@@ -330,12 +370,16 @@ class Hub:
             # Work goes back on the socket that asked: heartbeats come from another one.
             gen.identity = identity
             gen.wanted = max(0, min(msg.max_groups, 1024))
+            gen.progress_at = now  # its main loop asks only once it has sent back all it held
         elif isinstance(msg, M.Heartbeat):
             gen.weight_version = msg.weight_version
-        elif isinstance(msg, M.RolloutGroup):
-            self._rollout(msg)
-        elif isinstance(msg, M.EvalResult):
-            self._eval_result(msg)
+        elif isinstance(msg, (M.RolloutGroup, M.EvalResult)):
+            self.slowest_reply_s = max(self.slowest_reply_s, now - gen.progress_at)
+            gen.progress_at = now
+            if isinstance(msg, M.RolloutGroup):
+                self._rollout(msg)
+            else:
+                self._eval_result(msg)
 
     def _hello(self, identity: bytes, msg: M.Hello, now: float) -> None:
         if msg.protocol_version != M.PROTOCOL_VERSION or msg.run_id != self.run_id:
@@ -358,8 +402,8 @@ class Hub:
             return
         old = self.gens.get(msg.gen_id)
         if old is not None and old.incarnation != msg.incarnation:
-            self._requeue_generator(msg.gen_id, "restarted")
-        self.gens[msg.gen_id] = GenState(identity, msg.incarnation, now)
+            self._lose(msg.gen_id, "restarted", f"a new incarnation ({msg.incarnation}, pid {msg.pid}) said hello")
+        self.gens[msg.gen_id] = GenState(identity, msg.incarnation, now, pid=msg.pid, progress_at=now)
         self.sock.send(
             identity,
             M.Welcome(
@@ -413,12 +457,31 @@ class Hub:
             log.warning("rejected eval result for ticket %d from generator %d: %s", res.ticket, res.gen_id, reason)
 
     def _expire(self, now: float) -> None:
-        limit = self.cfg.transport.generator_timeout_s
+        """Declare lost every generator silent for generator_timeout_s, and every one stuck: holding work, with the
+        weights that work needs (its heartbeat says so), and no message from its main loop within the progress
+        limit. Checked about every 0.25 s (one pass over the tickets in flight)."""
+        if now - self._checked_at < 0.25:
+            return
+        self._checked_at = now
+        silent_s = self.cfg.transport.generator_timeout_s
+        needs: dict[int, int] = {}  # gen_id -> the newest version the work it holds was issued at
+        for t in self.in_flight.values():
+            needs[t.gen_id] = max(needs.get(t.gen_id, -1), t.issue_version)
+        for gen_id, version in self.evals.versions_held().items():
+            needs[gen_id] = max(needs.get(gen_id, -1), version)
+        limit = self.progress_limit_s()
         for gen_id, gen in list(self.gens.items()):
-            if now - gen.last_seen > limit:
-                log.warning("generator %d silent for %.0fs: presumed dead, re-issuing its work", gen_id, limit)
-                self._requeue_generator(gen_id, "timeout")
-                del self.gens[gen_id]
+            if now - gen.last_seen > silent_s:
+                self._lose(gen_id, "timeout", f"silent for {now - gen.last_seen:.1f}s "
+                                              f"(transport.generator_timeout_s = {silent_s:g})")
+            elif gen_id not in needs:
+                continue
+            elif gen.weight_version < needs[gen_id]:
+                gen.progress_at = now  # it waits for weights we send: not its fault
+            elif now - gen.progress_at > limit:
+                self._lose(gen_id, "stuck", f"it holds work and its main loop has sent nothing for "
+                                            f"{now - gen.progress_at:.1f}s (progress limit {limit:.1f}s), its "
+                                            f"heartbeat {now - gen.last_seen:.1f}s ago")
 
     def _poll_target(self, now: float) -> int | None:
         """The run's generator target when a read is due (hub thread, lock not held), else None."""
@@ -447,15 +510,28 @@ class Hub:
             self.counts["hub/generators_drained"] += 1
             log.info("generator %d drained (target %d): stopped", gen_id, self.target)
 
-    def _requeue_generator(self, gen_id: int, why: str) -> None:
+    def _lose(self, gen_id: int, why: str, detail: str) -> None:
+        """The one place a generator incarnation is declared lost (lock held): its work is re-issued with its slots,
+        it is forgotten (a late request gets Stop), counted, logged with what it held, and `on_lost` tells the
+        weight publisher and the launcher."""
+        gen = self.gens.pop(gen_id)
+        slots = sorted(t.slot for t in self.in_flight.values() if t.gen_id == gen_id)
         for tid, t in list(self.in_flight.items()):
             if t.gen_id == gen_id:
                 del self.in_flight[tid]
                 self.reissue.append(t)
                 self.counts["hub/reissued_prompts"] += 1
-        if n := self.evals.requeue(gen_id):
-            self.counts["hub/reissued_eval_prompts"] += n
+        evals = self.evals.requeue(gen_id)
+        if evals:
+            self.counts["hub/reissued_eval_prompts"] += evals
         self.counts[f"hub/generator_lost/{why}"] += 1
+        self.lost[gen_id] = (gen.incarnation, why)
+        held = f"{len(slots)} groups" + (f" (slots {slots[0]}..{slots[-1]})" if slots else "") + f", {evals} eval prompts"
+        log.warning("generator %d (pid %d, incarnation %s) lost (%s): %s; it held %s, re-issued", gen_id, gen.pid,
+                    gen.incarnation, why, detail, held)
+        if self.on_lost is not None:
+            self.on_lost(gen_id, gen.incarnation, gen.pid, why, f"{detail}; it held {held}")
+        self.cv.notify_all()
 
     def _new_ticket(self) -> int:
         self.next_ticket += 1
@@ -467,6 +543,7 @@ class Hub:
         if work is None:
             return False
         gen.wanted = 0
+        gen.progress_at = time.monotonic()
         self.sock.send(gen.identity, work)
         return True
 
@@ -482,6 +559,7 @@ class Hub:
                 items.append(self._work_item(t))
             if items:
                 gen.wanted = 0  # one reply per request; the generator asks again when done
+                gen.progress_at = time.monotonic()  # its clock starts now, not when it asked
                 self.sock.send(
                     gen.identity,
                     M.Work(items=items, group_size=self.cfg.rollout.group_size, sampling=self.sampling, policy_version=self.version),

@@ -204,6 +204,62 @@ def read_generator_target(run_dir: str) -> GeneratorTarget | None:
                          f"`covrl-scale {run_dir} --gens N`") from None
 
 
+LOST_FILE = "generators_lost.jsonl"
+# A generator told by the hub that it was declared lost (it came back after its verdict) exits with this code: a
+# failure, so the launcher restarts it (if it has not stopped it already).
+EXIT_LOST = 65
+
+
+class LostGenerator(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One line of RUN_DIR/generators_lost.jsonl: the hub declared a generator incarnation lost (`Hub._lose`).
+
+    Appended by learner rank 0; followed by the launcher's supervisor, which stops the process group of the
+    generator it runs under that id if its pid is `pid` (and restarts it as a failed one). `why`: timeout, stuck,
+    weight_channel or restarted (`hub/generator_lost/<why>`)."""
+    gen_id: int
+    incarnation: str
+    pid: int
+    why: str
+    detail: str
+    t: float  # time.time() of the verdict
+
+
+def record_lost_generator(run_dir: str, lost: LostGenerator) -> None:
+    """Append one verdict: a single write of one line (O_APPEND), so a reader never sees half of one."""
+    fd = os.open(os.path.join(run_dir, LOST_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, msgspec.json.encode(lost) + b"\n")
+    finally:
+        os.close(fd)
+
+
+class LostGenerators:
+    """Follows RUN_DIR/generators_lost.jsonl: `new()` returns the verdicts appended since the last call (those
+    present when it was built are taken as seen: a resumed run's old verdicts name processes long gone)."""
+
+    def __init__(self, run_dir: str):
+        self.path = os.path.join(run_dir, LOST_FILE)
+        self.offset = os.path.getsize(self.path) if os.path.exists(self.path) else 0
+        self.damaged: list[str] = []  # lines that could not be read, for the caller to say and clear
+
+    def new(self) -> list[LostGenerator]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1  # a line still being written is read next time
+        self.offset += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                out.append(msgspec.json.decode(line, type=LostGenerator))
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:  # not ours: said by the caller, not fatal
+                self.damaged.append(f"{self.path}: a line that is not a verdict ({e}): {line[:120]!r}")
+        return out
+
+
 def read_run_config(run_dir: str):
     from common.config import load_config
 

@@ -22,6 +22,7 @@ from msgspec import Meta
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosFloat = Annotated[float, Meta(gt=0)]
+NonNegFloat = Annotated[float, Meta(ge=0)]
 Fraction01 = Annotated[float, Meta(ge=0, le=1)]
 
 
@@ -229,13 +230,38 @@ class LearnerConfig(_Section):
 
 
 class TransportConfig(_Section):
+    """Every wait on another process has one of these deadlines (README, "Which timeout governs what"). A generator
+    the hub declares lost (silent, stuck, or failing its weight channel) is dropped from the weight channels, its
+    work is re-issued, and the launcher stops its process group and restarts it (`broker/hub.py`, `Hub.lose`)."""
+
     host: str = "127.0.0.1"  # single-node runs stay on loopback
     hub_port: NonNegInt = 0  # 0: pick a free port
+    # A generator's request for work waits this long for the hub's reply, then asks again.
     recv_timeout_s: PosFloat = 30.0
-    # A generator silent for this long is presumed dead: its work is re-issued.
+    # A starting generator waits this long for the hub's Welcome (or Refused), then exits with an error.
+    welcome_timeout_s: PosFloat = 120.0
+    # A generator silent for this long (no heartbeat, no message: dead, frozen, cut off) is lost.
     generator_timeout_s: PosFloat = 120.0
     heartbeat_s: PosFloat = 2.0
+    # A generator that holds work and has returned nothing for this long is stuck, whatever its heartbeat says (a
+    # hung engine), and lost. 0: derived, max(generator_progress_floor_s, generator_progress_factor x the slowest
+    # reply seen in the run), a reply's time being from when the generator began to hold work, or from its previous
+    # reply, to this one.
+    generator_progress_timeout_s: NonNegFloat = 0.0
+    generator_progress_floor_s: PosFloat = 600.0
+    generator_progress_factor: PosFloat = 4.0
+    # Learner rank 0 waits this long on one generator's weight channel: its rendezvous after the Welcome, and each
+    # header and gloo bucket of a publish (a healthy generator's weight thread takes them at once). Missed: lost.
+    weight_send_timeout_s: PosFloat = 60.0
+    # Waits that span a learner step or a vLLM drain: a generator's wait for the weights its work names, its weight
+    # channel between versions, and each NCCL bucket into vLLM workers (which drain first in "finish" mode).
     weight_sync_timeout_s: PosFloat = 1800.0
+    # The learner waits this long for a step's batch, or for the generation its next publish waits on, then stops
+    # the run with the hub's account of what it was waiting for (the last checkpoint stays).
+    batch_timeout_s: PosFloat = 600.0
+    # Every collective among the learner ranks (DeepSpeed's, the step's bookkeeping, barriers). Rank 0 alone waits for
+    # the hub and the generators between two of them, so this must exceed batch_timeout_s, with room for a publish.
+    learner_timeout_s: PosFloat = 2400.0
 
 
 class GeneratorConfig(_Section):
@@ -253,6 +279,10 @@ class GeneratorConfig(_Section):
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.85  # of each generator GPU, for vLLM
     max_num_seqs: PosInt = 256  # requests vLLM batches at once
     enforce_eager: bool = False  # skip CUDA graphs (faster start, slower decode)
+    # vLLM: every call into the engine (start-up, one batch's generation, a weight update with its drain, a label)
+    # that has not returned within this raises, and the generator exits to be restarted: a wedged engine core is
+    # never waited on for ever. The hub's progress check (transport.generator_progress_timeout_s) usually acts first.
+    engine_timeout_s: PosFloat = 3600.0
     # vLLM: give each request its prompt's seed, so a re-issued prompt reproduces its samples under the same
     # weights, whatever else is batched with it. Free on vLLM 0.33's default model runner (V2: Gumbel noise keyed
     # on seed, position and token); the legacy runner (VLLM_USE_V2_MODEL_RUNNER=0) samples each seeded request
@@ -422,6 +452,11 @@ def check(cfg: Config) -> None:
     for path in d.train_files + d.eval_files:
         if not os.path.isfile(path):
             raise ConfigError(f"data file {path!r} does not exist (paths are relative to the directory you launch from)")
+    t = cfg.transport
+    if t.learner_timeout_s <= t.batch_timeout_s + t.weight_send_timeout_s:
+        raise ConfigError(f"transport.learner_timeout_s = {t.learner_timeout_s:g} must exceed batch_timeout_s + "
+                          f"weight_send_timeout_s ({t.batch_timeout_s:g} + {t.weight_send_timeout_s:g}): the other learner "
+                          f"ranks wait that long for rank 0 while it waits for the generators; raise it")
     if cfg.rollout.top_p < 1:
         # Decided for issue 13: the learner does not re-derive the nucleus. Both engines report pi_behav under the
         # nucleus they sampled from (renormalised over the top-p tokens; vLLM's processed_logprobs), the learner

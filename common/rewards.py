@@ -57,6 +57,7 @@ MAX_ANSWER_CHARS = 1000
 # A worker must import math_verify and warm it up within this time. Generous because the machine
 # may be busy (2 shared cores); exceeding it means the environment is broken, not that it is slow.
 _WORKER_START_TIMEOUT_S = 60.0
+KILL_REAP_S = 30.0  # a SIGKILLed worker is reaped within this (subprocess.TimeoutExpired past it: a bug to see)
 # Consecutive worker deaths before "ready" after which we stop respawning and raise instead.
 _MAX_START_FAILURES = 3
 
@@ -352,7 +353,7 @@ class _Worker:
     def kill(self) -> int:
         """SIGKILL this worker's own pid (no-op if it already exited), reap it, return the exit code."""
         self.proc.kill()
-        code = self.proc.wait()
+        code = self.proc.wait(timeout=KILL_REAP_S)  # SIGKILL cannot be caught: only a dead kernel would miss this
         self.proc.stdin.close()
         self.proc.stdout.close()
         return code

@@ -41,6 +41,9 @@ def hardware() -> dict:
             "platform": platform.platform()}
 
 
+FINISH_TIMEOUT_S = 120
+
+
 def open_wandb(cfg: Config, run_dir: str, run_id: str):
     """The W&B run of this covrl run, or None when `logging.wandb.project` is empty."""
     w = cfg.logging.wandb
@@ -48,8 +51,11 @@ def open_wandb(cfg: Config, run_dir: str, run_id: str):
         return None
     import wandb  # installed: config.check refuses logging.wandb.project without it
     config = {**msgspec.to_builtins(cfg), "covrl": {"git_revision": git_revision(), "hardware": hardware()}}
+    # finish() waits for the upload at most FINISH_TIMEOUT_S (W&B's default is for ever): what is not sent by then
+    # stays in RUN_DIR/wandb for `wandb sync`.
     run = wandb.init(project=w.project, entity=w.entity or None, name=w.name or os.path.basename(run_dir.rstrip("/")),
-                     id=run_id, resume="allow", dir=run_dir, mode=w.mode, config=config)
+                     id=run_id, resume="allow", dir=run_dir, mode=w.mode, config=config,
+                     settings=wandb.Settings(finish_timeout=FINISH_TIMEOUT_S))
     run.define_metric("step")
     run.define_metric("*", step_metric="step")
     return run

@@ -184,20 +184,39 @@ class WeightChannel:
         self.rank = rank
         self.world = world
 
-    def _bcast(self, t: torch.Tensor) -> None:
+    def _start(self, t: torch.Tensor) -> dist.Work:
+        """Begin a broadcast; it fails by itself once the channel's timeout has passed (gloo's own deadline, and
+        after one the pair is closed, so later operations fail at once)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([t], opts).wait()
+        return self.pg.broadcast([t], opts)
+
+    def _bcast(self, t: torch.Tensor) -> None:
+        self._start(t).wait()
+
+    # Root side. A `start_*` returns the operation without waiting, so learner rank 0 sends to every generator at
+    # once and decides for each when to stop waiting (`learner/publisher.py`: `Sends`); the tensor must stay
+    # untouched until the operation has completed or failed.
+
+    def start_header(self, version: int, lay: Layout, flags: int = 0) -> dist.Work:
+        return self._start(torch.tensor([version, lay.numel, lay.digest, flags], dtype=torch.int64))
+
+    def start_bucket(self, bucket: torch.Tensor) -> dist.Work:
+        """After a header without FLAG_DIRECT: one fp32 host bucket of `bucket_plan`, in order."""
+        return self._start(bucket)
 
     def send_header(self, version: int, lay: Layout, flags: int = 0) -> None:
-        self._bcast(torch.tensor([version, lay.numel, lay.digest, flags], dtype=torch.int64))
+        self.start_header(version, lay, flags).wait()
 
     def send_bucket(self, bucket: torch.Tensor) -> None:
-        """Root side, after a header without FLAG_DIRECT: one fp32 host bucket of `bucket_plan`, in order."""
-        self._bcast(bucket)
+        self.start_bucket(bucket).wait()
+
+    def start_stop(self) -> dist.Work:
+        """The stop header: the receiver's `receive_header` returns None and its weight thread ends."""
+        return self._start(torch.tensor([-1, 0, 0, FLAG_STOP], dtype=torch.int64))
 
     def stop(self) -> None:
-        self._bcast(torch.tensor([-1, 0, 0, FLAG_STOP], dtype=torch.int64))
+        self.start_stop().wait()
 
     def receive_header(self, lay: Layout) -> tuple[int, int] | None:
         """Receiver side: block for the next header -> (version, flags); None when the learner says stop."""

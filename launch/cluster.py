@@ -7,6 +7,9 @@ L learner ranks and G generators (`launch/roles.py`) on this machine (`launch/lo
 - a generator that exits with an error is restarted (3 retries, backoff 2, 4, 8 s); it rejoins with a weight
   channel of its own and catches up on the latest version. Under Ray, one whose node is lost is restarted by Ray
   on any node with room;
+- a generator the hub declared lost (silent, stuck, or failing its weight channel: RUN_DIR/generators_lost.jsonl)
+  is stopped, its whole process group, and restarted the same way: a frozen or hung process never holds up the
+  run, even though it has not exited;
 - the generator count follows RUN_DIR/generators.json (`covrl-scale RUN_DIR --gens N`, `launch/scale.py`): missing
   ids are started; ids beyond it are drained by the hub and leave (exit code EXIT_DRAINED);
 - a learner rank that fails stops the run; the last checkpoint stays intact, and `--resume RUN_DIR` continues
@@ -32,9 +35,9 @@ import uuid
 import msgspec
 
 from common.checkpoints import complete_checkpoints, latest_checkpoint
-from common.cluster import (EXIT_DRAINED, MEMORY_FRACTION_ENV, ClusterInfo, PlacementError, check_colocation,
-                            clear_learners_ready, colocated_memory_fractions, learners_ready, place_gpus, read_cluster,
-                            read_generator_target, write_cluster, write_generator_target)
+from common.cluster import (EXIT_DRAINED, MEMORY_FRACTION_ENV, ClusterInfo, LostGenerators, PlacementError,
+                            check_colocation, clear_learners_ready, colocated_memory_fractions, learners_ready,
+                            place_gpus, read_cluster, read_generator_target, write_cluster, write_generator_target)
 from common.config import ConfigError, load_config, to_toml, with_absolute_paths
 from common.cli import USER_ERRORS, fail
 from common.data import check_inputs, resolve_model
@@ -366,6 +369,8 @@ class Supervisor:
         self.target, self.revision = 0, None
         self.bad_target = ""
         self.unplaced = ""
+        self.lost = LostGenerators(run_dir)  # the hub's verdicts, followed
+        self.stopped: dict[str, str] = {}  # role -> why this supervisor stopped it (a verdict), said at its exit
 
     def roles(self) -> list[RoleSpec]:
         return [*self.learners, *self.gens.values()]
@@ -401,6 +406,20 @@ class Supervisor:
         else:
             self.unplaced = ""
 
+    def follow_verdicts(self) -> None:
+        """Stop the process group of every running generator the hub declared lost (matched by pid, so a verdict on
+        an incarnation already replaced stops nothing); its exit is then handled as any failure: a restart."""
+        for v in self.lost.new():
+            if v.why == "restarted":  # a new incarnation replaced it: nothing left to stop
+                continue
+            s = self.gens.get(v.gen_id)
+            if s is not None and s.running and self.backend.stop_lost(s, v.pid):
+                self.stopped[s.name] = f"the hub declared it lost ({v.why}: {v.detail})"
+                self.say(f"{s.name} (pid {v.pid}) is being stopped: {self.stopped[s.name]}")
+        for line in self.lost.damaged:
+            self.say(line)
+        self.lost.damaged.clear()
+
     def start_due(self) -> None:
         for s in self.roles():
             if not s.running and not s.done and due(s, self.run_dir):
@@ -410,6 +429,7 @@ class Supervisor:
     def poll(self) -> int | None:
         """One tick: follow the target, (re)start what is due, react to exits. The run's exit code once it ends."""
         self.follow_target()
+        self.follow_verdicts()
         self.start_due()
         for s in self.roles():
             if not s.running:
@@ -431,6 +451,7 @@ class Supervisor:
         return None
 
     def _exited(self, s: RoleSpec, code: int) -> int | None:
+        stopped = self.stopped.pop(s.name, None)  # killed on a verdict: say why rather than its log's last line
         if not s.is_generator:  # a learner rank: its failure ends the run
             if code != 0:
                 self.say(f"{s.name} {self.backend.describe(s, code)}; stopping the run: {log_cause(self.run_dir, s.name)}")
@@ -447,7 +468,7 @@ class Supervisor:
             s.restarts += 1
             delay = 2.0 ** s.restarts
             self.say(f"{s.name} {self.backend.describe(s, code)}; restart {s.restarts}/{s.max_restarts} in {delay:.0f}s: "
-                     f"{log_cause(self.run_dir, s.name)}")
+                     f"{stopped or log_cause(self.run_dir, s.name)}")
             s.next_start = time.monotonic() + delay
         else:
             self.say(f"{s.name} failed {s.restarts + 1} times ({self.backend.describe(s, code)}); stopping the run: "

@@ -46,6 +46,15 @@ class LocalBackend:
             _signal_group(p, signal.SIGKILL)  # whatever it left in its group (reward workers) goes with it
         return code
 
+    def stop_lost(self, spec: RoleSpec, pid: int) -> bool:
+        """The hub declared generator `spec` lost: SIGKILL its process group if its process is `pid` (a stopped,
+        frozen process dies too). False if this backend does not run that process (it was replaced already)."""
+        p = self.procs.get(spec.name)
+        if p is None or p.pid != pid or p.poll() is not None:
+            return False
+        _signal_group(p, signal.SIGKILL)
+        return True
+
     def describe(self, spec: RoleSpec, code: int) -> str:
         return f"exited with code {code}"
 

@@ -35,6 +35,7 @@ from launch.roles import GEN_MAX_RESTARTS, RoleSpec, base_env
 
 PLACEMENT_TIMEOUT_S = 120.0
 PLACEMENT_FILE = "placement.jsonl"
+STOP_ANSWER_S = 5.0  # how long the supervisor waits for a generator's actor to say it stopped a lost process
 NODE_LOST = -1  # poll's code for a role whose actor died for good (its node lost and no restart left)
 
 
@@ -73,6 +74,17 @@ class RoleActor:
         except ProcessLookupError:
             pass
         return code
+
+    def stop_child(self, pid: int) -> bool:
+        """SIGKILL the role's process group if its process is `pid` (the hub declared it lost); `run` then returns
+        its exit code. A stopped (frozen) process dies too: SIGKILL needs no cooperation."""
+        if self.proc is None or self.proc.pid != pid or self.proc.poll() is not None:
+            return False
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        return True
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -193,6 +205,20 @@ class RayBackend:
         except ray.exceptions.RayTaskError as e:
             print(f"\n{spec.name}: {e}", file=sys.stderr)
             return NODE_LOST
+
+    def stop_lost(self, spec: RoleSpec, pid: int) -> bool:
+        """The hub declared generator `spec` lost: its actor kills the process if it is `pid` (its node's pid space).
+        Waits at most STOP_ANSWER_S for the answer: an actor that does not answer in time (its node unreachable) is
+        taken to have been asked, and when its node is gone Ray restarts the actor anyway."""
+        if spec.name not in self.actors:
+            return False
+        ref = self.actors[spec.name][0].stop_child.remote(pid)
+        try:
+            return bool(ray.get(ref, timeout=STOP_ANSWER_S))
+        except ray.exceptions.GetTimeoutError:
+            return True
+        except ray.exceptions.RayError:  # the actor is dead or restarting: the process is gone with it
+            return False
 
     def describe(self, spec: RoleSpec, code: int) -> str:
         if code == NODE_LOST:

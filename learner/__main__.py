@@ -11,12 +11,14 @@ import logging
 import signal
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 
 from broker.hub import Hub
-from common.cluster import mark_learners_ready, read_cluster, read_generator_target, read_run_config
+from common.cluster import (LostGenerator, mark_learners_ready, read_cluster, read_generator_target, read_run_config,
+                            record_lost_generator)
 from common.config import eval_versions
 from common.data import PromptSource, eval_sets, model_dir
 from common.lifeline import watch_parent
@@ -49,7 +51,7 @@ def main() -> int:
     cluster = read_cluster(args.run_dir)
     thread_setup(cfg)
     torch.manual_seed(cfg.run.seed)
-    rank, world = init_distributed()
+    rank, world = init_distributed(timeout_s=cfg.transport.learner_timeout_s)
     path = model_dir(cfg)
     trainer = Trainer(cfg, path)
     start, resumed = 0, None
@@ -66,7 +68,8 @@ def main() -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(path)
         whost, wport = cluster.weight_addr.rsplit(":", 1)
-        channel = WeightPublisher(whost, int(wport), cfg.transport.weight_sync_timeout_s, device=trainer.device)
+        channel = WeightPublisher(whost, int(wport), cfg.transport.weight_sync_timeout_s, device=trainer.device,
+                                  send_timeout_s=cfg.transport.weight_send_timeout_s)
     publisher = ModelPublisher(trainer.module, zero3=zero3, channel=channel)
     role = lead(cfg, args, cluster, tokenizer, publisher, world, start, resumed) if rank == 0 else Follower(publisher)
     if resumed is not None:
@@ -119,10 +122,19 @@ def lead(cfg, args, cluster, tokenizer, publisher: ModelPublisher, world: int, s
     The hub binds cluster.json's hub_addr (the launcher's choice of this node's address), not transport.host."""
     host, port = cluster.hub_addr.rsplit(":", 1)
     source, evals = PromptSource(cfg, tokenizer), eval_sets(cfg, tokenizer) if cfg.eval.every_steps else None
+    channel = publisher.channel
+
+    def on_lost(gen_id: int, incarnation: str, pid: int, why: str, detail: str) -> None:
+        """The hub's verdict, followed by everyone: the weight channel goes at once, and the launcher stops the
+        process and restarts it (it follows RUN_DIR/generators_lost.jsonl)."""
+        channel.drop(gen_id, incarnation)
+        record_lost_generator(args.run_dir, LostGenerator(gen_id, incarnation, pid, why, detail, time.time()))
+
     hub = Hub(cfg, run_id=cluster.run_id, key=load_secret(args.run_dir), host=host, port=int(port),
               source=source, weight_addr=cluster.weight_addr,
               generators=GeneratorTargetReader(args.run_dir, cluster.generators), eval_prompts=evals,
-              on_join=publisher.channel.join, on_leave=publisher.channel.leave)
+              on_join=channel.join, on_leave=channel.leave, on_lost=on_lost)
+    channel.report = hub.lose  # a weight channel that fails or misses its deadline: the hub decides
     par = ParSchedule(cfg.learner.par, cfg.run.steps)
     # An evaluated version's row waits for its eval results; step 0's row is the base model's evaluation.
     held = {0: {}} if 0 in eval_versions(cfg) else {}

@@ -121,7 +121,7 @@ class Lead:
         self.rollouts = rollouts  # learner/rollout_log.py: the readable rollouts (None: not written)
         self.evaluated = set(eval_versions(cfg))
         self.held = held  # version -> its row, written once the version's eval results are in
-        self.wait_s = cfg.transport.generator_timeout_s * 5
+        self.wait_s = cfg.transport.batch_timeout_s
         self.extra: dict[str, float] = {}
         self.last = hub.stats()
         self.last_t = time.perf_counter()

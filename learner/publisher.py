@@ -5,12 +5,20 @@ channel (a rendezvous under the store prefix `W.pair_prefix(gen_id, incarnation)
 latest published version at once, and adds it to the broadcast list. So a restarted generator catches
 up before it generates, and it never trusts a version number it has not received (it starts from the
 base model, version 0, and waits for the version its work names). `publish` sends each bucket to every
-live channel and keeps a CPU copy of the latest version for late joiners (the model's size in host
-memory on rank 0). A channel whose peer is gone fails fast (its TCP connection is closed) and is dropped
-(`weights/dropped_channels`); the hub re-issues that generator's work. A generator the hub drained (the run was
-scaled down) leaves on purpose: `leave` marks its incarnation at once and a leave thread sends it the stop header
-and drops its channel (`weights/left_channels`); whoever finds such a channel gone (a publish, a join thread that
-was still in its rendezvous) counts it as left, never as a failure.
+live channel at once and keeps a CPU copy of the latest version for late joiners (the model's size in host
+memory on rank 0).
+
+Nothing here waits on a generator without a deadline (`Sends`): the rendezvous, every header and every gloo
+bucket get `transport.weight_send_timeout_s` (a healthy generator's weight thread takes them at once), an NCCL
+bucket `transport.weight_sync_timeout_s` (its vLLM workers drain first). A channel that fails or misses its
+deadline is dropped (`weights/dropped_channels`) and reported to the hub (`report`, wired to `Hub.lose`), the one
+owner of the decision that a generator is gone: the hub re-issues its work and tells the launcher to stop and
+restart its process. The hub's own verdicts (a generator silent or stuck) come back through `drop`, which takes
+effect at once, even in the middle of a publish: the learner stops waiting for that generator and goes on
+publishing to the others. A generator the hub drained (the run was scaled down) leaves on purpose: `leave` marks
+its incarnation at once and a leave thread sends it the stop header and drops its channel
+(`weights/left_channels`); whoever finds such a channel gone (a publish, a join thread that was still in its
+rendezvous) counts it as left, never as a failure.
 
 Every bucket is copied into `latest` (a host vector, pinned on a CUDA learner) and the gloo channels send
 that copy, never the caller's tensor: a CUDA learner's buckets are on its GPU, and the caller reuses one
@@ -21,8 +29,8 @@ rendezvous (`common/vllm_weights.py`). Its join thread only records that; the NC
 + the generator's tp workers) is built by the trainer thread at the start of the next `publish`, on the
 learner's device and between train steps, so it never races DeepSpeed's own collectives. Headers still go over
 gloo, flagged `W.FLAG_DIRECT`, and each bucket is broadcast over NCCL in the generator's dtype straight into its
-workers, on the sender's own stream and with a deadline (`NcclSender`): a generator that dies mid-transfer
-is dropped after `transport.weight_sync_timeout_s` instead of hanging the learner (`learner/nccl.py`).
+workers, on the sender's own stream and with a deadline (`NcclSender`), cut short when the hub declares the
+generator lost (`learner/nccl.py`).
 
 `ModelPublisher` (below) is the one publish path of every learner rank: it walks the module's buckets (a
 collective under ZeRO-3) and, on rank 0, hands them to this class.
@@ -35,6 +43,7 @@ import datetime
 import logging
 import threading
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -47,11 +56,75 @@ from learner.params import param_buckets, scratch_for
 
 log = logging.getLogger("covrl.publisher")
 
+LEFT, LOST = "left", "lost"  # why an incarnation is gone: drained on purpose, or declared lost by the hub
+
+
+class Sends:
+    """Gloo operations in flight to several generators at once, waited for together: each until it completes, its
+    deadline passes (`timeout_s`, the channel's own, so gloo fails it by itself too) or the hub declares its
+    generator lost (`gone`). An operation given up on is left to fail by itself on a thread of its own, which holds
+    the channel until then: a process group with an operation pending cannot be freed without waiting for it."""
+
+    def __init__(self, timeout_s: float, gone: Callable[[int], bool]):
+        self.deadline = time.monotonic() + timeout_s
+        self.timeout_s, self.gone = timeout_s, gone
+        self.ops: dict[int, tuple[W.WeightChannel, dist.Work]] = {}
+
+    def add(self, gen_id: int, ch: W.WeightChannel, start: Callable[[], dist.Work]) -> str | None:
+        """Begin one operation; the failure's description if it could not even begin."""
+        try:
+            self.ops[gen_id] = (ch, start())
+            return None
+        except RuntimeError as e:  # gloo: the pair is closed already
+            return f"weight channel failed: {e}"
+
+    def wait(self) -> dict[int, str]:
+        """Wait for every operation; returns {gen_id: why} for those that failed, missed the deadline or were
+        given up on."""
+        failed: dict[int, str] = {}
+        pending, pause = dict(self.ops), 2e-4
+        while pending:
+            for gen_id, (ch, work) in list(pending.items()):
+                if work.is_completed():
+                    del pending[gen_id]
+                    try:
+                        work.wait()
+                    except RuntimeError as e:  # gloo: the peer closed the connection, or the deadline passed
+                        failed[gen_id] = f"weight channel failed: {str(e)[:200]}"
+                elif self.gone(gen_id):
+                    del pending[gen_id]
+                    failed[gen_id] = LOST
+                    _abandon(ch, work)
+                elif time.monotonic() >= self.deadline:
+                    del pending[gen_id]
+                    failed[gen_id] = (f"a weight send was not taken within {self.timeout_s:.0f}s "
+                                      f"(transport.weight_send_timeout_s)")
+                    _abandon(ch, work)
+            if pending:
+                time.sleep(pause)
+                pause = min(pause * 2, 5e-3)
+        return failed
+
+
+def _abandon(ch: W.WeightChannel, work: dist.Work) -> None:
+    def hold(ch: W.WeightChannel, work: dist.Work) -> None:
+        try:
+            work.wait()  # fails at the channel's own deadline
+        except RuntimeError:
+            pass  # expected: the peer was given up on; what failed was logged when it was dropped
+        del ch  # the last reference: its process group is freed here, with nothing pending, not in the caller
+
+    threading.Thread(target=hold, args=(ch, work), name="abandoned-send", daemon=True).start()
+
 
 class WeightPublisher:
-    def __init__(self, host: str, port: int, timeout_s: float, device: torch.device | str = "cpu"):
-        """`device`: the learner's (rank 0's) device; NCCL senders to vLLM generators are built on it."""
+    def __init__(self, host: str, port: int, timeout_s: float, device: torch.device | str = "cpu", *,
+                 send_timeout_s: float | None = None):
+        """`timeout_s`: transport.weight_sync_timeout_s (the store, NCCL buckets); `send_timeout_s`:
+        transport.weight_send_timeout_s (each generator's rendezvous, headers and gloo buckets; default
+        `timeout_s`). `device`: the learner's (rank 0's) device; NCCL senders to vLLM generators are built on it."""
         self.host, self.port, self.timeout_s, self.device = host, port, timeout_s, torch.device(device)
+        self.send_timeout_s = timeout_s if send_timeout_s is None else send_timeout_s
         self.store = dist.TCPStore(host, port, None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
                                    wait_for_workers=False)
         self.lock = threading.Lock()  # channels, latest copy, and every send
@@ -64,10 +137,13 @@ class WeightPublisher:
         self.lay: W.Layout | None = None
         self.counters: collections.Counter[str] = collections.Counter()
         self._stopped = False
-        # Incarnations that left on purpose (`leave`). Their own lock, never held while waiting for anything, so the
-        # hub thread can mark one while a publish holds `lock`.
-        self.left: set[tuple[int, str]] = set()
-        self.left_lock = threading.Lock()
+        # (gen_id, incarnation) -> LEFT or LOST: incarnations gone for good (`leave`, `drop`). Their own lock, never
+        # held while waiting for anything, so the hub thread can mark one while a publish holds `lock`.
+        self.gone: dict[tuple[int, str], str] = {}
+        self.gone_lock = threading.Lock()
+        # (gen_id, incarnation, why): a channel that failed or missed its deadline. Wired to `Hub.lose`, which
+        # decides; called with `lock` held, so it must not block (the hub answers through `drop`).
+        self.report: Callable[[int, str, str], None] | None = None
 
     # ---- called from the hub thread --------------------------------------------------
 
@@ -78,25 +154,32 @@ class WeightPublisher:
     def _join(self, gen_id: int, incarnation: str) -> None:
         try:
             prefix = W.pair_prefix(gen_id, incarnation)
-            ch = W.WeightChannel(self.host, self.port, 0, 2, self.timeout_s, prefix=prefix, store=self.store)
-            store = dist.PrefixStore(prefix, self.store)
+            # A client of our own store with the send deadline, so this rendezvous waits no longer than that.
+            client = dist.TCPStore(self.host, self.port, None, is_master=False,
+                                   timeout=datetime.timedelta(seconds=self.send_timeout_s))
+            ch = W.WeightChannel(self.host, self.port, 0, 2, self.send_timeout_s, prefix=prefix, store=client)
+            store = dist.PrefixStore(prefix, client)
             # The announcement precedes the gloo rendezvous that just completed, so `check` cannot miss it.
             direct = store.check([VW.ANNOUNCE_KEY])
-        except Exception:  # noqa: BLE001 - a generator that died before its rendezvous: count, log, carry on
-            if self._has_left(gen_id, incarnation):
+        except Exception as e:  # noqa: BLE001 - a generator that died or hangs before its rendezvous: count, report
+            if self._gone(gen_id, incarnation) == LEFT:
                 log.info("generator %d (%s) was drained before its weight channel was built", gen_id, incarnation)
                 return
-            log.exception("generator %d (%s) never completed its weight-channel rendezvous", gen_id, incarnation)
+            log.warning("generator %d (%s) did not complete its weight-channel rendezvous within %.0fs: %s",
+                        gen_id, incarnation, self.send_timeout_s, str(e)[:200])
             with self.lock:
                 self.counters["weights/join_failures"] += 1
+                self._report(gen_id, incarnation, f"its weight-channel rendezvous failed within "
+                                                   f"{self.send_timeout_s:.0f}s (transport.weight_send_timeout_s)")
             return
         with self.lock:
             if self._stopped:
                 self._try(ch.stop)
                 return
-            if self._has_left(gen_id, incarnation):  # drained while this thread waited in the rendezvous
-                self._close(ch, None)
-                self.counters["weights/left_channels"] += 1
+            if (why := self._gone(gen_id, incarnation)) is not None:  # drained or lost while in the rendezvous
+                self.counters["weights/left_channels" if why == LEFT else "weights/dropped_channels"] += 1
+                if why == LEFT:
+                    self._close(ch, None)
                 return
             if direct:
                 self.pending_direct.append((gen_id, incarnation, ch, store))
@@ -109,36 +192,61 @@ class WeightPublisher:
         """This incarnation leaves on purpose (the hub drained it): stop its channel and drop it without counting a
         failure. Never blocks the caller (a publish may hold the lock): the mark is taken here, the close on a
         thread."""
-        with self.left_lock:
-            self.left.add((gen_id, incarnation))
-        threading.Thread(target=self._leave, args=(gen_id, incarnation), name=f"leave-gen{gen_id}", daemon=True).start()
+        self._mark(gen_id, incarnation, LEFT)
+        threading.Thread(target=self._remove, args=(gen_id, incarnation, LEFT), name=f"leave-gen{gen_id}",
+                         daemon=True).start()
 
-    def _leave(self, gen_id: int, incarnation: str) -> None:
+    def drop(self, gen_id: int, incarnation: str) -> None:
+        """The hub declared this incarnation lost: stop waiting for it at once (a publish in progress gives up on it
+        within milliseconds) and drop its channel. Never blocks the caller."""
+        self._mark(gen_id, incarnation, LOST)
+        threading.Thread(target=self._remove, args=(gen_id, incarnation, LOST), name=f"drop-gen{gen_id}",
+                         daemon=True).start()
+
+    def _mark(self, gen_id: int, incarnation: str, why: str) -> None:
+        with self.gone_lock:
+            self.gone.setdefault((gen_id, incarnation), why)
+
+    def _remove(self, gen_id: int, incarnation: str, why: str) -> None:
         with self.lock:
             entry = self.channels.get(gen_id)
             if entry is not None and entry[0] == incarnation:
                 del self.channels[gen_id]
-                self._close(entry[1], entry[2])
-                self.counters["weights/left_channels"] += 1
-                log.info("generator %d (%s) left: its weight channel is closed", gen_id, incarnation)
+                self._retire(gen_id, entry, why)
             for waiting in [p for p in self.pending_direct if p[:2] == (gen_id, incarnation)]:
                 self.pending_direct.remove(waiting)
-                self._close(waiting[2], None)
-                self.counters["weights/left_channels"] += 1
+                self._retire(gen_id, (incarnation, waiting[2], None), why)
 
-    def _has_left(self, gen_id: int, incarnation: str) -> bool:
-        with self.left_lock:
-            return (gen_id, incarnation) in self.left
+    def _retire(self, gen_id: int, entry, why: str) -> None:
+        """A channel removed from the lists (lock held): a leaving generator is told to stop (on its own thread,
+        with the send deadline); a lost one is not waited for at all."""
+        incarnation, ch, direct = entry
+        if why == LEFT:
+            self._close(ch, direct)
+            self.counters["weights/left_channels"] += 1
+            log.info("generator %d (%s) left: its weight channel is closed", gen_id, incarnation)
+            return
+        if direct is not None:
+            self._try(direct[0].close)  # its NCCL communicator (vLLM's destroy aborts it)
+        self.counters["weights/dropped_channels"] += 1
+        log.warning("generator %d (%s): weight channel dropped (%s)", gen_id, incarnation, why)
+
+    def _gone(self, gen_id: int, incarnation: str) -> str | None:
+        with self.gone_lock:
+            return self.gone.get((gen_id, incarnation))
+
+    def _report(self, gen_id: int, incarnation: str, why: str) -> None:
+        if self.report is not None and self._gone(gen_id, incarnation) is None:
+            self.report(gen_id, incarnation, why)
 
     def _admit(self, gen_id: int, incarnation: str, ch: W.WeightChannel, direct) -> None:
         """Catch a new channel up on the latest version and add it to the broadcast list (lock held)."""
         if self.latest is not None:  # catch up: the version everyone else holds
-            try:
-                self._send_latest(ch, direct)
-            except RuntimeError:
-                log.warning("generator %d (%s) left during its catch-up", gen_id, incarnation)
-                self.counters["weights/left_channels" if self._has_left(gen_id, incarnation) else
-                              "weights/dropped_channels"] += 1
+            failed = self._send({gen_id: (incarnation, ch, direct)}, self.latest_version, self.lay,
+                                ((self.latest[start:stop], self.latest[start:stop]) for *_, start, stop
+                                 in W.bucket_plan(self.lay)))
+            if failed:
+                self._fail(gen_id, (incarnation, ch, direct), failed[gen_id], "during its catch-up")
                 return
         self.channels[gen_id] = (incarnation, ch, direct)
         self.counters["weights/direct_channels"] += direct is not None
@@ -149,17 +257,17 @@ class WeightPublisher:
         """Build the NCCL group of every generator that announced one (trainer thread, lock held)."""
         pending, self.pending_direct = self.pending_direct, []
         for gen_id, incarnation, ch, store in pending:
-            if self._has_left(gen_id, incarnation):  # drained before its NCCL group was built (the leave thread waits)
-                self._close(ch, None)
-                self.counters["weights/left_channels"] += 1
+            if (why := self._gone(gen_id, incarnation)) is not None:  # gone before its NCCL group was built
+                self._retire(gen_id, (incarnation, ch, None), why)
                 continue
             try:
                 port = free_port(self.host)
-                world, dtype = VW.offer_address(store, self.host, port, self.timeout_s)
-                sender = N.NcclSender(self.host, port, world, self.device, self.timeout_s)  # waits for the workers
-            except Exception:  # noqa: BLE001 - a generator that died before its NCCL rendezvous: count, log, carry on
+                world, dtype = VW.offer_address(store, self.host, port, self.send_timeout_s)
+                sender = N.NcclSender(self.host, port, world, self.device, self.send_timeout_s)  # waits for the workers
+            except Exception as e:  # noqa: BLE001 - a generator that died before its NCCL rendezvous: count, report
                 log.exception("generator %d (%s) never completed its NCCL rendezvous", gen_id, incarnation)
                 self.counters["weights/join_failures"] += 1
+                self._report(gen_id, incarnation, f"its NCCL rendezvous failed: {str(e)[:200]}")
                 continue
             self._admit(gen_id, incarnation, ch, (sender, dtype))
 
@@ -174,39 +282,74 @@ class WeightPublisher:
             if self.latest is None:  # pinned on a CUDA learner: device-to-host copies run at full speed
                 self.latest = torch.empty(lay.numel, dtype=torch.float32, pin_memory=self.device.type == "cuda")
                 self.lay = lay
-            live = dict(self.channels)
-            # Headers first, so a dead peer is found before the buckets.
-            dead = {g for g, (_, ch, direct) in live.items()
-                    if not self._try(lambda: ch.send_header(version, lay, W.FLAG_DIRECT if direct else 0))}
-            for (first, end, _, _), (start, bucket) in zip(W.bucket_plan(lay), W.checked_buckets(lay, buckets)):
-                host = self.latest[start:start + bucket.numel()]
-                host.copy_(bucket)  # from the learner's device; gloo sends this host copy
-                acc.add(host, start)
-                for gen_id, (_, ch, direct) in live.items():
-                    source = host if direct is None else bucket  # NCCL sends straight from the learner's GPU
-                    if gen_id not in dead and not self._try(lambda: self._send_bucket(ch, direct, lay, first, end, source)):
-                        dead.add(gen_id)
-            for gen_id in dead:
+            live = {g: e for g, e in self.channels.items() if self._gone(g, e[0]) is None}
+
+            def copies():
+                for start, bucket in W.checked_buckets(lay, buckets):
+                    host = self.latest[start:start + bucket.numel()]
+                    host.copy_(bucket)  # from the learner's device; gloo sends this host copy
+                    acc.add(host, start)
+                    yield host, bucket  # NCCL sends straight from the learner's GPU
+
+            failed = self._send(live, version, lay, copies())
+            for gen_id, why in failed.items():
                 if self.channels.get(gen_id) == live[gen_id]:
                     del self.channels[gen_id]
-                if live[gen_id][2] is not None:  # its NCCL communicator too (vLLM's destroy aborts it)
-                    self._try(live[gen_id][2][0].close)
-                if self._has_left(gen_id, live[gen_id][0]):  # drained and gone before its leave thread got here
-                    self.counters["weights/left_channels"] += 1
-                    continue
-                self.counters["weights/dropped_channels"] += 1
-                log.warning("weight channel to generator %d failed: dropped (it rejoins when it restarts)", gen_id)
+                self._fail(gen_id, live[gen_id], why, f"at version {version}")
             self.latest_version = version
         return time.perf_counter() - t0, lay.numel * 4, acc.total
 
+    def _send(self, live: dict, version: int, lay: W.Layout, buckets) -> dict[int, str]:
+        """One version to every channel in `live`, at once: the headers, then each (host, device) bucket pair of the
+        plan. Returns {gen_id: why} for the channels that failed (lock held)."""
+        failed: dict[int, str] = {}
+
+        def gone(gen_id: int) -> bool:
+            return self._gone(gen_id, live[gen_id][0]) is not None
+
+        sends = Sends(self.send_timeout_s, gone)
+        for gen_id, (_, ch, direct) in live.items():
+            if why := sends.add(gen_id, ch, lambda: ch.start_header(version, lay, W.FLAG_DIRECT if direct else 0)):
+                failed[gen_id] = why
+        failed.update(sends.wait())  # headers first, so a dead peer is found before the buckets
+        for (first, end, _, _), (host, bucket) in zip(W.bucket_plan(lay), buckets, strict=True):
+            sends = Sends(self.send_timeout_s, gone)
+            for gen_id, (_, ch, direct) in live.items():
+                if gen_id not in failed and direct is None and (why := sends.add(gen_id, ch,
+                                                                                lambda: ch.start_bucket(host))):
+                    failed[gen_id] = why
+            for gen_id, (_, ch, direct) in live.items():  # NCCL senders one at a time, each with its deadline
+                if gen_id not in failed and direct is not None:
+                    try:
+                        direct[0].send_bucket(lay, first, end, bucket, direct[1], cancelled=lambda: gone(gen_id))
+                    except RuntimeError as e:  # N.NcclTimeout, or the hub's verdict
+                        failed[gen_id] = LOST if gone(gen_id) else str(e)[:300]
+            failed.update(sends.wait())
+        return failed
+
+    def _fail(self, gen_id: int, entry, why: str, when: str) -> None:
+        """A channel that failed, missed a deadline or was given up on (lock held): retired, and reported to the hub
+        unless the hub decided it (LOST) or it was leaving anyway (LEFT)."""
+        incarnation = entry[0]
+        gone = self._gone(gen_id, incarnation)
+        self._retire(gen_id, entry, LEFT if gone == LEFT else why if why != LOST else "declared lost by the hub")
+        if gone is None and why != LOST:
+            self._report(gen_id, incarnation, f"{why} ({when})")
+
     def stop(self) -> None:
+        """The run is over: every channel gets the stop header, at once, each with the send deadline."""
         with self.lock:
             self._stopped = True
-            for _, ch, direct in self.channels.values():
-                self._close(ch, direct)
+            entries = [(g, e[1], e[2]) for g, e in self.channels.items()]
+            entries += [(g, ch, None) for g, _, ch, _ in self.pending_direct]
+            sends = Sends(self.send_timeout_s, lambda g: False)
+            for gen_id, ch, _ in entries:
+                sends.add(gen_id, ch, ch.start_stop)
+            sends.wait()
+            for _, _, direct in entries:
+                if direct is not None:
+                    self._try(direct[0].close)
             self.channels.clear()
-            for _, _, ch, _ in self.pending_direct:
-                self._try(ch.stop)
             self.pending_direct.clear()
 
     def counter_values(self) -> dict[str, float]:
@@ -223,23 +366,11 @@ class WeightPublisher:
             self._try(direct[0].close)
 
     @staticmethod
-    def _send_bucket(ch: W.WeightChannel, direct, lay: W.Layout, first: int, end: int, bucket: torch.Tensor) -> None:
-        if direct is None:
-            ch.send_bucket(bucket)
-        else:
-            direct[0].send_bucket(lay, first, end, bucket, direct[1])
-
-    def _send_latest(self, ch: W.WeightChannel, direct=None) -> None:
-        ch.send_header(self.latest_version, self.lay, W.FLAG_DIRECT if direct else 0)
-        for first, end, start, stop in W.bucket_plan(self.lay):
-            self._send_bucket(ch, direct, self.lay, first, end, self.latest[start:stop])
-
-    @staticmethod
     def _try(op) -> bool:
         try:
             op()
             return True
-        except RuntimeError:  # gloo: the peer closed the connection; NCCL: N.NcclTimeout
+        except RuntimeError:  # gloo: the peer closed the connection or the deadline passed; NCCL: N.NcclTimeout
             return False
 
 

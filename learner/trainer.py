@@ -25,6 +25,7 @@ config). We disable the first and pass our own torch AdamW, so nothing compiles.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import time
@@ -50,8 +51,9 @@ def _quiet_deepspeed():
     return deepspeed
 
 
-def init_distributed() -> tuple[int, int]:
-    """torch.distributed from the standard env (RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_RANK).
+def init_distributed(timeout_s: float = 2400.0) -> tuple[int, int]:
+    """torch.distributed from the standard env (RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_RANK); every collective
+    and the rendezvous wait at most `timeout_s` (transport.learner_timeout_s).
 
     CPU: gloo. GPU: NCCL for CUDA tensors (DeepSpeed's gradient and parameter collectives) and gloo
     for CPU tensors: the step's bookkeeping (batch broadcast, metric sums, global top-k) stays on the
@@ -65,7 +67,8 @@ def init_distributed() -> tuple[int, int]:
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
+                               timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 

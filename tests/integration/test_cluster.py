@@ -286,7 +286,8 @@ def test_killed_generator_is_restarted_and_rejoins(tmp_path):
     rows = read_metrics(str(run))
     assert [r["step"] for r in rows] == list(range(1, 11)) and killed_after < 10
     last = rows[-1]
-    assert last["hub/generator_lost/restarted"] == 1 and last["weights/joins"] == 3
+    # Lost once: as `weight_channel` when a publish reached the dead peer first, else `restarted` at the new hello.
+    assert sum(v for k, v in last.items() if k.startswith("hub/generator_lost/")) == 1 and last["weights/joins"] == 3
     # The ledger: every issued prompt was trained once or is still accounted for; none lost, none trained twice.
     assert all(r["hub/lost_prompts"] == 0 and r["hub/duplicate_trained_prompts"] == 0 for r in rows)
     learner_sums = {int(r["weights/version"]): r["weights/checksum"] for r in rows}

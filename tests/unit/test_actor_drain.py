@@ -18,15 +18,19 @@ from learner.publisher import WeightPublisher
 KEY = b"d" * 32
 
 
+def _config():
+    return load_config(None, ["data.train_size=64", "rollout.groups_per_step=2", "rollout.group_size=2",
+                              "rollout.max_new_tokens=8", "rollout.max_staleness_steps=0", "eval.every_steps=0",
+                              "learner.filter.dynamic_sampling=false", "transport.recv_timeout_s=1",
+                              "transport.heartbeat_s=0.5", "transport.weight_sync_timeout_s=30"])
+
+
 def test_a_generator_scaled_away_delivers_its_groups_then_exits_0(tiny_model_dir, caplog):
     from transformers import AutoTokenizer
 
     caplog.set_level(logging.INFO, logger="covrl.actor")
     # Staleness 0: version 0 issues exactly one step's groups, all to this generator.
-    cfg = load_config(None, ["data.train_size=64", "rollout.groups_per_step=2", "rollout.group_size=2",
-                             "rollout.max_new_tokens=8", "rollout.max_staleness_steps=0", "eval.every_steps=0",
-                             "learner.filter.dynamic_sampling=false", "transport.recv_timeout_s=1",
-                             "transport.heartbeat_s=0.5", "transport.weight_sync_timeout_s=30"])
+    cfg = _config()
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     wport = free_port()
     pub = WeightPublisher("127.0.0.1", wport, 30)
@@ -59,6 +63,46 @@ def test_a_generator_scaled_away_delivers_its_groups_then_exits_0(tiny_model_dir
         assert c.get("hub/rejected/unknown_generator", 0) == 0
         assert wait_until(lambda: pub.counter_values().get("weights/left_channels") == 1, 10, 0.01)
         assert pub.channels == {} and "weights/dropped_channels" not in pub.counter_values()
+    finally:
+        hub.stop()
+        pub.stop()
+        gen.join(10)
+
+
+def test_a_generator_declared_lost_while_it_runs_is_told_to_stop_and_exits_lost(tiny_model_dir, caplog):
+    """The hub gives up on a live generator (here: its weight channel was reported failed): its weight channel is
+    dropped at once, the groups it then delivers are refused (re-issued, never trained twice), and its next request
+    gets Stop("lost: ..."), on which it exits EXIT_LOST, a failure the launcher restarts."""
+    from transformers import AutoTokenizer
+
+    from common.cluster import EXIT_LOST
+
+    caplog.set_level(logging.INFO, logger="covrl.actor")
+    cfg = _config()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    wport = free_port()
+    pub = WeightPublisher("127.0.0.1", wport, 30)
+    hub = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, source=PromptSource(cfg, tok),
+              weight_addr=f"127.0.0.1:{wport}", generators=lambda: 2, on_join=pub.join,
+              on_lost=lambda gen_id, inc, *_: pub.drop(gen_id, inc))
+    hub.start()
+    engine = TorchEngine(tiny_model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    exit_code = []
+    gen = threading.Thread(target=lambda: exit_code.append(run_actor(
+        cfg, engine=engine, tokenizer=tok, hub_addr=hub.sock.address, key=KEY, run_id="run1", gen_id=1,
+        run_dir=None)))
+    try:
+        gen.start()
+        assert wait_until(lambda: 1 in pub.channels, 30, 0.01), "the generator never joined its weight channel"
+        with hub.cv:
+            incarnation = hub.gens[1].incarnation
+        hub.lose(1, incarnation, "its weight channel failed (test)")
+        gen.join(30)
+        assert exit_code == [EXIT_LOST] and "the hub declared this incarnation lost: weight_channel" in caplog.text
+        assert wait_until(lambda: 1 not in pub.channels, 10, 0.01)
+        c = hub.stats().counters
+        assert c["hub/generator_lost/weight_channel"] == 1 and c["hub/lost_prompts"] == 0
+        assert pub.counter_values()["weights/dropped_channels"] == 1
     finally:
         hub.stop()
         pub.stop()

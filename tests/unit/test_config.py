@@ -32,6 +32,9 @@ def test_defaults_roundtrip_through_toml(tmp_path):
     ("data.train_files=['x.jsonl']", "set data.task = \"files\""),
     ("data.eval_files=['/no/such/file.jsonl']", "does not exist"),
     ("learner.importance.geo_lo=1.5", "geo_lo (1.5) below geo_hi"),
+    ("transport.learner_timeout_s=600", "transport.learner_timeout_s = 600 must exceed batch_timeout_s + "
+                                        "weight_send_timeout_s (600 + 60)"),
+    ("transport.generator_progress_timeout_s=-1", "at `transport.generator_progress_timeout_s`"),
 ])
 def test_bad_values_name_the_field(override, needle):
     with pytest.raises(ConfigError) as e:

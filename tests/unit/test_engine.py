@@ -358,7 +358,7 @@ def test_an_engine_that_receives_directly_joins_and_loads_through_the_same_inter
         def __init__(self, host, port, world_size, device, timeout_s):
             pass
 
-        def send_bucket(self, lay, first, end, bucket, dtype):
+        def send_bucket(self, lay, first, end, bucket, dtype, cancelled=None):
             return 0
 
         def close(self):

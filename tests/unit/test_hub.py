@@ -455,3 +455,130 @@ def test_the_learners_target_reader_follows_generators_json_and_keeps_the_last_g
     assert read() == 5 and "covrl-scale RUN_DIR --gens N" in caplog.text
     (tmp_path / "generators.json").write_text('{"generators": 2, "revision": 7}')
     assert read() == 2
+
+
+@contextlib.contextmanager
+def _verdict_hub(tiny_model_dir, *extra):
+    """A hub whose verdicts are recorded; yields (hub, the on_lost calls)."""
+    from transformers import AutoTokenizer
+
+    cfg = load_config(None, ["data.train_size=64", "rollout.groups_per_step=2", "rollout.group_size=2",
+                             "rollout.max_staleness_steps=2", "learner.filter.dynamic_sampling=false",
+                             "eval.every_steps=0", "transport.generator_timeout_s=30", *extra])
+    lost = []
+    h = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, weight_addr="127.0.0.1:1",
+            source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)), generators=lambda: 2,
+            on_lost=lambda *v: lost.append(v))
+    h.start()
+    try:
+        yield h, lost
+    finally:
+        h.stop()
+
+
+class _Heartbeat:
+    """A generator's heartbeat thread on its own socket, reporting `version` as received: alive whatever its main
+    loop does."""
+
+    def __init__(self, address, gen_id=0, inc="a"):
+        import threading
+
+        self.version, self.stop = 0, threading.Event()
+        self.sock = GeneratorSocket(address, KEY)
+        self.thread = threading.Thread(target=self._run, args=(gen_id, inc), daemon=True)
+        self.thread.start()
+
+    def _run(self, gen_id, inc):
+        while not self.stop.wait(0.1):
+            self.sock.send(M.Heartbeat(gen_id=gen_id, incarnation=inc, weight_version=self.version))
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close()
+
+
+def _wait_lost(lost, n, timeout_s) -> float:
+    t0 = time.monotonic()
+    while len(lost) < n and time.monotonic() - t0 < timeout_s:
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def test_a_generator_holding_work_that_returns_nothing_is_stuck_whatever_its_heartbeat(tiny_model_dir):
+    """Its heartbeat lives, its main loop sends nothing: lost as `stuck` once the progress limit passes, not before,
+    and not while its heartbeat says it still waits for the weights its work names (the learner's delay, not its
+    fault). Its work is re-issued with the same slots, and when it comes back it is told to stop."""
+    with _verdict_hub(tiny_model_dir, "transport.generator_progress_timeout_s=1") as (hub, lost):
+        a = GeneratorSocket(hub.sock.address, KEY)
+        beat = _Heartbeat(hub.sock.address)
+        try:
+            assert isinstance(_hello(a), M.Welcome)
+            hub.set_version(1)  # the learner moved on: work is now issued at version 1
+            a.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
+            held = a.recv(5.0)
+            assert [it.ticket for it in held.items] == [0, 1] and held.policy_version == 1
+            time.sleep(2.5)  # 2.5 x the limit, but its heartbeat says it has version 0 only: waiting for weights
+            assert lost == [], "a generator waiting for the weights its work needs was declared stuck"
+            beat.version = 1  # the weights arrived; from here its silence is its own
+            waited = _wait_lost(lost, 1, 10)
+            # The clock restarts at the last check that saw it waiting (every 0.25 s), before its heartbeat said
+            # otherwise: so 0.75 s at the earliest.
+            assert len(lost) == 1 and 0.7 <= waited < 2.5, f"declared after {waited:.2f}s with a 1 s limit"
+            gen_id, inc, pid, why, detail = lost[0]
+            assert (gen_id, inc, pid, why) == (0, "a", 1, "stuck") and "held 2 groups (slots 0..1)" in detail
+            c = hub.stats().counters
+            assert c["hub/generator_lost/stuck"] == 1 and c["hub/reissued_prompts"] == 2
+            a.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=2))  # unwedged: it must not go on
+            stop = a.recv(5.0)
+            assert isinstance(stop, M.Stop) and stop.reason == "lost: stuck"
+            b = GeneratorSocket(hub.sock.address, KEY)
+            assert isinstance(_hello(b, gen_id=1, inc="b"), M.Welcome)
+            b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
+            again = b.recv(5.0)
+            assert sorted(it.prompt_id for it in again.items) == sorted(it.prompt_id for it in held.items)
+            for it in held.items:  # the lost incarnation's late results are refused, never trained
+                a.send(_result(it, version=1))
+            for it in again.items:
+                b.send(_result(it, gen_id=1, inc="b", version=1))
+            batch = hub.take_batch(1, timeout_s=5)
+            assert [r.slot for r in batch] == [0, 1] and all(r.group.gen_id == 1 for r in batch)
+            c = hub.stats().counters
+            assert c["hub/lost_prompts"] == 0 and c.get("hub/duplicate_trained_prompts", 0) == 0
+            assert c["hub/rejected/unknown_generator"] >= 2
+            b.close()
+        finally:
+            beat.close()
+            a.close()
+
+
+def test_the_derived_progress_limit_follows_the_slowest_reply_above_its_floor(tiny_model_dir):
+    with _verdict_hub(tiny_model_dir, "transport.generator_progress_floor_s=0.5",
+                      "transport.generator_progress_factor=4") as (hub, lost):
+        assert hub.progress_limit_s() == 0.5  # nothing measured yet: the floor
+        a = GeneratorSocket(hub.sock.address, KEY)
+        assert isinstance(_hello(a), M.Welcome)
+        a.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
+        work = a.recv(5.0)
+        time.sleep(0.3)
+        for it in work.items:
+            a.send(_result(it))
+        hub.take_batch(0, timeout_s=5)
+        assert 4 * 0.3 <= hub.progress_limit_s() < 4 * 0.3 + 1.0 and lost == []
+        a.close()
+
+
+def test_a_failed_weight_channel_is_the_hubs_verdict_and_a_stale_report_is_ignored(tiny_model_dir):
+    with _verdict_hub(tiny_model_dir) as (hub, lost):
+        a = GeneratorSocket(hub.sock.address, KEY)
+        assert isinstance(_hello(a), M.Welcome)
+        a.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
+        assert isinstance(a.recv(5.0), M.Work)
+        hub.lose(0, "older", "a report about an incarnation already replaced")
+        assert lost == []
+        hub.lose(0, "a", "a weight send was not taken within 60s")
+        assert [(v[0], v[1], v[3]) for v in lost] == [(0, "a", "weight_channel")]
+        hub.lose(0, "a", "the same channel again")  # decided once
+        c = hub.stats().counters
+        assert len(lost) == 1 and c["hub/generator_lost/weight_channel"] == 1 and c["hub/reissued_prompts"] == 2
+        a.close()

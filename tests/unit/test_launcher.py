@@ -82,7 +82,14 @@ class Backend:
     """Records what the supervisor asks of a backend; `exits` are the codes its roles end with, by name."""
 
     def __init__(self):
-        self.started, self.released, self.exits = [], [], {}
+        self.started, self.released, self.exits, self.stopped = [], [], {}, []
+        self.pids = {}  # role -> the pid of the process this backend runs for it
+
+    def stop_lost(self, s, pid):
+        if self.pids.get(s.name) != pid:
+            return False
+        self.stopped.append((s.name, pid))
+        return True
 
     def start(self, s):
         self.started.append(s.name)
@@ -212,3 +219,33 @@ def test_a_failed_role_is_said_in_one_line_from_its_log(tmp_path):
                                    "2026 gen0 INFO covrl.actor: closing\n")
     assert log_cause(str(tmp_path), "gen0").startswith("2026 gen0 ERROR covrl.actor: hub refused us")
     assert log_cause(str(tmp_path), "gen1").startswith("its log ") and "is missing" in log_cause(str(tmp_path), "gen1")
+
+
+def test_a_generator_the_hub_declared_lost_is_stopped_and_restarted(tmp_path, capsys):
+    """The hub's verdicts (RUN_DIR/generators_lost.jsonl) are followed: the running process of that id is stopped if
+    its pid matches, and its exit is a failure, restarted with the verdict as the reason. A verdict on a pid this
+    launcher does not run, on a replaced incarnation, or from before the launcher started stops nothing."""
+    import time
+
+    from common.cluster import LostGenerator, record_lost_generator
+
+    run = str(tmp_path)
+    write_generator_target(run, 2)
+    record_lost_generator(run, LostGenerator(1, "old", 4242, "timeout", "from the run this one resumes", time.time()))
+    sup, backend = _supervisor(run)
+    assert sup.poll() is None and backend.started == ["learner0", "gen0", "gen1"]
+    backend.pids = {"gen0": 100, "gen1": 4242}
+    assert sup.poll() is None and backend.stopped == []  # the verdict before the start names a process long gone
+    record_lost_generator(run, LostGenerator(0, "a", 999, "stuck", "a pid this launcher does not run", time.time()))
+    record_lost_generator(run, LostGenerator(1, "b", 4242, "restarted", "a new incarnation said hello", time.time()))
+    with open(tmp_path / "generators_lost.jsonl", "a") as f:
+        f.write("not a verdict\n")
+    record_lost_generator(run, LostGenerator(1, "c", 4242, "stuck", "its main loop has sent nothing for 9.0s",
+                                             time.time()))
+    assert sup.poll() is None and backend.stopped == [("gen1", 4242)]
+    err = capsys.readouterr().err
+    assert "gen1 (pid 4242) is being stopped: the hub declared it lost (stuck: its main loop" in err
+    assert "not a verdict" in err  # a damaged line is said, not fatal
+    backend.exits["gen1"] = -9
+    assert sup.poll() is None and sup.gens[1].restarts == 1 and not sup.gens[1].running
+    assert "gen1 exited with code -9; restart 1/3 in 2s: the hub declared it lost (stuck" in capsys.readouterr().err

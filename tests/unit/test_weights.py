@@ -263,7 +263,7 @@ class _RecordingSender:
         self.device, self.thread, self.sent = device, threading.current_thread().name, []
         type(self).built.append(self)
 
-    def send_bucket(self, lay, first, end, bucket, dtype):
+    def send_bucket(self, lay, first, end, bucket, dtype, cancelled=None):
         if getattr(type(self), "fail", False):
             from learner.nccl import NcclTimeout
 
@@ -430,3 +430,95 @@ def test_the_gpu_checks_learner_role_publishes_a_model_directory_through_the_pub
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# A generator whose weight thread stops reading: it joins its channel, then freezes itself (SIGSTOP), as a process
+# swapped out, a stalled node or a wedged receiver would look to the learner. A real process, a real gloo pair.
+_FROZEN_PEER = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+from common import weights as W
+ch = W.WeightChannel("127.0.0.1", {port}, 1, 2, 60, prefix=W.pair_prefix(1, "frozen"))
+print("joined", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+BIG = W.Layout(("w",), ((8 << 20,),))  # 32 MiB of fp32 per version: more than loopback's socket buffers hold
+
+
+def _healthy_and_frozen(port: int, got: list):
+    """Generator 0 in a thread, receiving every version; generator 1 a process that joins and freezes."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    def receiver():
+        ch = W.WeightChannel("127.0.0.1", port, 1, 2, 60, prefix=W.pair_prefix(0, "ok"))
+        while (r := ch.receive(BIG)) is not None:
+            got.append((r[0], r[2]))
+
+    t = threading.Thread(target=receiver, daemon=True)
+    t.start()
+    frozen = subprocess.Popen([sys.executable, "-c", _FROZEN_PEER.format(repo=REPO, port=port)],
+                              stdout=subprocess.PIPE, text=True)
+    return t, frozen
+
+
+def _frozen_setup(send_timeout_s: float):
+    from learner.publisher import WeightPublisher
+
+    port = free_port()
+    pub = WeightPublisher("127.0.0.1", port, 600, send_timeout_s=send_timeout_s)
+    reports = []
+    pub.report = lambda *a: reports.append(a)
+    got = []
+    t, frozen = _healthy_and_frozen(port, got)
+    pub.join(0, "ok")
+    pub.join(1, "frozen")
+    assert frozen.stdout.readline().strip() == "joined"
+    assert wait_until(lambda: len(pub.channels) == 2, 30, 0.01)
+    flat = torch.arange(BIG.numel, dtype=torch.float32)
+    return pub, reports, got, t, frozen, flat
+
+
+def test_a_weight_send_to_a_peer_that_stops_reading_returns_within_its_deadline():
+    """Generator 1 stops reading (frozen): the publish gives up on it at `send_timeout_s`, not the 600 s of the
+    channel's sync timeout, reports it to whoever decides (the hub), and the healthy generator gets every version
+    with the learner's checksum, including the next one, which no longer waits for the frozen peer."""
+    pub, reports, got, t, frozen, flat = _frozen_setup(send_timeout_s=3)
+    try:
+        t0 = time.monotonic()
+        _, _, sum1 = pub.publish(1, BIG, iter([flat]))
+        took = time.monotonic() - t0
+        assert 3 <= took < 3 + 5, f"the publish took {took:.1f}s with a 3 s send deadline"
+        assert 1 not in pub.channels and pub.counter_values()["weights/dropped_channels"] == 1
+        assert [(g, inc) for g, inc, _ in reports] == [(1, "frozen")] and "weight_send_timeout_s" in reports[0][2]
+        t0 = time.monotonic()
+        _, _, sum2 = pub.publish(2, BIG, iter([flat + 1]))
+        assert time.monotonic() - t0 < 2.5  # the frozen peer is gone from the broadcast list
+        pub.stop()
+        t.join(30)
+        assert got == [(1, sum1), (2, sum2)] and sum1 == W.checksum(flat, BIG)
+    finally:
+        frozen.kill()
+        frozen.wait()
+
+
+def test_the_hubs_verdict_cuts_a_publish_short_and_is_not_reported_back():
+    """The hub declares the frozen generator lost (`drop`) one second into a publish whose send deadline is 60 s:
+    the publish stops waiting for it at once and finishes for the healthy generator; the publisher does not report
+    the hub's own decision back to it."""
+    pub, reports, got, t, frozen, flat = _frozen_setup(send_timeout_s=60)
+    try:
+        threading.Timer(1.0, pub.drop, args=(1, "frozen")).start()
+        t0 = time.monotonic()
+        _, _, total = pub.publish(1, BIG, iter([flat]))
+        assert time.monotonic() - t0 < 1.0 + 3
+        assert 1 not in pub.channels and reports == []
+        assert pub.counter_values()["weights/dropped_channels"] == 1
+        pub.stop()
+        t.join(30)
+        assert got == [(1, total)]
+    finally:
+        frozen.kill()
+        frozen.wait()

@@ -1,0 +1,11 @@
+"""Benchmark: the hub under load for a minute (tests/integration/test_hub_load.py's run and checks, 60 s instead of
+make test's 20 s). Its report is the README's reliability figure for 32 generators against one hub."""
+
+from __future__ import annotations
+
+from tests.bench.common import record
+from tests.integration.test_hub_load import run_load
+
+
+def test_thirty_two_generators_for_a_minute(tiny_model_dir, tmp_path):
+    record("hub_load", run_load(tiny_model_dir, tmp_path, 60.0))
