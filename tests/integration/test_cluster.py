@@ -129,44 +129,19 @@ def _port():
     return free_port()
 
 
-def test_sigterm_stops_every_process_it_started(tmp_path):
-    """docs/DESIGN.md section 2: Ctrl-C / SIGTERM stops everything the launcher started, and nothing else."""
+def test_sigterm_stops_every_process_it_started_and_tensorboard_serves_the_run(tmp_path):
+    """docs/DESIGN.md section 2: Ctrl-C / SIGTERM stops everything the launcher started, and nothing else;
+    `--tensorboard` serves the run's scalars while it trains, and is stopped with it (one of the processes the
+    launcher started), printing the command that reopens it."""
     import signal
+    import time
+    import urllib.request
 
     import psutil
 
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     run = tmp_path / "term"
-    p = start(run, "--gens", "2", "--learners", "2", "--steps", "500", *SMALL)
-    try:
-        wait_for_steps(run, 1)
-        family = psutil.Process(p.pid).children(recursive=True)
-        assert len(family) >= 4  # 2 learners + 2 generators (+ their reward workers)
-        at_signal = len(read_metrics(str(run)))
-        p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 130 and "stopping every process" in err
-        # Graceful: the learners finished their step and wrote a checkpoint before anything was stopped.
-        (step, path), = complete_checkpoints(str(run))
-        assert step >= at_signal and f"checkpoint of step {step} written" in (run / "logs" / "learner0.log").read_text()
-        assert f"continue with --resume {run}" in out
-        gone, alive = psutil.wait_procs(family, timeout=10)
-        assert not alive, f"orphans left: {[a.pid for a in alive]}"
-        assert bystander.poll() is None  # a process it did not start is untouched
-    finally:
-        if p.poll() is None:
-            p.kill()
-        bystander.kill()
-
-
-def test_tensorboard_flag_serves_the_run(tmp_path):
-    import time
-    import urllib.request
-
-    run = tmp_path / "tb"
-    p = subprocess.Popen([sys.executable, os.path.join(REPO, "launch", "cluster.py"), "--run-dir", str(run), "--quiet",
-                          "--tensorboard", "--steps", "20", *SMALL], cwd=REPO, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = start(run, "--gens", "2", "--learners", "2", "--steps", "500", "--tensorboard", *SMALL)
     try:
         first = p.stdout.readline()
         assert first.startswith("TensorBoard: http://127.0.0.1:"), first
@@ -179,13 +154,26 @@ def test_tensorboard_flag_serves_the_run(tmp_path):
                 pass
             time.sleep(1)
         assert "actor/entropy" in tags and "critic/score/mean" in tags
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0
+        wait_for_steps(run, 1)
+        family = psutil.Process(p.pid).children(recursive=True)
+        assert len(family) >= 5  # 2 learners + 2 generators + TensorBoard (+ reward workers)
+        at_signal = len(read_metrics(str(run)))
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 130 and "stopping every process" in err
         # Not at a terminal: TensorBoard is stopped with the run, and the command that reopens it is printed.
         assert "TensorBoard stopped; reopen it with: " in out and f"--logdir {run}/tb" in out
+        # Graceful: the learners finished their step and wrote a checkpoint before anything was stopped.
+        (step, path), = complete_checkpoints(str(run))
+        assert step >= at_signal and f"checkpoint of step {step} written" in (run / "logs" / "learner0.log").read_text()
+        assert f"continue with --resume {run}" in out
+        gone, alive = psutil.wait_procs(family, timeout=10)
+        assert not alive, f"orphans left: {[a.pid for a in alive]}"
+        assert bystander.poll() is None  # a process it did not start is untouched
     finally:
         if p.poll() is None:
             p.kill()
+        bystander.kill()
 
 
 def test_a_run_explains_itself_and_a_finished_run_is_not_restarted(tmp_path):
