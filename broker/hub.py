@@ -144,9 +144,10 @@ class Hub:
         self._target_read_at = time.monotonic()
         self.on_join = on_join  # (gen_id, incarnation) -> None: builds that incarnation's weight channel
         self.on_leave = on_leave  # (gen_id, incarnation) -> None: a drained incarnation's channel goes, not a failure
-        self.drained: dict[int, str] = {}  # gen_id -> its last drained incarnation, whose late frames are expected
+        # (gen_id, incarnation) -> the Stop reason it was given: drained or lost incarnations, whose late heartbeats
+        # are expected and whose late requests get that Stop again (a few per run: restarts and drains are bounded).
+        self.ended: dict[tuple[int, str], str] = {}
         self.on_lost = on_lost  # (gen_id, incarnation, pid, why, detail) -> None: the verdict, for everyone else
-        self.lost: dict[int, tuple[str, str]] = {}  # gen_id -> (its last lost incarnation, why): told to stop
         self.slowest_reply_s = 0.0  # the longest a generator's main loop took to answer work (the progress limit)
         self._checked_at = 0.0
         self.rules = GroupRules.of(cfg)
@@ -354,14 +355,12 @@ class Hub:
             return
         gen = self.gens.get(msg.gen_id)
         if gen is None or gen.incarnation != msg.incarnation:
-            if self.drained.get(msg.gen_id) == msg.incarnation and isinstance(msg, (M.WorkRequest, M.Heartbeat)):
-                if isinstance(msg, M.WorkRequest):  # it asked before our Stop reached it: say it again
-                    self.sock.send(identity, M.Stop(reason="drained"))
-                return
-            lost = self.lost.get(msg.gen_id)
-            if lost is not None and lost[0] == msg.incarnation and isinstance(msg, (M.WorkRequest, M.Heartbeat)):
-                if isinstance(msg, M.WorkRequest):  # it came back (resumed, unwedged): it must not go on
-                    self.sock.send(identity, M.Stop(reason=f"lost: {lost[1]}"))
+            stop = self.ended.get((msg.gen_id, msg.incarnation))
+            if stop is not None and isinstance(msg, (M.WorkRequest, M.Heartbeat)):
+                # A drained one asked before our Stop reached it; a lost one came back (resumed, unwedged) and must
+                # not go on: say it again.
+                if isinstance(msg, M.WorkRequest):
+                    self.sock.send(identity, M.Stop(reason=stop))
                 return
             self.counts["hub/rejected/unknown_generator"] += 1
             return
@@ -503,7 +502,7 @@ class Hub:
             if any(t.gen_id == gen_id for t in self.in_flight.values()) or self.evals.holds(gen_id):
                 continue  # it delivers what it holds first (or times out, and the work is re-issued)
             gen = self.gens.pop(gen_id)
-            self.drained[gen_id] = gen.incarnation
+            self.ended[(gen_id, gen.incarnation)] = "drained"
             if self.on_leave is not None:  # before the Stop: the channel's end is then never taken for a failure
                 self.on_leave(gen_id, gen.incarnation)
             self.sock.send(gen.identity, M.Stop(reason="drained"))
@@ -525,7 +524,7 @@ class Hub:
         if evals:
             self.counts["hub/reissued_eval_prompts"] += evals
         self.counts[f"hub/generator_lost/{why}"] += 1
-        self.lost[gen_id] = (gen.incarnation, why)
+        self.ended[(gen_id, gen.incarnation)] = f"lost: {why}"
         held = f"{len(slots)} groups" + (f" (slots {slots[0]}..{slots[-1]})" if slots else "") + f", {evals} eval prompts"
         log.warning("generator %d (pid %d, incarnation %s) lost (%s): %s; it held %s, re-issued", gen_id, gen.pid,
                     gen.incarnation, why, detail, held)

@@ -162,7 +162,7 @@ def pair_prefix(gen_id: int, incarnation: str) -> str:
 class WeightChannel:
     """A gloo group whose rank 0 (learner rank 0) broadcasts versions to ranks 1.. (generators).
 
-    The sending side is driven by `learner/publisher.py` (`send_header`, then each bucket, then `stop`); the
+    The sending side is driven by `learner/publisher.py` (`start_header`, then each bucket, then `start_stop`); the
     receiving side by the generator's weight thread (`receive_header`, `receive_buckets`, or `receive`).
 
     `prefix` names a group inside a shared store, so each generator incarnation can get a two-member
@@ -207,9 +207,6 @@ class WeightChannel:
 
     def send_header(self, version: int, lay: Layout, flags: int = 0) -> None:
         self.start_header(version, lay, flags).wait()
-
-    def send_bucket(self, bucket: torch.Tensor) -> None:
-        self.start_bucket(bucket).wait()
 
     def start_stop(self) -> dist.Work:
         """The stop header: the receiver's `receive_header` returns None and its weight thread ends."""

@@ -10,6 +10,7 @@ Nothing here imports vLLM or touches CUDA at import time; the learner needs vLLM
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -108,8 +109,6 @@ def _within(timeout_s: float, device: torch.device, op):
     """`op()` on a helper thread with `device` current, waited for at most `timeout_s` (NCCL's set-up and teardown
     have no deadline of their own). The caller's thread is blocked meanwhile, so nothing else runs on the learner's
     device; past the deadline the helper is abandoned (it holds only this group) and `NcclTimeout` raised."""
-    import threading
-
     box: dict = {}
 
     def run() -> None:

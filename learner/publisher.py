@@ -177,9 +177,7 @@ class WeightPublisher:
                 self._try(ch.stop)
                 return
             if (why := self._gone(gen_id, incarnation)) is not None:  # drained or lost while in the rendezvous
-                self.counters["weights/left_channels" if why == LEFT else "weights/dropped_channels"] += 1
-                if why == LEFT:
-                    self._close(ch, None)
+                self._retire(gen_id, (incarnation, ch, None), why)
                 return
             if direct:
                 self.pending_direct.append((gen_id, incarnation, ch, store))
@@ -229,7 +227,8 @@ class WeightPublisher:
         if direct is not None:
             self._try(direct[0].close)  # its NCCL communicator (vLLM's destroy aborts it)
         self.counters["weights/dropped_channels"] += 1
-        log.warning("generator %d (%s): weight channel dropped (%s)", gen_id, incarnation, why)
+        log.warning("generator %d (%s): weight channel dropped (%s)", gen_id, incarnation,
+                    "declared lost by the hub" if why == LOST else why)
 
     def _gone(self, gen_id: int, incarnation: str) -> str | None:
         with self.gone_lock:
@@ -332,8 +331,11 @@ class WeightPublisher:
         unless the hub decided it (LOST) or it was leaving anyway (LEFT)."""
         incarnation = entry[0]
         gone = self._gone(gen_id, incarnation)
-        self._retire(gen_id, entry, LEFT if gone == LEFT else why if why != LOST else "declared lost by the hub")
-        if gone is None and why != LOST:
+        if gone == LEFT or why == LOST:
+            self._retire(gen_id, entry, gone or LOST)
+            return
+        self._retire(gen_id, entry, why)
+        if gone is None:
             self._report(gen_id, incarnation, f"{why} ({when})")
 
     def stop(self) -> None:

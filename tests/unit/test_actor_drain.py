@@ -1,7 +1,9 @@
-"""A real generator (`run_actor`, torch engine on the tiny model, real reward pool) scaled away while it runs: a
-real hub and a real weight publisher on loopback. Its groups are trained, it exits EXIT_DRAINED saying it was drained, and
-its weight channel is closed as a leave, not a failure."""
+"""A real generator (`run_actor`, torch engine on the tiny model, real reward pool) against a real hub and weight
+publisher on loopback: scaled away while it runs, its groups are trained, it exits EXIT_DRAINED saying it was
+drained, and its weight channel is closed as a leave, not a failure; declared lost while it runs, it is told to stop
+and exits EXIT_LOST, its channel dropped."""
 
+import contextlib
 import logging
 import threading
 
@@ -25,19 +27,20 @@ def _config():
                               "transport.heartbeat_s=0.5", "transport.weight_sync_timeout_s=30"])
 
 
-def test_a_generator_scaled_away_delivers_its_groups_then_exits_0(tiny_model_dir, caplog):
+@contextlib.contextmanager
+def _generator_and_hub(tiny_model_dir, generators, wiring):
+    """A real hub and weight publisher on loopback, and generator 1 (`run_actor`, torch engine, real reward pool) in
+    a thread. `wiring(pub)`: the hub's callbacks into the publisher. Yields (hub, pub, the generator's exit codes,
+    its thread)."""
     from transformers import AutoTokenizer
 
-    caplog.set_level(logging.INFO, logger="covrl.actor")
-    # Staleness 0: version 0 issues exactly one step's groups, all to this generator.
+    # Staleness 0: version 0 issues exactly one step's groups.
     cfg = _config()
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     wport = free_port()
     pub = WeightPublisher("127.0.0.1", wport, 30)
-    target = [2]
     hub = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, source=PromptSource(cfg, tok),
-              weight_addr=f"127.0.0.1:{wport}", generators=lambda: target[0], on_join=pub.join, on_leave=pub.leave,
-              target_poll_s=0.05)
+              weight_addr=f"127.0.0.1:{wport}", generators=generators, target_poll_s=0.05, **wiring(pub))
     hub.start()
     engine = TorchEngine(tiny_model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     exit_code = []
@@ -46,7 +49,18 @@ def test_a_generator_scaled_away_delivers_its_groups_then_exits_0(tiny_model_dir
         run_dir=None)))
     try:
         gen.start()
+        yield hub, pub, exit_code, gen
+    finally:
+        hub.stop()
+        pub.stop()
+        gen.join(10)
 
+
+def test_a_generator_scaled_away_delivers_its_groups_then_exits_0(tiny_model_dir, caplog):
+    caplog.set_level(logging.INFO, logger="covrl.actor")
+    target = [2]
+    with _generator_and_hub(tiny_model_dir, lambda: target[0],
+                            lambda pub: dict(on_join=pub.join, on_leave=pub.leave)) as (hub, pub, exit_code, gen):
         def issued() -> bool:
             with hub.cv:
                 return hub.slots == 2
@@ -63,36 +77,17 @@ def test_a_generator_scaled_away_delivers_its_groups_then_exits_0(tiny_model_dir
         assert c.get("hub/rejected/unknown_generator", 0) == 0
         assert wait_until(lambda: pub.counter_values().get("weights/left_channels") == 1, 10, 0.01)
         assert pub.channels == {} and "weights/dropped_channels" not in pub.counter_values()
-    finally:
-        hub.stop()
-        pub.stop()
-        gen.join(10)
 
 
 def test_a_generator_declared_lost_while_it_runs_is_told_to_stop_and_exits_lost(tiny_model_dir, caplog):
     """The hub gives up on a live generator (here: its weight channel was reported failed): its weight channel is
     dropped at once, the groups it then delivers are refused (re-issued, never trained twice), and its next request
     gets Stop("lost: ..."), on which it exits EXIT_LOST, a failure the launcher restarts."""
-    from transformers import AutoTokenizer
-
     from common.cluster import EXIT_LOST
 
     caplog.set_level(logging.INFO, logger="covrl.actor")
-    cfg = _config()
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    wport = free_port()
-    pub = WeightPublisher("127.0.0.1", wport, 30)
-    hub = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, source=PromptSource(cfg, tok),
-              weight_addr=f"127.0.0.1:{wport}", generators=lambda: 2, on_join=pub.join,
-              on_lost=lambda gen_id, inc, *_: pub.drop(gen_id, inc))
-    hub.start()
-    engine = TorchEngine(tiny_model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    exit_code = []
-    gen = threading.Thread(target=lambda: exit_code.append(run_actor(
-        cfg, engine=engine, tokenizer=tok, hub_addr=hub.sock.address, key=KEY, run_id="run1", gen_id=1,
-        run_dir=None)))
-    try:
-        gen.start()
+    wiring = lambda pub: dict(on_join=pub.join, on_lost=lambda gen_id, inc, *_: pub.drop(gen_id, inc))  # noqa: E731
+    with _generator_and_hub(tiny_model_dir, lambda: 2, wiring) as (hub, pub, exit_code, gen):
         assert wait_until(lambda: 1 in pub.channels, 30, 0.01), "the generator never joined its weight channel"
         with hub.cv:
             incarnation = hub.gens[1].incarnation
@@ -103,7 +98,3 @@ def test_a_generator_declared_lost_while_it_runs_is_told_to_stop_and_exits_lost(
         c = hub.stats().counters
         assert c["hub/generator_lost/weight_channel"] == 1 and c["hub/lost_prompts"] == 0
         assert pub.counter_values()["weights/dropped_channels"] == 1
-    finally:
-        hub.stop()
-        pub.stop()
-        gen.join(10)

@@ -206,7 +206,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
        "(set in __init__)" for func, call in (
            ("WeightChannel._bcast", "self._start(t).wait()"),
            ("WeightChannel.send_header", "self.start_header(version, lay, flags).wait()"),
-           ("WeightChannel.send_bucket", "self.start_bucket(bucket).wait()"),
            ("WeightChannel.stop", "self.start_stop().wait()"))},
     ("common/weights.py", "WeightChannel.receive", "self.receive_header(lay)"): GLOO_PAIR,
     ("common/weights.py", "WeightChannel.receive", "self.receive_buckets(lay, out)"): GLOO_PAIR + ", per bucket",
