@@ -10,7 +10,7 @@ import torch
 
 from actors.actor import run_actor
 from actors.factory import load_engine
-from common.cluster import read_cluster, read_run_config
+from common.runfiles import read_cluster, read_run_config
 from common.data import model_dir
 from common.lifeline import watch_parent
 from common.transport import load_secret

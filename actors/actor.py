@@ -38,7 +38,7 @@ import torch
 
 from common import messages as M
 from common import weights as W
-from common.cluster import EXIT_DRAINED, EXIT_LOST
+from common.runfiles import EXIT_DRAINED, EXIT_LOST
 from common.config import Config
 from common.rewards import RewardPool
 from common.transport import GeneratorSocket

@@ -13,7 +13,7 @@ import os
 import torch
 
 from actors.engine import TorchEngine, stop_token_ids
-from common.cluster import apply_memory_fraction
+from common.runfiles import apply_memory_fraction
 
 log = logging.getLogger("covrl.engine")
 

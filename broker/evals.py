@@ -16,7 +16,7 @@ from typing import Callable
 from common import messages as M
 from common.config import Config, eval_versions
 from common.data import Prompt
-from common.evaluation import eval_item, eval_metrics, eval_params, eval_room
+from common.heldout import eval_item, eval_metrics, eval_params, eval_room
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from common.cluster import PlacementError
+from common.runfiles import PlacementError
 from common.config import ConfigError
 from common.datasets import DatasetError
 

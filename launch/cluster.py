@@ -34,8 +34,8 @@ import uuid
 
 import msgspec
 
-from common.checkpoints import complete_checkpoints, latest_checkpoint
-from common.cluster import (EXIT_DRAINED, MEMORY_FRACTION_ENV, ClusterInfo, LostGenerators, PlacementError,
+from common.checkpoint_dirs import complete_checkpoints, latest_checkpoint
+from common.runfiles import (EXIT_DRAINED, MEMORY_FRACTION_ENV, ClusterInfo, LostGenerators, PlacementError,
                             check_colocation, clear_learners_ready, colocated_memory_fractions, learners_ready,
                             place_gpus, read_cluster, read_generator_target, write_cluster, write_generator_target)
 from common.config import ConfigError, load_config, to_toml, with_absolute_paths

@@ -2,7 +2,7 @@
 
     covrl-evaluate --model DIR [--config FILE] [--set key=value ...] [--data FILE ...] [--out FILE]
 
-Runs `python -m actors.evaluate` (a generator's engine and scoring, in its own process: launch/
+Runs `python -m actors.eval_model` (a generator's engine and scoring, in its own process: launch/
 starts roles, it does not import them) with the same arguments. For the same model, data, config
 and seed the numbers equal those the in-training evaluation logged: pass the run's config
 (`--config RUN_DIR/config.toml`) to evaluate a checkpoint exactly as training did.
@@ -20,7 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.call([sys.executable, "-m", "actors.evaluate", *argv], env=env)  # paths stay relative to the caller
+    return subprocess.call([sys.executable, "-m", "actors.eval_model", *argv], env=env)  # paths stay relative to the caller
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ limit cuts the ZeRO-3 repeat first), each timed, each with its log in `--out` (`
               evaluation. Checks: exit code 0; metrics.jsonl holds steps 1..24 once each; for every version the
               generator received, the checksum it logged (RUN_DIR/generators/gen0.jsonl) equals the learner's
               `weights/checksum` of that step, exactly, and every version 1..24 was received; a complete
-              checkpoint of step 24 exists (common/checkpoints.py); logs/learner0.log's "learner: ZeRO-" line
+              checkpoint of step 24 exists (common/checkpoint_dirs.py); logs/learner0.log's "learner: ZeRO-" line
               names ZeRO-1, bf16 True and a cuda device. Then interrupt and resume: a fresh run to 12 steps
               (checkpoint every 6), then `cluster.py --resume RUN --steps 24 --gpus 1`: it must resume from
               step 12 and end at 24 with steps 1..24 once each, and the resumed generator's checksums (version 12
@@ -427,7 +427,7 @@ def preflight(args, scale: Scale) -> tuple[dict, list[str]]:
     if {"z1", "z3", "vllm-run"} & set(args.stages) and scale.gpus:
         if facts["device_count"] < scale.gpus:
             fail(f"the cluster stages need {scale.gpus} GPU(s); torch sees {facts['device_count']}")
-        from common.cluster import PlacementError, check_colocation, place_gpus
+        from common.runfiles import PlacementError, check_colocation, place_gpus
         from common.config import load_config
 
         try:
@@ -785,7 +785,7 @@ def full_run(ctx, name: str, zero: int, steps: int, ckpt_every: int, engine: str
     chk("generator checksums equal the learner's for every version it received", rep["checked"] > 0 and not bad,
         f"{rep['checked']} equal" + (f"; {len(bad)} differ: {bad[:3]}" if bad else ""))
     chk(f"the generator received every version 1..{steps}", not missing, f"missing {missing}" if missing else "")
-    from common.checkpoints import complete_checkpoints
+    from common.checkpoint_dirs import complete_checkpoints
 
     ckpts = complete_checkpoints(run)
     chk(f"a complete checkpoint of step {steps} exists", any(st == steps for st, _ in ckpts),
@@ -808,7 +808,7 @@ def stage_zero(ctx, zero: int, resume: bool) -> dict:
     figures["full_run"] = full_run(ctx, f"z{zero}", zero, s.steps, s.ckpt_every)
     if not resume:
         return figures
-    from common.checkpoints import complete_checkpoints
+    from common.checkpoint_dirs import complete_checkpoints
 
     # 2. Interrupt and resume: a run to resume_first steps, then --resume to the full length.
     rrun = os.path.join(args.work, f"z{zero}r")

@@ -29,7 +29,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from common.cluster import PlacementError
+from common.runfiles import PlacementError
 from common.lifeline import LIFELINE_ENV
 from launch.roles import GEN_MAX_RESTARTS, RoleSpec, base_env
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from common.cluster import ClusterInfo
+from common.runfiles import ClusterInfo
 
 GEN_MAX_RESTARTS = 3
 

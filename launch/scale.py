@@ -1,6 +1,6 @@
 """`covrl-scale RUN_DIR --gens N` (also `python launch/scale.py`): change the generator count of a running run.
 
-Writes RUN_DIR/generators.json (`common.cluster.GeneratorTarget`), which the run's launcher and hub follow, with
+Writes RUN_DIR/generators.json (`common.runfiles.GeneratorTarget`), which the run's launcher and hub follow, with
 or without Ray:
 - more generators: the launcher starts the missing ids; each joins the hub, is sent the latest weights and gets
   work like any other;
@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from common.cluster import read_cluster, read_generator_target, write_generator_target
+from common.runfiles import read_cluster, read_generator_target, write_generator_target
 from common.metrics import read_metrics
 
 

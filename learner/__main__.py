@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from broker.hub import Hub
-from common.cluster import (LostGenerator, mark_learners_ready, read_cluster, read_generator_target, read_run_config,
+from common.runfiles import (LostGenerator, mark_learners_ready, read_cluster, read_generator_target, read_run_config,
                             record_lost_generator)
 from common.config import eval_versions
 from common.data import PromptSource, eval_sets, model_dir

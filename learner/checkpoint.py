@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.checkpoints import DS_TAG, STATE_FILE, complete_checkpoints, latest_checkpoint  # noqa: F401 (re-exported)
+from common.checkpoint_dirs import DS_TAG, STATE_FILE, complete_checkpoints, latest_checkpoint  # noqa: F401 (re-exported)
 
 log = logging.getLogger("covrl.checkpoint")
 

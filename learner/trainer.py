@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from common.cluster import apply_memory_fraction
+from common.runfiles import apply_memory_fraction
 from common.config import Config
 from learner.batch import StepBatch, pack
 from learner.logprobs import install_token_forward

@@ -15,7 +15,7 @@ import torch
 from torch.testing import assert_close
 
 from actors.engine import TorchEngine, gumbel_noise, row_seeds, stop_token_ids
-from common.cluster import apply_memory_fraction
+from common.runfiles import apply_memory_fraction
 from common import weights as W
 from common.messages import SamplingParams
 

@@ -17,7 +17,7 @@ from actors.actor import rollout
 from actors.engine import CpuEngine
 from common import messages as M
 from common import weights as W
-from common.cluster import read_run_config
+from common.runfiles import read_run_config
 from common.data import PromptSource, model_dir
 from common.rewards import RewardPool
 from common.seeds import prompt_seed

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from common.checkpoints import complete_checkpoints
+from common.checkpoint_dirs import complete_checkpoints
 from common.metrics import read_metrics
 from tests.conftest import BASE_MODEL, REPO
 

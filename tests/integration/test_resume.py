@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.checkpoints import complete_checkpoints
+from common.checkpoint_dirs import complete_checkpoints
 from common.metrics import read_metrics
 from tests.conftest import REPO
 from tests.integration.test_cluster import EVAL, VOLATILE, launch, start

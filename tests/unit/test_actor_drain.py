@@ -10,7 +10,7 @@ import threading
 from actors.actor import run_actor
 from actors.engine import TorchEngine
 from broker.hub import Hub
-from common.cluster import EXIT_DRAINED
+from common.runfiles import EXIT_DRAINED
 from common.config import load_config
 from common.data import PromptSource
 from common.transport import free_port
@@ -83,7 +83,7 @@ def test_a_generator_declared_lost_while_it_runs_is_told_to_stop_and_exits_lost(
     """The hub gives up on a live generator (here: its weight channel was reported failed): its weight channel is
     dropped at once, the groups it then delivers are refused (re-issued, never trained twice), and its next request
     gets Stop("lost: ..."), on which it exits EXIT_LOST, a failure the launcher restarts."""
-    from common.cluster import EXIT_LOST
+    from common.runfiles import EXIT_LOST
 
     caplog.set_level(logging.INFO, logger="covrl.actor")
     wiring = lambda pub: dict(on_join=pub.join, on_lost=lambda gen_id, inc, *_: pub.drop(gen_id, inc))  # noqa: E731

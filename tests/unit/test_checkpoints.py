@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from common.checkpoints import complete_checkpoints, latest_checkpoint
+from common.checkpoint_dirs import complete_checkpoints, latest_checkpoint
 from common.metrics import keep_metrics, read_metrics
 from launch import cluster
 

@@ -442,7 +442,7 @@ def test_a_draining_generator_finishes_its_eval_prompts_before_it_is_stopped(tin
 
 
 def test_the_learners_target_reader_follows_generators_json_and_keeps_the_last_good_value(tmp_path, caplog):
-    from common.cluster import write_generator_target
+    from common.runfiles import write_generator_target
     from learner.__main__ import GeneratorTargetReader
 
     read = GeneratorTargetReader(str(tmp_path), default=3)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from common.cluster import EXIT_DRAINED, ClusterInfo, read_generator_target, write_cluster, write_generator_target
+from common.runfiles import EXIT_DRAINED, ClusterInfo, read_generator_target, write_cluster, write_generator_target
 from common.config import Config, ConfigError, load_config, to_toml
 from launch import cluster as launcher
 from launch import scale
@@ -182,7 +182,7 @@ def test_print_config_prints_the_resolved_config_and_writes_nothing(tmp_path, ca
 
 
 def test_resume_of_a_finished_run_starts_nothing_and_says_how_to_continue(tmp_path, capsys):
-    from common.checkpoints import DS_TAG, STATE_FILE
+    from common.checkpoint_dirs import DS_TAG, STATE_FILE
 
     run = str(tmp_path)
     (tmp_path / "config.toml").write_text(to_toml(load_config(None, ["run.steps=3"])))
@@ -227,7 +227,7 @@ def test_a_generator_the_hub_declared_lost_is_stopped_and_restarted(tmp_path, ca
     launcher does not run, on a replaced incarnation, or from before the launcher started stops nothing."""
     import time
 
-    from common.cluster import LostGenerator, record_lost_generator
+    from common.runfiles import LostGenerator, record_lost_generator
 
     run = str(tmp_path)
     write_generator_target(run, 2)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from common.cluster import (MEMORY_FRACTION_ENV, ClusterInfo, Placement, PlacementError, apply_memory_fraction,
+from common.runfiles import (MEMORY_FRACTION_ENV, ClusterInfo, Placement, PlacementError, apply_memory_fraction,
                             check_colocation, colocated_memory_fractions, place_gpus)
 from common.config import Config, GeneratorConfig
 
@@ -119,7 +119,7 @@ def test_colocated_generators_start_after_the_learners_are_built(tmp_path):
     """vLLM fails at start-up if another process frees GPU memory while it measures it: a generator that shares a
     GPU with a learner rank waits for RUN_DIR/learners.ready (written by learner rank 0 after every rank's engine
     is built); generators on GPUs of their own, and CPU runs, start at once."""
-    from common.cluster import READY_FILE, clear_learners_ready, mark_learners_ready
+    from common.runfiles import READY_FILE, clear_learners_ready, mark_learners_ready
     from launch.cluster import due, role_specs
 
     info = ClusterInfo(run_id="r", hub_addr="127.0.0.1:1", weight_addr="127.0.0.1:2", generators=1, learners=1)

@@ -1,9 +1,9 @@
 """Standalone evaluation of one model directory, with the generator's own code path.
 
-    python -m actors.evaluate --model DIR [--config FILE] [--set key=value ...] [--data FILE ...] [--out FILE]
+    python -m actors.eval_model --model DIR [--config FILE] [--set key=value ...] [--data FILE ...] [--out FILE]
 
 (`launch/evaluate.py` runs this.) It builds the same EvalWork chunks the hub issues during training
-(`common.evaluation`), runs them through `actors.actor.evaluate` on the same engine, and computes the
+(`common.heldout`), runs them through `actors.actor.evaluate` on the same engine, and computes the
 metrics with the same function: for the same model, data, config and seed it reports what the
 in-training evaluation of that model reported. `--data` replaces `data.eval_files`; without it the
 configured eval sets are used (the built-in `arith_easy` / `arith_hard` by default).
@@ -26,7 +26,7 @@ from common.cli import USER_ERRORS, fail
 from common.config import load_config
 from common.data import check_model_dir, eval_sets, resolve_model
 from common.datasets import DatasetError
-from common.evaluation import eval_item, eval_metrics, eval_params, eval_room
+from common.heldout import eval_item, eval_metrics, eval_params, eval_room
 
 
 def run(cfg, model: str, sets: dict) -> dict[str, float]:
@@ -50,7 +50,7 @@ def run(cfg, model: str, sets: dict) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m actors.evaluate", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m actors.eval_model", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="Hugging Face model directory (a checkpoint: RUN_DIR/checkpoints/step_N) or Hub id org/name[@revision]")
     ap.add_argument("--config", help="TOML config, e.g. RUN_DIR/config.toml to match a run's evaluation")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
