@@ -89,15 +89,22 @@ def _parquet_rows(path: str) -> Iterator[tuple[int, dict]]:
         if "prompt" not in columns:
             raise DatasetError(f"{path}: no column prompt (columns: {', '.join(columns) or 'none'}); the layout needs "
                                f"prompt and reward_model.ground_truth (or answer), see covrl-prepare-data")
-        i = 0
-        try:
-            for batch in pf.iter_batches(batch_size=1024):
-                for row in batch.to_pylist():
-                    yield i, row
-                    i += 1
-        except pa.ArrowException as e:
-            raise DatasetError(f"{path}: row {i} onwards cannot be read ({str(e).splitlines()[0]}); the file is "
-                               f"damaged: write it again") from None
+        yield from _parquet_batches(pf, path)
+
+
+def _parquet_batches(pf, path: str) -> Iterator[tuple[int, dict]]:
+    """The rows of an open parquet file, numbered; a damaged batch is refused with the row it starts at."""
+    import pyarrow as pa
+
+    n = 0  # rows read so far
+    try:
+        for batch in pf.iter_batches(batch_size=1024):
+            rows = batch.to_pylist()
+            yield from zip(range(n, n + len(rows)), rows)
+            n += len(rows)
+    except pa.ArrowException as e:
+        raise DatasetError(f"{path}: row {n} onwards cannot be read ({str(e).splitlines()[0]}); the file is "
+                           f"damaged: write it again") from None
 
 
 def _answer(row: dict, where: str) -> str:

@@ -2,7 +2,7 @@
 
 Both cut each held-out set into the same chunks, give each prompt the same seed and sampling
 parameters, and compute the metrics with the same function, so the two report the same numbers for
-the same model, data and seed (issue 5, acceptance 3; tested).
+the same model, data and seed (tests/integration/test_files_and_evaluate.py).
 
 Per data source: temperature `eval.temperatures[source]` or `eval.temperature`; k samples per prompt
 (one when greedy). Metrics: `eval/<source>/acc` = avg@k (share of correct samples, averaged over

@@ -432,36 +432,47 @@ class RewardPool:
             if self._closed:
                 raise RuntimeError("RewardPool.score_batch after close(); create a new RewardPool")
             results: list[ScoreResult | None] = [None] * len(pairs)
-            todo: deque[tuple[int, _Job]] = deque()
-            found = [False] * len(pairs)
-            for i, (completion, ground_truth) in enumerate(pairs):
-                try:
-                    answer, verdict = _prepare(completion, ground_truth, self.extract)
-                except (TypeError, ValueError) as exc:  # a bad dataset row scores as an error, not a crash
-                    self._finish(results, i, ScoreResult(0.0, "error", repr(exc)))
-                    continue
-                found[i] = answer is not None
-                if verdict is None:
-                    todo.append((i, _Job(answer, ground_truth)))
-                else:
-                    self._finish(results, i, ScoreResult(verdict, "ok"))
+            todo, found = self._triage(pairs, results)
             try:
                 while todo or any(w.job is not None for w in self._workers):
                     self._dispatch(todo)
                     self._wait(results)
             finally:
-                # Only reached with answers in flight if we are raising (start failure, Ctrl-C):
-                # their late replies would be misattributed to the next batch, so kill those workers.
-                for k, w in enumerate(self._workers):
-                    if w.job is not None:
-                        w.kill()
-                        self._workers[k] = _Worker(self._argv)
+                self._replace_busy_workers()
             if self.format_score:
                 results = [ScoreResult(self.format_score, "ok") if r.status == "ok" and r.reward == 0.0 and f else r
                            for r, f in zip(results, found)]
             return results  # type: ignore[return-value]  # every slot was filled by the loop above
 
     # -- event loop helpers (called with the lock held) --
+
+    def _replace_busy_workers(self) -> None:
+        """Workers with an answer in flight are killed and replaced. Only reached with answers in flight if
+        score_batch is raising (start failure, Ctrl-C): their late replies would be misattributed to the next
+        batch."""
+        for k, w in enumerate(self._workers):
+            if w.job is not None:
+                w.kill()
+                self._workers[k] = _Worker(self._argv)
+
+    def _triage(self, pairs: Sequence[tuple[str, str]], results: list[ScoreResult | None]
+                ) -> tuple[deque[tuple[int, _Job]], list[bool]]:
+        """Score at once what needs no worker (no answer found, a bad row); queue the rest. Returns the queue and,
+        per pair, whether an answer was found (for format_score)."""
+        todo: deque[tuple[int, _Job]] = deque()
+        found = [False] * len(pairs)
+        for i, (completion, ground_truth) in enumerate(pairs):
+            try:
+                answer, verdict = _prepare(completion, ground_truth, self.extract)
+            except (TypeError, ValueError) as exc:  # a bad dataset row scores as an error, not a crash
+                self._finish(results, i, ScoreResult(0.0, "error", repr(exc)))
+                continue
+            found[i] = answer is not None
+            if verdict is None:
+                todo.append((i, _Job(answer, ground_truth)))
+            else:
+                self._finish(results, i, ScoreResult(verdict, "ok"))
+        return todo, found
 
     def _finish(self, results: list[ScoreResult | None], index: int, result: ScoreResult) -> None:
         results[index] = result
