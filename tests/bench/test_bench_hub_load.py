@@ -1,5 +1,5 @@
 """Benchmark: the hub under load for a minute (tests/integration/test_hub_load.py's run and checks, 60 s instead of
-make test's 20 s). Its report is the README's reliability figure for 32 generators against one hub."""
+make test's 20 s). Its report is docs/reliability.md's figure for 32 generators against one hub."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ cluster; on one machine a third is SIGKILLed at the same moment (a generator tha
 lost (`timeout`, `stuck`; the dead one as soon as its weight channel fails or its replacement says hello), drops
 its weight channel and re-issues its work; the launcher stops the frozen and hung process groups and restarts all
 three, each catching up on the latest weights; the run trains every step with nothing lost or trained twice. Each
-test prints its times to recovery (`pytest -s`), the figures of the README's reliability table."""
+test prints its times to recovery (`pytest -s`), the figures of docs/reliability.md's table."""
 
 from __future__ import annotations
 
