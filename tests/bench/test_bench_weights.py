@@ -168,7 +168,7 @@ def test_weight_sync_vs_memcpy():
         "demo_model": {"bytes": demo_bytes, "seconds_per_sync_min": min(demo_times),
                        "seconds_per_sync_median": sorted(demo_times)[len(demo_times) // 2]},
         "target": f"full sync (param_buckets -> WeightPublisher.publish -> receive) >= {TARGET} of the bare gloo "
-                  f"broadcast of the same buckets (issue 8 sets none; memcpy is the ceiling, reported)",
+                  f"broadcast of the same buckets (our own target; memcpy is the ceiling, reported)",
         "verdict": verdict(vs_bare >= TARGET),
     })
     print(f"\nweight sync of {nbytes / 2**20:.0f} MiB: {gbps['sync']:.2f} GB/s ({min(sync_times):.3f} s) vs memcpy "
