@@ -119,17 +119,12 @@ def test_every_relative_link_and_anchor_resolves():
     assert not broken, f"broken links: {broken}"
 
 
-# Pages another owner edits are held to the same rule once they follow it.
-ONE_DOOR_EXEMPT = {"docs/DESIGN.md"}
-
-
 def test_runs_are_started_one_way_in_the_docs():
     """`covrl run` is the documented way to start a run: no page shows another form with flags (one sentence may
     name them as still working)."""
     other = re.compile(r"(covrl-cluster|python3? (?:-m launch\.cluster|launch/cluster\.py))\s+--")
     pages = {"README.md": _read("README.md"), **_pages()}
-    found = [f"{page}: {m.group(0)}" for page, text in pages.items() if page not in ONE_DOOR_EXEMPT
-             for m in other.finditer(text)]
+    found = [f"{page}: {m.group(0)}" for page, text in pages.items() for m in other.finditer(text)]
     assert not found, f"start runs with `covrl run ...` instead of: {found}"
 
 
