@@ -28,13 +28,13 @@ Invariants
   `covrl-scale RUN_DIR --gens N` rewrites) is read again about every `target_poll_s`. Only ids 0..N-1 are
   welcomed; a connected generator whose id is >= N is *draining*: it gets no new work (training or eval), what it
   sends back for the tickets it holds is accepted as usual, and once it holds none the hub sends it
-  `Stop(reason="drained")`, forgets it and calls `on_leave` (the publisher closes its weight channel). So a
+  `Stop(reason="drained")`, forgets it and calls `hooks.leave` (the publisher closes its weight channel). So a
   scale-down loses no prompt and trains none twice; a draining generator that dies instead is the ordinary
   timeout case (its tickets are re-issued with their slots). Raising N again before the drain completes makes it
   a full member again. The gauges `cluster/generators` (connected, not draining) and `cluster/generators_target`
   are read with the counters, never snapshotted.
 - The hub is the one owner of the decision that a generator incarnation is *lost* (`_lose`, the one place), and
-  everyone else follows it: its work is re-issued with its slots, `on_lost` drops its weight channel at once (a
+  everyone else follows it: its work is re-issued with its slots, `hooks.lost` drops its weight channel at once (a
   publish in progress stops waiting for it) and records the verdict for the launcher, which stops its process
   group and restarts it (RUN_DIR/generators_lost.jsonl), and a late message from it gets `Stop(reason="lost: ...")`.
   Why, counted under `hub/generator_lost/<why>`: `timeout` (silent for `transport.generator_timeout_s`: dead,
@@ -46,8 +46,9 @@ Invariants
   clock held while its heartbeat says it is still waiting for the weights its work names.
 
 The trainer thread talks to the hub only through `start`, `take_batch`, `set_version`, `wait_version_done`,
-`take_eval`, `stats`, `snapshot` / `restore` and `stop`, and the weight publisher through `lose`, each under the
-hub's lock; the ZeroMQ socket belongs to the hub thread alone.
+`take_eval`, `stats`, `snapshot` / `restore` and `stop`, and the weight publisher through `lose` (the port the
+learner declares, `learner/ports.py`: `HubPort`), each under the hub's lock; the hub calls back through
+`GeneratorHooks` (`broker/hooks.py`). The ZeroMQ socket belongs to the hub thread alone.
 """
 
 from __future__ import annotations
@@ -59,8 +60,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from broker import state as S
 from broker.evals import EvalSchedule
+from broker.hooks import GeneratorHooks
 from broker.rules import GroupRules
 from common import messages as M
 from common.config import Config
@@ -92,6 +96,15 @@ class Ready:
     slot: int
     issue_version: int
     group: M.RolloutGroup
+
+
+@dataclass(frozen=True)
+class ShapedGroup:
+    """One group of a batch as the hub hands it over: the group, and the rewards advantages are computed from
+    (`GroupRules.rewards`: the scores plus the overlong shaping), decided here once."""
+    slot: int
+    group: M.RolloutGroup
+    rewards: np.ndarray  # [n] float64
 
 
 @dataclass
@@ -126,13 +139,12 @@ class BrokerStats:
 class Hub:
     def __init__(self, cfg: Config, *, run_id: str, key: bytes, host: str, port: int, source: PromptSource,
                  weight_addr: str, generators: Callable[[], int], eval_prompts: dict[str, list[Prompt]] | None = None,
-                 on_join=None, on_leave=None, on_lost=None, target_poll_s: float = 1.0):
+                 hooks: GeneratorHooks | None = None, target_poll_s: float = 1.0):
         """`host`, `port`: where the hub binds (cluster.json's hub_addr; port 0: a random one). `generators`: the
         run's generator target now, called here once and then by the hub thread every `target_poll_s`; it must not
         raise (an exception stops the hub like any hub-thread failure), so a reader of a file keeps its last good
-        value (learner/__main__.py). `on_join` / `on_leave`: called by the hub thread, with the lock held, when a
-        generator incarnation is welcomed / drained; `on_lost(gen_id, incarnation, pid, why, detail)`: when one is
-        declared lost (`_lose`), by whichever thread decided it, with the lock held. None of them may block."""
+        value (learner/__main__.py). `hooks` (`broker/hooks.py`): told when a generator incarnation is welcomed,
+        drained or declared lost, with the lock held; none of them may block."""
         self.cfg = cfg
         self.run_id = run_id
         self.sock = HubSocket(host, port, key)
@@ -142,12 +154,10 @@ class Hub:
         self.target_poll_s = target_poll_s
         self.target = generators()  # ids 0 .. target - 1 are wanted; connected ones above it drain
         self._target_read_at = time.monotonic()
-        self.on_join = on_join  # (gen_id, incarnation) -> None: builds that incarnation's weight channel
-        self.on_leave = on_leave  # (gen_id, incarnation) -> None: a drained incarnation's channel goes, not a failure
+        self.hooks = hooks
         # (gen_id, incarnation) -> the Stop reason it was given: drained or lost incarnations, whose late heartbeats
         # are expected and whose late requests get that Stop again (a few per run: restarts and drains are bounded).
         self.ended: dict[tuple[int, str], str] = {}
-        self.on_lost = on_lost  # (gen_id, incarnation, pid, why, detail) -> None: the verdict, for everyone else
         self.slowest_reply_s = 0.0  # the longest a generator's main loop took to answer work (the progress limit)
         self._checked_at = 0.0
         self.rules = GroupRules.of(cfg)
@@ -217,8 +227,9 @@ class Hub:
         with self.cv:
             return self.evals.take(version)
 
-    def take_batch(self, version: int, timeout_s: float) -> list[Ready]:
-        """Block until the batch for the step that starts at `version` is ready."""
+    def take_batch(self, version: int, timeout_s: float) -> list[ShapedGroup]:
+        """Block until the batch for the step that starts at `version` is ready; each group with its shaped
+        rewards."""
         deadline = time.monotonic() + timeout_s
         with self.cv:
             while True:
@@ -297,7 +308,7 @@ class Hub:
             return False
         return self.slots - self.filtered >= self.rules.admit_cap(version)
 
-    def _try_batch(self, version: int) -> list[Ready] | None:
+    def _try_batch(self, version: int) -> list[ShapedGroup] | None:
         floor = self.rules.staleness_floor(version)
         if any(t.issue_version < floor for t in self.in_flight.values()):
             return None  # a straggler could still land inside the bound: wait for it
@@ -313,7 +324,8 @@ class Hub:
         self.filtered_this_step = 0
         self._settle(slots)
         self.n_trained += len(slots)
-        return [self.ready.pop(s) for s in slots]
+        groups = [self.ready.pop(s).group for s in slots]
+        return [ShapedGroup(s, g, row) for s, g, row in zip(slots, groups, self.rules.rewards(groups), strict=True)]
 
     def _settle(self, slots) -> None:
         """Record slots as done for good (trained, or dropped by dynamic sampling); counts any seen twice."""
@@ -414,8 +426,8 @@ class Hub:
                 weight_world=2,
             ),
         )
-        if self.on_join is not None:
-            self.on_join(msg.gen_id, msg.incarnation)
+        if self.hooks is not None:
+            self.hooks.join(msg.gen_id, msg.incarnation)
         log.info("generator %d joined (pid %d)", msg.gen_id, msg.pid)
 
     def _rollout(self, g: M.RolloutGroup) -> None:
@@ -503,15 +515,15 @@ class Hub:
                 continue  # it delivers what it holds first (or times out, and the work is re-issued)
             gen = self.gens.pop(gen_id)
             self.ended[(gen_id, gen.incarnation)] = "drained"
-            if self.on_leave is not None:  # before the Stop: the channel's end is then never taken for a failure
-                self.on_leave(gen_id, gen.incarnation)
+            if self.hooks is not None:  # before the Stop: the channel's end is then never taken for a failure
+                self.hooks.leave(gen_id, gen.incarnation)
             self.sock.send(gen.identity, M.Stop(reason="drained"))
             self.counts["hub/generators_drained"] += 1
             log.info("generator %d drained (target %d): stopped", gen_id, self.target)
 
     def _lose(self, gen_id: int, why: str, detail: str) -> None:
         """The one place a generator incarnation is declared lost (lock held): its work is re-issued with its slots,
-        it is forgotten (a late request gets Stop), counted, logged with what it held, and `on_lost` tells the
+        it is forgotten (a late request gets Stop), counted, logged with what it held, and `hooks.lost` tells the
         weight publisher and the launcher."""
         gen = self.gens.pop(gen_id)
         slots = sorted(t.slot for t in self.in_flight.values() if t.gen_id == gen_id)
@@ -528,8 +540,8 @@ class Hub:
         held = f"{len(slots)} groups" + (f" (slots {slots[0]}..{slots[-1]})" if slots else "") + f", {evals} eval prompts"
         log.warning("generator %d (pid %d, incarnation %s) lost (%s): %s; it held %s, re-issued", gen_id, gen.pid,
                     gen.incarnation, why, detail, held)
-        if self.on_lost is not None:
-            self.on_lost(gen_id, gen.incarnation, gen.pid, why, f"{detail}; it held {held}")
+        if self.hooks is not None:
+            self.hooks.lost(gen_id, gen.incarnation, gen.pid, why, f"{detail}; it held {held}")
         self.cv.notify_all()
 
     def _new_ticket(self) -> int:

@@ -9,8 +9,8 @@ ZeRO's gradient reduction is a collective: a rank that skipped a backward
 would hang the others.
 
 Advantages are computed here, per group, before any sharding, so they never
-depend on how the batch is split, from the rewards the broker's rules shape
-(`broker.rules.GroupRules.rewards`: the scores plus the overlong penalty).
+depend on how the batch is split, from the rewards the broker hands over with each group (shaped by its
+rules: the scores plus the overlong penalty; the learner never shapes them again).
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ import msgspec
 import numpy as np
 import torch
 
-from broker.rules import GroupRules
 from common import messages as M
 from common.config import LearnerConfig
 from common.seeds import step_seed
-from learner import advantages as A
+from learner import advantages
 
 _LEARNER = LearnerConfig()  # every default lives in common/config.py
 
@@ -89,7 +88,7 @@ def _micro_batches(lengths: list[int], idx: list[int], budget: int) -> list[list
 
 def build_step_batch(
     groups: list[M.RolloutGroup],
-    rewards: np.ndarray,  # [G, n] shaped rewards (GroupRules.rewards)
+    rewards: np.ndarray,  # [G, n] shaped rewards, as the broker hands them over
     *,
     version: int,
     ranks: int,
@@ -100,7 +99,7 @@ def build_step_batch(
     seed: int = 0,
 ) -> StepBatch:
     resp_lengths = np.array([[M.n_tokens(s.token_ids) for s in g.samples] for g in groups])
-    adv = A.ESTIMATORS[estimator](rewards, resp_lengths)
+    adv = advantages.ESTIMATORS[estimator](rewards, resp_lengths)
     samples: list[TrainSample] = []
     group_of: list[int] = []
     for gi, g in enumerate(groups):
@@ -132,12 +131,13 @@ def build_step_batch(
                      par_lambda=par_lambda, seed=seed)
 
 
-def batch_from_config(groups: list[M.RolloutGroup], cfg, *, version: int, ranks: int, par_lambda: float = 1.0,
-                      micro_batch_tokens: int | None = None) -> StepBatch:
-    """`build_step_batch` with every knob read from the run config (the learner and the reference loop share it)."""
+def batch_from_config(groups: list[M.RolloutGroup], rewards: np.ndarray, cfg, *, version: int, ranks: int,
+                      par_lambda: float = 1.0, micro_batch_tokens: int | None = None) -> StepBatch:
+    """`build_step_batch` with every knob read from the run config (the learner and the reference loop share it);
+    `rewards` [G, n]: the shaped rewards the broker decided (`broker.rules.GroupRules.rewards`)."""
     lc = cfg.learner
     return build_step_batch(
-        groups, GroupRules.of(cfg).rewards(groups), version=version, ranks=ranks, mini_batches=lc.mini_batches,
+        groups, rewards, version=version, ranks=ranks, mini_batches=lc.mini_batches,
         micro_batch_tokens=micro_batch_tokens or lc.micro_batch_tokens, estimator=lc.advantage,
         par_lambda=par_lambda, seed=step_seed(cfg.run.seed, version + 1),
     )

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from actors.actor import rollout
+from broker.rules import GroupRules
 from common import messages as M
 from common.config import load_config
 from common.rewards import RewardPool
@@ -46,7 +47,7 @@ def main(stride: int) -> None:
                   sampling=M.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens))
     with RewardPool.from_config(cfg.reward) as pool:
         groups = rollout(work, engine=engine, tokenizer=tok, pool=pool, receiver=None, gen_id=0, incarnation="x", wait_s=0)
-    batch = batch_from_config(groups, cfg, version=0, ranks=1)
+    batch = batch_from_config(groups, GroupRules.of(cfg).rewards(groups), cfg, version=0, ranks=1)
     micro = trainer._micro(batch)
     before = entropy_sums(trainer, micro)
     met = step_metrics(trainer.train_step(batch))

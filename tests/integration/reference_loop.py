@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from actors.actor import rollout
 from actors.engine import CpuEngine
+from broker.rules import GroupRules
 from common import messages as M
 from common import weights as W
 from common.runfiles import read_run_config
@@ -57,7 +58,7 @@ def main(run_dir: str, out: str, micro_batch_tokens: int | None = None) -> None:
             groups = rollout(work, engine=engine, tokenizer=tok, pool=pool, receiver=None, gen_id=0, incarnation="ref", wait_s=0)
             if cfg.learner.filter.dynamic_sampling:
                 raise SystemExit("the reference loop does not filter groups: run it with learner.filter.dynamic_sampling=false")
-            batch = batch_from_config(groups, cfg, version=step - 1, ranks=1, micro_batch_tokens=micro_batch_tokens)
+            batch = batch_from_config(groups, GroupRules.of(cfg).rewards(groups), cfg, version=step - 1, ranks=1, micro_batch_tokens=micro_batch_tokens)
             trainer.train_step(batch)
             engine.load_flat(W.flatten(trainer.module), step)
     # clone: tied weights (lm_head = embed_tokens) share memory, which safetensors refuses to save

@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 
+from broker.rules import GroupRules
 from common import messages as M
 from common.config import load_config
 from learner.batch import batch_from_config
@@ -45,7 +46,8 @@ def main(model_dir: str) -> None:
     rng = np.random.default_rng(0)
     complete = []
     for step in range(3):
-        trainer.train_step(batch_from_config(groups(rng, 4), cfg, version=step, ranks=1))
+        batch = groups(rng, 4)
+        trainer.train_step(batch_from_config(batch, GroupRules.of(cfg).rewards(batch), cfg, version=step, ranks=1))
         complete.append(coordinator.is_complete_trace())
     print(json.dumps({"complete": complete}), flush=True)
 

@@ -4,6 +4,7 @@ import contextlib
 import logging
 import time
 
+import numpy as np
 import pytest
 import zmq
 
@@ -11,9 +12,31 @@ from common import messages as M
 from common.config import load_config
 from common.data import PromptSource
 from common.transport import GeneratorSocket
+from broker.hooks import GeneratorHooks
 from broker.hub import Hub
+from broker.rules import GroupRules
 
 KEY = b"k" * 32
+
+
+class Hooks(GeneratorHooks):
+    """A stand-in for learner rank 0's `GeneratorHooks`: each event is handed to its callable, if one is given."""
+
+    def __init__(self, join=None, leave=None, lost=None):
+        self.on = {"join": join, "leave": leave, "lost": lost}
+
+    def join(self, gen_id, incarnation):
+        self._tell("join", gen_id, incarnation)
+
+    def leave(self, gen_id, incarnation):
+        self._tell("leave", gen_id, incarnation)
+
+    def lost(self, gen_id, incarnation, pid, why, detail):
+        self._tell("lost", gen_id, incarnation, pid, why, detail)
+
+    def _tell(self, event, *args):
+        if self.on[event] is not None:
+            self.on[event](*args)
 
 
 @pytest.fixture
@@ -83,6 +106,9 @@ def test_admission_control_and_staleness_zero_batches(hub):
         gen.send(_result(it))
     batch = hub.take_batch(0, timeout_s=5)
     assert [r.slot for r in batch] == [0, 1]
+    # Each group comes with the rewards the rules shaped (the learner never shapes them again).
+    shaped = GroupRules.of(hub.cfg).rewards([r.group for r in batch])
+    assert all(np.array_equal(r.rewards, row) for r, row in zip(batch, shaped, strict=True))
     assert hub.stats().gen_busy_s == pytest.approx(0.2)  # each valid group's gen_time_s (timing_s/gen_idle)
     hub.set_version(1)
     more = gen.recv(5.0)  # the pending request is served once the version moves
@@ -135,7 +161,7 @@ def _eval_hub(tiny_model_dir, *extra, target=lambda: 1, on_leave=None):
     prompts = {"sampled_set": [Prompt(f"Question: {i} + 1?", str(i + 1), "sampled_set", (5, 6, i)) for i in range(3)],
                "greedy_set": [Prompt("Question: 2 + 2?", "4", "greedy_set", (5, 7))]}
     h = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)),
-            eval_prompts=prompts, weight_addr="127.0.0.1:1", generators=target, on_leave=on_leave, target_poll_s=0.05)
+            eval_prompts=prompts, weight_addr="127.0.0.1:1", generators=target, hooks=Hooks(leave=on_leave), target_poll_s=0.05)
     h.start()
     gen = GeneratorSocket(h.sock.address, KEY)
     try:
@@ -273,7 +299,7 @@ def _elastic_hub(tiny_model_dir, target: list[int], *extra):
     left = []
     h = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, weight_addr="127.0.0.1:1",
             source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)),
-            generators=lambda: target[0], on_leave=lambda *gen: left.append(gen), target_poll_s=0.05)
+            generators=lambda: target[0], hooks=Hooks(leave=lambda *gen: left.append(gen)), target_poll_s=0.05)
     h.start()
     try:
         yield h, left
@@ -468,7 +494,7 @@ def _verdict_hub(tiny_model_dir, *extra):
     lost = []
     h = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, weight_addr="127.0.0.1:1",
             source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)), generators=lambda: 2,
-            on_lost=lambda *v: lost.append(v))
+            hooks=Hooks(lost=lambda *v: lost.append(v)))
     h.start()
     try:
         yield h, lost
