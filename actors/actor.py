@@ -13,7 +13,7 @@ the weights it holds. Only the engine sets it, as it loads a version; it stamps 
 checks it (`evaluate`). The weight receiver keeps no version of its own: it holds vectors in transit, each
 labelled with the version it carries (staged for the main thread, or being loaded by it), and what has
 *arrived* (`WeightReceiver.received`) is the newest of those labels, else the engine's version. That is what
-the heartbeat reports (`Heartbeat.weight_version`) and what `wait_for` waits for. A (re)started generator starts
+the heartbeat reports (`Heartbeat.policy_version`) and what `wait_for` waits for. A (re)started generator starts
 from the base model, version 0, whatever the learner is at: the learner sends it the latest version first thing,
 and work waits for the version it names.
 
@@ -33,6 +33,7 @@ import os
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
 import torch
 
@@ -67,27 +68,9 @@ class WeightReceiver(threading.Thread):
 
     def run(self) -> None:
         try:
-            ch = self.engine.join_weights(self.welcome.weight_addr, self.prefix, self.timeout_s,
-                                          self.welcome.weight_rank, self.welcome.weight_world)
+            ch = self.engine.join_weights(self.welcome.weight_addr, self.prefix, self.timeout_s)
             while (got := ch.receive_header(self.lay)) is not None:
-                version, flags = got
-                with self.cv:
-                    buf, self.spare = self.spare, None
-                # The host vector, or None when the engine has loaded the version itself (vLLM, nccl transport).
-                received = self.engine.receive_weights(ch, self.lay, version, flags, out=buf)
-                staged, weights_sum = (None, None) if received is None else ((version, received[0]), received[1])
-                if self.log_path:
-                    with open(self.log_path, "a") as f:
-                        f.write(json.dumps({"version": version, "checksum": weights_sum, "t": time.time(),
-                                            "channel": self.prefix, "direct": staged is None}) + "\n")
-                with self.cv:
-                    if staged is None:  # the engine holds `version` already
-                        self.spare = buf  # not received into
-                    else:
-                        if self.staged is not None:  # never applied: its vector is free
-                            self.spare = self.staged[1]
-                        self.staged = staged
-                    self.cv.notify_all()
+                self._receive(ch, *got)
         except BaseException as e:
             log.exception("weight receiver failed")
             self.error = e
@@ -95,6 +78,26 @@ class WeightReceiver(threading.Thread):
             with self.cv:
                 self.finished = True
                 self.cv.notify_all()
+
+    def _receive(self, ch: W.WeightChannel, version: int, flags: int) -> None:
+        """The buckets of one version: staged for the main thread, or loaded by the engine itself."""
+        with self.cv:
+            buf, self.spare = self.spare, None
+        # The host vector, or None when the engine has loaded the version itself (vLLM, nccl transport).
+        received = self.engine.receive_weights(ch, self.lay, version, flags, out=buf)
+        staged, weights_sum = (None, None) if received is None else ((version, received[0]), received[1])
+        if self.log_path:
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps({"version": version, "checksum": weights_sum, "t": time.time(),
+                                    "channel": self.prefix, "direct": staged is None}) + "\n")
+        with self.cv:
+            if staged is None:  # the engine holds `version` already
+                self.spare = buf  # not received into
+            else:
+                if self.staged is not None:  # never applied: its vector is free
+                    self.spare = self.staged[1]
+                self.staged = staged
+            self.cv.notify_all()
 
     @property
     def received(self) -> int:
@@ -141,7 +144,8 @@ class Heartbeat(threading.Thread):
         sock = GeneratorSocket(*self.args)
         try:
             while not self.stop.wait(self.period_s):
-                sock.send(M.Heartbeat(gen_id=self.gen_id, incarnation=self.incarnation, weight_version=self.receiver.received))
+                sock.send(M.Heartbeat(gen_id=self.gen_id, incarnation=self.incarnation,
+                                      policy_version=self.receiver.received))
         finally:
             sock.close()
 
@@ -161,56 +165,96 @@ def handshake(sock: GeneratorSocket, run_id: str, gen_id: int, incarnation: str,
 
 
 def run_actor(cfg: Config, *, engine, tokenizer, hub_addr: str, key: bytes, run_id: str, gen_id: int, run_dir: str | None) -> int:
+    """One generator process's life: handshake, the weight and heartbeat threads, then the actor loop until a Stop;
+    returns the exit code."""
     incarnation = uuid.uuid4().hex
     sock = GeneratorSocket(hub_addr, key)
     welcome = handshake(sock, run_id, gen_id, incarnation, cfg.transport.welcome_timeout_s)
-    log_path = os.path.join(run_dir, "generators", f"gen{gen_id}.jsonl") if run_dir else None
-    if log_path:
-        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    log_path = _log_file(run_dir, f"gen{gen_id}.jsonl")
     receiver = WeightReceiver(welcome, engine, cfg.transport.weight_sync_timeout_s, log_path,
                               W.pair_prefix(gen_id, incarnation))
     receiver.start()
     beat = Heartbeat(hub_addr, key, gen_id, incarnation, cfg.transport.heartbeat_s, receiver)
     beat.start()
-    eval_log = os.path.join(run_dir, "generators", f"gen{gen_id}_eval.jsonl") if run_dir else None
-    sent = 0
     with make_reward_pool(cfg) as pool:
         try:
-            while True:
-                sock.send(M.WorkRequest(gen_id=gen_id, incarnation=incarnation, max_groups=cfg.rollout.groups_per_request))
-                msg = sock.recv(cfg.transport.recv_timeout_s)
-                if msg is None:
-                    continue  # no work yet (admission control holds it back): ask again
-                if isinstance(msg, M.Stop):
-                    if msg.reason == "drained":  # the run was scaled below this id; everything we held is in
-                        log.info("generator %d drained: the run's generator target no longer includes this id; "
-                                 "exiting after %d rollout groups", gen_id, sent)
-                        return EXIT_DRAINED
-                    if msg.reason.startswith("lost"):  # the hub gave up on this incarnation and re-issued its work
-                        log.error("generator %d: the hub declared this incarnation %s; exiting so that a fresh one "
-                                  "replaces it", gen_id, msg.reason)
-                        return EXIT_LOST
-                    log.info("generator %d: stop (%s) after %d rollout groups", gen_id, msg.reason, sent)
-                    return 0
-                if isinstance(msg, M.Work):
-                    for group in rollout(msg, engine=engine, tokenizer=tokenizer, pool=pool, receiver=receiver,
-                                         gen_id=gen_id, incarnation=incarnation,
-                                         wait_s=cfg.transport.weight_sync_timeout_s):
-                        sock.send(group)
-                        sent += 1
-                elif isinstance(msg, M.EvalWork):
-                    results = evaluate(msg, engine=engine, tokenizer=tokenizer, pool=pool, receiver=receiver,
-                                       gen_id=gen_id, incarnation=incarnation, wait_s=cfg.transport.weight_sync_timeout_s)
-                    if eval_log:  # what this generator actually ran, per eval chunk
-                        with open(eval_log, "a") as f:
-                            f.write(json.dumps({"version": msg.policy_version, "data_source": msg.items[0].data_source,
-                                                "temperature": msg.sampling.temperature, "k": msg.k,
-                                                "prompts": len(msg.items)}) + "\n")
-                    for res in results:
-                        sock.send(res)
+            loop = ActorLoop(cfg, sock=sock, engine=engine, tokenizer=tokenizer, pool=pool, receiver=receiver,
+                             gen_id=gen_id, incarnation=incarnation,
+                             eval_log=_log_file(run_dir, f"gen{gen_id}_eval.jsonl"))
+            return loop.serve()
         finally:
             beat.stop.set()
             sock.close()
+
+
+def _log_file(run_dir: str | None, name: str) -> str | None:
+    """RUN_DIR/generators/<name> (its directory made), or None without a run directory."""
+    if not run_dir:
+        return None
+    os.makedirs(os.path.join(run_dir, "generators"), exist_ok=True)
+    return os.path.join(run_dir, "generators", name)
+
+
+@dataclass
+class ActorLoop:
+    """The main thread's loop: request -> generate -> score -> send, until the hub says stop."""
+
+    cfg: Config
+    sock: GeneratorSocket
+    engine: object
+    tokenizer: object
+    pool: RewardPool
+    receiver: WeightReceiver
+    gen_id: int
+    incarnation: str
+    eval_log: str | None  # what this generator actually evaluated, one line per eval chunk
+    sent: int = 0  # rollout groups sent back
+
+    def serve(self) -> int:
+        """Ask for work and answer it until a Stop; returns the exit code the Stop calls for."""
+        while True:
+            self.sock.send(M.WorkRequest(gen_id=self.gen_id, incarnation=self.incarnation,
+                                         max_groups=self.cfg.rollout.groups_per_request))
+            msg = self.sock.recv(self.cfg.transport.recv_timeout_s)
+            if isinstance(msg, M.Stop):
+                return self.stopped(msg)
+            if isinstance(msg, M.Work):
+                self.train(msg)
+            elif isinstance(msg, M.EvalWork):
+                self.evaluate(msg)
+            # None: no work yet (admission control holds it back): ask again
+
+    def train(self, work: M.Work) -> None:
+        for group in rollout(work, engine=self.engine, tokenizer=self.tokenizer, pool=self.pool,
+                             receiver=self.receiver, gen_id=self.gen_id, incarnation=self.incarnation,
+                             wait_s=self.cfg.transport.weight_sync_timeout_s):
+            self.sock.send(group)
+            self.sent += 1
+
+    def evaluate(self, work: M.EvalWork) -> None:
+        results = evaluate(work, engine=self.engine, tokenizer=self.tokenizer, pool=self.pool, receiver=self.receiver,
+                           gen_id=self.gen_id, incarnation=self.incarnation,
+                           wait_s=self.cfg.transport.weight_sync_timeout_s)
+        if self.eval_log:
+            with open(self.eval_log, "a") as f:
+                f.write(json.dumps({"version": work.policy_version, "data_source": work.items[0].data_source,
+                                    "temperature": work.sampling.temperature, "k": work.k,
+                                    "prompts": len(work.items)}) + "\n")
+        for res in results:
+            self.sock.send(res)
+
+    def stopped(self, msg: M.Stop) -> int:
+        """The exit code of a Stop: drained, lost, or the end of training."""
+        if msg.reason == "drained":  # the run was scaled below this id; everything we held is in
+            log.info("generator %d drained: the run's generator target no longer includes this id; "
+                     "exiting after %d rollout groups", self.gen_id, self.sent)
+            return EXIT_DRAINED
+        if msg.reason.startswith("lost"):  # the hub gave up on this incarnation and re-issued its work
+            log.error("generator %d: the hub declared this incarnation %s; exiting so that a fresh one "
+                      "replaces it", self.gen_id, msg.reason)
+            return EXIT_LOST
+        log.info("generator %d: stop (%s) after %d rollout groups", self.gen_id, msg.reason, self.sent)
+        return 0
 
 
 def rollout(work: M.Work, *, engine, tokenizer, pool, receiver, gen_id: int, incarnation: str, wait_s: float) -> list[M.RolloutGroup]:
@@ -258,7 +302,7 @@ def evaluate(work: M.EvalWork, *, engine, tokenizer, pool, receiver, gen_id: int
     out = []
     for i, (it, comps) in enumerate(zip(work.items, groups)):
         sc = scores[i * work.k:(i + 1) * work.k]
-        out.append(M.EvalResult(gen_id=gen_id, incarnation=incarnation, ticket=it.ticket, weight_version=engine.version,
+        out.append(M.EvalResult(gen_id=gen_id, incarnation=incarnation, ticket=it.ticket, policy_version=engine.version,
                                 rewards=[float(x.reward) for x in sc], lengths=[len(c.token_ids) for c in comps],
                                 score_status=[x.status for x in sc],
                                 texts=texts[i * work.k:(i + 1) * work.k] if it.prompt_id < work.keep_texts else []))

@@ -100,15 +100,14 @@ class Engine(ABC):
         """Load a flat fp32 parameter vector (layout order) as `version`. Must not keep `flat` after returning:
         the weight receiver reuses its memory for the next version."""
 
-    def join_weights(self, weight_addr: str, prefix: str, timeout_s: float, rank: int = 1,
-                     world: int = 2) -> W.WeightChannel:
-        """This generator's channel to learner rank 0: rank `rank` of the group under `prefix` (`W.pair_prefix`)
-        in the learner's store at `weight_addr`. Blocks until the learner has joined it too."""
+    def join_weights(self, weight_addr: str, prefix: str, timeout_s: float) -> W.WeightChannel:
+        """This generator's channel to learner rank 0: the generator's end of the pair channel under `prefix`
+        (`W.pair_prefix`) in the learner's store at `weight_addr`. Blocks until the learner has joined it too."""
         host, port = weight_addr.rsplit(":", 1)
         store = dist.TCPStore(host, int(port), None, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
         pair = dist.PrefixStore(prefix, store)
         self._before_weight_rendezvous(pair)
-        ch = W.WeightChannel(host, int(port), rank, world, timeout_s, prefix=prefix, store=store)
+        ch = W.WeightChannel(host, int(port), W.GENERATOR_RANK, W.PAIR_WORLD, timeout_s, prefix=prefix, store=store)
         self._after_weight_rendezvous(pair, timeout_s)
         return ch
 
@@ -123,10 +122,7 @@ class Engine(ABC):
         """The buckets that follow a header of `version`: (flat fp32 host vector, checksum), for `load_flat`
         between forwards; or None when the engine has loaded `version` itself (then `self.version == version`).
         `out`: a free vector of the model's size to receive into."""
-        if flags & W.FLAG_DIRECT:
-            raise RuntimeError("weight channel: the learner flagged this version as sent over NCCL into vLLM workers, "
-                               f"but this generator's {type(self).__name__} announced no NCCL receiver (a learner bug: "
-                               "it must decide per channel from the generator's announcement, common/vllm_weights.py)")
+        W.refuse_direct(flags, f"this generator's {type(self).__name__}")
         return ch.receive_buckets(lay, out)
 
 

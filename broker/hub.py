@@ -83,18 +83,18 @@ class Ticket:
     epoch: int
     gen_id: int
     incarnation: str
-    issue_version: int
+    policy_version: int  # the version its work was issued at (`Work.policy_version`)
 
     @classmethod
     def waiting(cls, slot: int, prompt_id: int, epoch: int) -> "Ticket":
-        """A slot waiting for re-issue: no ticket number, generator or issue version yet."""
+        """A slot waiting for re-issue: no ticket number, generator or version yet."""
         return cls(-1, slot, prompt_id, epoch, -1, "", -1)
 
 
 @dataclass
 class Ready:
     slot: int
-    issue_version: int
+    policy_version: int  # its ticket's (saved as `ReadyState.issue_version`)
     group: M.RolloutGroup
 
 
@@ -113,7 +113,7 @@ class GenState:
     incarnation: str
     last_seen: float  # any message, heartbeats included: liveness
     pid: int = 0
-    weight_version: int = 0  # the newest version it has received (its heartbeat)
+    policy_version: int = 0  # the newest version that has arrived there (its heartbeat)
     wanted: int = 0  # groups asked for and not yet given
     # The last sign of progress from its main loop (a request, a result) or the last time it was given work or
     # had to wait for weights: what the stuck check measures from.
@@ -128,7 +128,9 @@ class BrokerStats:
     generator seconds (generate + score, `RolloutGroup.gen_time_s`) behind every valid group received;
     counters: the `hub/...` metrics (rejections by reason, re-issues, stale drops, lost and drained generators,
     hub/filtered_groups and hub/lost_prompts, which must stay 0) and the gauges `cluster/generators` (connected and
-    not draining) and `cluster/generators_target` (the run's target now).
+    not draining), `cluster/generators_target` (the run's target now) and the weight lag of each connected generator
+    (`perf/weight_lag/gen<id>`, versions behind the learner by its last heartbeat) and their maximum
+    (`perf/weight_lag/max`).
     """
     filtered_groups: int
     gen_tokens: int
@@ -275,7 +277,7 @@ class Hub:
                 version=self.version, slots=self.slots, filtered=self.filtered, filtered_this_step=self.filtered_this_step,
                 epoch=self.epoch, pos=self.pos, n_trained=self.n_trained, settled_floor=self.settled_floor,
                 settled=sorted(self.settled), counters={k: float(v) for k, v in counters.items()},
-                ready=[S.ReadyState(r.slot, r.issue_version, r.group) for _, r in sorted(self.ready.items())],
+                ready=[S.ReadyState(r.slot, r.policy_version, r.group) for _, r in sorted(self.ready.items())],
                 pending=pending,
             )
         return S.encode(state)
@@ -304,13 +306,13 @@ class Hub:
             return False
         if not self.cfg.run.deterministic:
             return True
-        if self.reissue or any(t.issue_version <= version for t in self.in_flight.values()):
+        if self.reissue or any(t.policy_version <= version for t in self.in_flight.values()):
             return False
         return self.slots - self.filtered >= self.rules.admit_cap(version)
 
     def _try_batch(self, version: int) -> list[ShapedGroup] | None:
         floor = self.rules.staleness_floor(version)
-        if any(t.issue_version < floor for t in self.in_flight.values()):
+        if any(t.policy_version < floor for t in self.in_flight.values()):
             return None  # a straggler could still land inside the bound: wait for it
         for slot in sorted(self.ready):
             r = self.ready[slot]
@@ -383,7 +385,7 @@ class Hub:
             gen.wanted = max(0, min(msg.max_groups, 1024))
             gen.progress_at = now  # its main loop asks only once it has sent back all it held
         elif isinstance(msg, M.Heartbeat):
-            gen.weight_version = msg.weight_version
+            gen.policy_version = msg.policy_version
         elif isinstance(msg, (M.RolloutGroup, M.EvalResult)):
             self.slowest_reply_s = max(self.slowest_reply_s, now - gen.progress_at)
             gen.progress_at = now
@@ -417,14 +419,7 @@ class Hub:
         self.gens[msg.gen_id] = GenState(identity, msg.incarnation, now, pid=msg.pid, progress_at=now)
         self.sock.send(
             identity,
-            M.Welcome(
-                protocol_version=M.PROTOCOL_VERSION,
-                run_id=self.run_id,
-                weight_version=self.version,
-                weight_addr=self.weight_addr,
-                weight_rank=1,  # of its own two-member channel, W.pair_prefix(gen_id, incarnation)
-                weight_world=2,
-            ),
+            M.Welcome(protocol_version=M.PROTOCOL_VERSION, run_id=self.run_id, weight_addr=self.weight_addr),
         )
         if self.hooks is not None:
             self.hooks.join(msg.gen_id, msg.incarnation)
@@ -455,7 +450,7 @@ class Hub:
             self.filtered_this_step += 1
             self._settle([t.slot])
             return
-        self.ready[t.slot] = Ready(t.slot, t.issue_version, g)
+        self.ready[t.slot] = Ready(t.slot, t.policy_version, g)
         self.cv.notify_all()
 
     def _eval_result(self, res: M.EvalResult) -> None:
@@ -477,7 +472,7 @@ class Hub:
         silent_s = self.cfg.transport.generator_timeout_s
         needs: dict[int, int] = {}  # gen_id -> the newest version the work it holds was issued at
         for t in self.in_flight.values():
-            needs[t.gen_id] = max(needs.get(t.gen_id, -1), t.issue_version)
+            needs[t.gen_id] = max(needs.get(t.gen_id, -1), t.policy_version)
         for gen_id, version in self.evals.versions_held().items():
             needs[gen_id] = max(needs.get(gen_id, -1), version)
         limit = self.progress_limit_s()
@@ -487,7 +482,7 @@ class Hub:
                                               f"(transport.generator_timeout_s = {silent_s:g})")
             elif gen_id not in needs:
                 continue
-            elif gen.weight_version < needs[gen_id]:
+            elif gen.policy_version < needs[gen_id]:
                 gen.progress_at = now  # it waits for weights we send: not its fault
             elif now - gen.progress_at > limit:
                 self._lose(gen_id, "stuck", f"it holds work and its main loop has sent nothing for "
@@ -618,9 +613,17 @@ class Hub:
             counters = {**self._counted(), "hub/filtered_groups": self.filtered,
                         "hub/lost_prompts": float(self.slots - accounted),
                         "cluster/generators": float(sum(g < self.target for g in self.gens)),
-                        "cluster/generators_target": float(self.target)}
+                        "cluster/generators_target": float(self.target), **self._weight_lag()}
             return BrokerStats(filtered_groups=self.filtered, gen_tokens=self.gen_tokens, counters=counters,
                                gen_busy_s=self.gen_busy_s)
+
+    def _weight_lag(self) -> dict[str, float]:
+        """How many versions each connected generator's newest arrived weights (its heartbeat) are behind the
+        learner's version: `perf/weight_lag/gen<id>` each, and `perf/weight_lag/max` (lock held). Under `perf/`
+        with the other wall-clock measurements: it depends on when the last heartbeat left, so two runs of one seed
+        differ here and nowhere else."""
+        lag = {f"perf/weight_lag/gen{g}": float(self.version - gen.policy_version) for g, gen in self.gens.items()}
+        return {**lag, "perf/weight_lag/max": max(lag.values(), default=0.0)}
 
     def _counted(self) -> dict[str, float]:
         """The hub's counters plus the socket's rejections (lock held)."""

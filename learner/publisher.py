@@ -157,7 +157,8 @@ class WeightPublisher:
             # A client of our own store with the send deadline, so this rendezvous waits no longer than that.
             client = dist.TCPStore(self.host, self.port, None, is_master=False,
                                    timeout=datetime.timedelta(seconds=self.send_timeout_s))
-            ch = W.WeightChannel(self.host, self.port, 0, 2, self.send_timeout_s, prefix=prefix, store=client)
+            ch = W.WeightChannel(self.host, self.port, W.LEARNER_RANK, W.PAIR_WORLD, self.send_timeout_s, prefix=prefix,
+                                 store=client)
             store = dist.PrefixStore(prefix, client)
             # The announcement precedes the gloo rendezvous that just completed, so `check` cannot miss it.
             direct = store.check([VW.ANNOUNCE_KEY])

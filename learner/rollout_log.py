@@ -74,7 +74,7 @@ class RolloutLog:
             p = self.eval_prompts[ds][index]
             for j, text in enumerate(res.texts):
                 records.append({
-                    "step": version, "policy_version": res.weight_version, "data_source": ds, "prompt_id": index,
+                    "step": version, "policy_version": res.policy_version, "data_source": ds, "prompt_id": index,
                     "prompt": p.text, "ground_truth": p.answer, "sample": j, "response": text,
                     "reward": res.rewards[j], "answer": extract_answer(text, self.cfg.reward.extract),
                     "length": res.lengths[j], "score_status": res.score_status[j],

@@ -14,6 +14,7 @@ from common.transport import free_port
 from learner.nccl import wait_until
 from learner.params import param_buckets, scratch_for
 from learner.publisher import WeightPublisher
+from tests.unit.test_weights import receive
 
 pytestmark = pytest.mark.gpu
 
@@ -31,7 +32,7 @@ def test_a_cuda_learner_publishes_what_the_generator_receives(monkeypatch, dtype
 
     def generator():
         ch = W.WeightChannel("127.0.0.1", port, 1, 2, 60, prefix=W.pair_prefix(0, "g"))
-        while (v := ch.receive(lay)) is not None:
+        while (v := receive(ch, lay)) is not None:
             got.append(v)
 
     t = threading.Thread(target=generator, daemon=True)

@@ -156,8 +156,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "local: WeightReceiver.cv is never held across a wait (receive_weights and load_flat run outside it)",
     ("actors/actor.py", "*", "sock.send(..."):
         "timeout: GeneratorSocket sets SNDTIMEO 30 s (common/transport.py): a send that cannot queue raises zmq.Again",
+    ("actors/actor.py", "*", "self.sock.send(..."):
+        "timeout: GeneratorSocket sets SNDTIMEO 30 s (common/transport.py): a send that cannot queue raises zmq.Again",
     ("actors/actor.py", "WeightReceiver.run", "ch.receive_header(self.lay)"): GLOO_PAIR,
-    ("actors/actor.py", "WeightReceiver.run", "self.engine.receive_weights(..."): ENGINE,
+    ("actors/actor.py", "WeightReceiver._receive", "self.engine.receive_weights(..."): ENGINE,
     ("actors/actor.py", "WeightReceiver.apply", "self.engine.load_flat(staged[1], staged[0])"): ENGINE,
     ("actors/actor.py", "*", "engine.generate(..."): ENGINE,
     ("actors/actor.py", "*", "pool.score_batch(..."):
@@ -207,8 +209,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
            ("WeightChannel._bcast", "self._start(t).wait()"),
            ("WeightChannel.send_header", "self.start_header(version, lay, flags).wait()"),
            ("WeightChannel.stop", "self.start_stop().wait()"))},
-    ("common/weights.py", "WeightChannel.receive", "self.receive_header(lay)"): GLOO_PAIR,
-    ("common/weights.py", "WeightChannel.receive", "self.receive_buckets(lay, out)"): GLOO_PAIR + ", per bucket",
     ("common/transport.py", "*", "self.sock.recv_multipart(..."):
         "non-blocking: only after poll() reported a message (ZeroMQ delivers a multipart message whole)",
     ("common/transport.py", "GeneratorSocket.send", "self.sock.send_multipart(self._frames(msg))"):

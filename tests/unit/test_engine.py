@@ -307,8 +307,7 @@ class _Direct(_Recorder):
 
 
 def _welcome(port):
-    return M.Welcome(protocol_version=M.PROTOCOL_VERSION, run_id="r", weight_version=0,
-                     weight_addr=f"127.0.0.1:{port}", weight_rank=1, weight_world=2)
+    return M.Welcome(protocol_version=M.PROTOCOL_VERSION, run_id="r", weight_addr=f"127.0.0.1:{port}")
 
 
 def _publish(pub, engine, version):
@@ -401,7 +400,7 @@ def test_a_direct_version_for_an_engine_without_a_direct_receiver_is_a_clear_err
 
 def test_the_engine_owns_the_version_and_the_receiver_reports_what_has_arrived():
     """One owner: `engine.version` is the version of the weights held (tokens, eval). What has arrived (the
-    heartbeat's weight_version, what wait_for waits for) is a staged vector's version, or the one being swapped
+    heartbeat's policy_version, what wait_for waits for) is a staged vector's version, or the one being swapped
     in, else the engine's: never behind the engine, never ahead of what was received."""
     from actors.actor import Heartbeat, WeightReceiver
     from common.transport import HubSocket
@@ -440,7 +439,7 @@ def test_the_engine_owns_the_version_and_the_receiver_reports_what_has_arrived()
             while True:
                 got = hub.recv(5)
                 assert got is not None, "no heartbeat within 5 s"
-                yield got[1].weight_version
+                yield got[1].policy_version
 
         stream = beats()
         assert 1 in stream  # beats sent before version 1 arrived report 0; then 1, and never back while it loads

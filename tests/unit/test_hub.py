@@ -135,7 +135,7 @@ def test_dead_generator_work_is_reissued_with_same_slot(hub):
     got = None
     while got is None and time.time() < deadline:
         b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
-        b.send(M.Heartbeat(gen_id=1, incarnation="b", weight_version=0))
+        b.send(M.Heartbeat(gen_id=1, incarnation="b", policy_version=0))
         got = b.recv(0.5)
     assert got is not None, "the dead generator's prompts were never re-issued"
     assert sorted(it.prompt_id for it in got.items) == sorted(it.prompt_id for it in lost.items)
@@ -173,7 +173,7 @@ def _eval_hub(tiny_model_dir, *extra, target=lambda: 1, on_leave=None):
 
 
 def _eval_result(item, k, rewards, version=0, inc="a", texts=()):
-    return M.EvalResult(gen_id=0, incarnation=inc, ticket=item.ticket, weight_version=version, rewards=rewards,
+    return M.EvalResult(gen_id=0, incarnation=inc, ticket=item.ticket, policy_version=version, rewards=rewards,
                         lengths=[5] * k, score_status=["ok"] * k, texts=list(texts))
 
 
@@ -347,7 +347,7 @@ def test_scale_down_drains_a_generator_after_its_groups_are_in_and_trains_them_o
             c = _until(hub, cluster__generators=1.0)
             assert c["hub/generators_drained"] == 1
             # Its late frames are expected, not hostile: a request is answered with Stop again, a heartbeat ignored.
-            b.send(M.Heartbeat(gen_id=1, incarnation="b", weight_version=0))
+            b.send(M.Heartbeat(gen_id=1, incarnation="b", policy_version=0))
             b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
             assert isinstance(b.recv(5.0), M.Stop)
             for it in [*first, *second]:
@@ -388,7 +388,7 @@ def test_a_draining_generator_that_dies_has_its_work_reissued_and_is_not_drained
             got, deadline = [], time.time() + 10
             while len(got) < 2 and time.time() < deadline:
                 a.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
-                a.send(M.Heartbeat(gen_id=0, incarnation="a", weight_version=0))
+                a.send(M.Heartbeat(gen_id=0, incarnation="a", policy_version=0))
                 if (w := a.recv(0.5)) is not None:
                     got += w.items
             assert [it.prompt_id for it in got] == [it.prompt_id for it in lost]  # re-issued, same prompts
@@ -455,7 +455,7 @@ def test_a_draining_generator_finishes_its_eval_prompts_before_it_is_stopped(tin
             greedy = a.recv(5.0)
             assert isinstance(greedy, M.EvalWork) and greedy.k == 1
             for it in sampled.items:
-                b.send(M.EvalResult(gen_id=1, incarnation="b", ticket=it.ticket, weight_version=0, rewards=[1.0, 0.0],
+                b.send(M.EvalResult(gen_id=1, incarnation="b", ticket=it.ticket, policy_version=0, rewards=[1.0, 0.0],
                                     lengths=[5, 5], score_status=["ok", "ok"]))
             stop = b.recv(5.0)
             assert isinstance(stop, M.Stop) and stop.reason == "drained" and left == [(1, "b")]
@@ -516,7 +516,7 @@ class _Heartbeat:
 
     def _run(self, gen_id, inc):
         while not self.stop.wait(0.1):
-            self.sock.send(M.Heartbeat(gen_id=gen_id, incarnation=inc, weight_version=self.version))
+            self.sock.send(M.Heartbeat(gen_id=gen_id, incarnation=inc, policy_version=self.version))
 
     def close(self):
         self.stop.set()

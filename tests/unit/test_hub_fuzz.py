@@ -84,7 +84,7 @@ def test_ten_thousand_hostile_frames(hub):
             v = M.PROTOCOL_VERSION + (-1 if kind == "old_protocol" else rng.randint(1, 10**6))
             signed(enc.encode(M.Hello(protocol_version=v, run_id="run1", gen_id=1, incarnation="z", pid=2)))
         elif kind == "stranger":  # a generator that never said hello
-            signed(enc.encode(M.Heartbeat(gen_id=1, incarnation="nobody", weight_version=-5)))
+            signed(enc.encode(M.Heartbeat(gen_id=1, incarnation="nobody", policy_version=-5)))
         elif kind == "unknown_ticket":  # right generator, a ticket the hub never issued
             signed(enc.encode(_group(fake_item)))
     expected = {"hub/rejected/frames": sent["truncated"], "hub/rejected/auth": sent["random"] + sent["bad_mac"],

@@ -10,6 +10,18 @@ from common.transport import free_port
 from learner.nccl import wait_until
 
 
+def receive(ch: W.WeightChannel, lay: W.Layout, out: torch.Tensor | None = None):
+    """A receiver's whole step, for tests: block for the next version -> (version, flat, checksum); None when the
+    learner says stop. (The generator's weight thread does the same in two calls, `actors/actor.py`.)"""
+    got = ch.receive_header(lay)
+    if got is None:
+        return None
+    version, flags = got
+    W.refuse_direct(flags, "this test receiver")
+    flat, total = ch.receive_buckets(lay, out)
+    return version, flat, total
+
+
 def _model(seed):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
@@ -61,7 +73,7 @@ def test_publisher_broadcasts_to_two_generators_then_stops(monkeypatch):
     def receiver(gen_id):
         ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=W.pair_prefix(gen_id, "x"))
         buf = None  # generator 1 receives each version into the previous one's vector, as the actor does once applied
-        while (r := ch.receive(lay, out=buf)) is not None:
+        while (r := receive(ch, lay, out=buf)) is not None:
             got[gen_id].append((r[0], r[1].clone(), r[2]))
             if gen_id == 1:
                 reused.append(buf is not None and r[1].data_ptr() == buf.data_ptr())
@@ -108,7 +120,7 @@ def test_leave_closes_a_drained_generators_channel_without_counting_a_failure():
 
     def receiver(gen_id, inc):
         ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=W.pair_prefix(gen_id, inc))
-        while (r := ch.receive(lay)) is not None:
+        while (r := receive(ch, lay)) is not None:
             got[gen_id].append(r[0])
 
     incarnations = {0: "x", 1: "y"}
@@ -146,7 +158,7 @@ def test_a_generator_drained_before_its_rendezvous_is_never_admitted():
 
     def receiver():  # the generator reaches the rendezvous only now
         ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=W.pair_prefix(0, "z"))
-        got.append(ch.receive(lay))
+        got.append(receive(ch, lay))
 
     t = threading.Thread(target=receiver)
     t.start()
@@ -173,7 +185,7 @@ def test_layout_mismatch_is_a_clear_error():
     def receiver():
         ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30)
         try:
-            ch.receive(W.layout(torch.nn.Linear(4, 4)))
+            receive(ch, W.layout(torch.nn.Linear(4, 4)))
         except RuntimeError as e:
             errors.append(str(e))
 
@@ -231,7 +243,7 @@ def test_publisher_sends_its_own_host_copy_of_each_bucket():
 
     def generator():
         ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=W.pair_prefix(0, "a"))
-        got.append(ch.receive(lay))
+        got.append(receive(ch, lay))
 
     t = threading.Thread(target=generator)
     t.start()
@@ -352,7 +364,7 @@ def test_model_publisher_on_rank_0_sends_the_module_through_its_channel(monkeypa
 
     def generator():
         ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=W.pair_prefix(0, "m"))
-        while (r := ch.receive(lay)) is not None:
+        while (r := receive(ch, lay)) is not None:
             got.append(r)
 
     t = threading.Thread(target=generator, daemon=True)
@@ -415,7 +427,7 @@ def test_the_gpu_checks_learner_role_publishes_a_model_directory_through_the_pub
         lay, flat = W.layout(model), W.flatten(model)
         store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=datetime.timedelta(seconds=60))
         ch = W.WeightChannel("127.0.0.1", port, 1, 2, 60, prefix=W.pair_prefix(0, "t"), store=store)
-        version, received, received_sum = ch.receive(lay)
+        version, received, received_sum = receive(ch, lay)
         assert version == 1 and torch.equal(received, flat)
         assert wait_until(lambda: os.path.exists(out), 60, 0.05)
         with open(out) as f:
@@ -424,7 +436,7 @@ def test_the_gpu_checks_learner_role_publishes_a_model_directory_through_the_pub
         assert published["bytes_sent"] == lay.numel * 4 and published["weight_sync_s"] > 0
         assert proc.poll() is None  # the channel stays open until the generator has reported
         open(until, "w").close()
-        assert ch.receive(lay) is None  # then the learner stops it
+        assert receive(ch, lay) is None  # then the learner stops it
         assert proc.wait(60) == 0, proc.stdout.read().decode()
     finally:
         if proc.poll() is None:
@@ -454,7 +466,7 @@ def _healthy_and_frozen(port: int, got: list):
 
     def receiver():
         ch = W.WeightChannel("127.0.0.1", port, 1, 2, 60, prefix=W.pair_prefix(0, "ok"))
-        while (r := ch.receive(BIG)) is not None:
+        while (r := receive(ch, BIG)) is not None:
             got.append((r[0], r[2]))
 
     t = threading.Thread(target=receiver, daemon=True)
