@@ -263,7 +263,7 @@ def test_publisher_sends_its_own_host_copy_of_each_bucket():
     pub.stop()
     version, received, received_sum = got[0]
     assert version == 1 and torch.equal(received, flat) and received_sum == total == W.checksum(flat, lay)
-    assert torch.equal(pub.latest, flat)
+    assert torch.equal(pub.latest.flat, flat)
 
 
 class _RecordingSender:
