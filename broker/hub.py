@@ -1,6 +1,8 @@
 """The hub: owns the prompt stream, issues work, collects rollouts (a thread of learner rank 0).
 
 Invariants
+- The hub owns the policy version on learner rank 0 (`version`): only `set_version` moves it (`learner/loop.py`:
+  `Lead.publish`, before the weights of that version leave), and it is saved in the hub's snapshot.
 - Every prompt issue gets a *slot*: its position in the training stream. A
   re-issue (dead generator, group too stale) keeps the slot, so the stream's
   order, and with it the batch composition, does not depend on timing.

@@ -192,9 +192,14 @@ class FilterConfig(_Section):
     overlong_penalty: Annotated[float, Meta(ge=0)] = 1.0
 
 
+AdamBeta = Annotated[float, Meta(ge=0, lt=1)]
+
+
 class LearnerConfig(_Section):
     lr: PosFloat = 1e-4
     weight_decay: Annotated[float, Meta(ge=0)] = 0.0
+    adam_betas: tuple[AdamBeta, AdamBeta] = (0.9, 0.999)  # AdamW's (beta1, beta2)
+    adam_eps: PosFloat = 1e-8  # AdamW's epsilon
     grad_clip: PosFloat = 1.0
     # An optimizer step whose loss or gradient is not finite is skipped (actor/skipped_steps); this many
     # in a row stop the run with a checkpoint.

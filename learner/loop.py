@@ -9,9 +9,13 @@ stand-ins and no processes:
   schedule), `Follower` elsewhere (the publisher only: every rank publishes, ZeRO-3 gathers are collectives);
 - `save`: `(step, state, hub_blob) -> None`, the checkpoint writer (a collective: every rank calls it).
 
-The ordering that makes runs reproducible lives in `Lead.publish`: the publish of version v + 1 waits until
-the generation pinned to version v is in (`Hub.wait_version_done`), and the hub moves to the new version before
-the weights leave, because a token stamped with it may reach the hub the moment the broadcast lands.
+The policy version has one owner on rank 0: the hub (`HubPort.set_version`; it stamps work with it, bounds
+staleness by it and saves it in its snapshot). Step k trains on the batch of version k - 1 and makes version k;
+`Lead.publish` is the one place the version moves, and everything else is handed it from there: the hub first,
+then the weights, labelled with it (the publisher's host copy carries the version of its bits, nothing more).
+That order is what makes runs reproducible: the publish of version v + 1 waits until the generation pinned to
+version v is in (`wait_version_done`), and the hub moves to the new version before the weights leave, because a
+token stamped with it may reach the hub the moment the broadcast lands (work for it just waits in the generator).
 """
 
 from __future__ import annotations
@@ -157,9 +161,10 @@ class Lead:
         self.sink.progress(self.trained, self.last_row, sorted(self.held))
 
     def publish(self, step: int) -> Published:
+        """Make `step` the policy version: the one place it moves on rank 0 (see the module docstring)."""
         waited = self.finish_version(step - 1)
-        self.hub.set_version(step)  # before the weights leave: work for `step` just waits in the generator
-        return Published(*self.publisher.publish(step), waited_s=waited)
+        self.hub.set_version(step)  # the owner moves first: work for `step` just waits in the generator
+        return Published(*self.publisher.publish(step), waited_s=waited)  # then the weights, labelled `step`
 
     def record(self, step: int, batch: StepBatch, metrics: dict[str, float], published: Published,
                t0: float) -> None:
