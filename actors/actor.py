@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common import messages as M
-from common import weights as W
+from common import messages
+from common import weights
 from common.runfiles import EXIT_DRAINED, EXIT_LOST
 from common.config import Config
 from common.rewards import RewardPool
@@ -51,10 +51,10 @@ class WeightReceiver(threading.Thread):
     """Receives every published version through the engine's weight interface (`actors/engine.py`: `Engine`);
     hands the newest host vector to the main thread, or lets the engine load it directly."""
 
-    def __init__(self, welcome: M.Welcome, engine, timeout_s: float, log_path: str | None, prefix: str):
+    def __init__(self, welcome: messages.Welcome, engine, timeout_s: float, log_path: str | None, prefix: str):
         super().__init__(name="weights", daemon=True)
         self.welcome, self.engine, self.timeout_s, self.log_path, self.prefix = welcome, engine, timeout_s, log_path, prefix
-        self.lay = W.layout(engine.model)
+        self.lay = weights.layout(engine.model)
         self.cv = threading.Condition()
         # Vectors in transit, with the version each carries (the engine owns the version it holds; see above):
         # the newest received and not yet swapped in, and the one the main thread is swapping in now.
@@ -79,7 +79,7 @@ class WeightReceiver(threading.Thread):
                 self.finished = True
                 self.cv.notify_all()
 
-    def _receive(self, ch: W.WeightChannel, version: int, flags: int) -> None:
+    def _receive(self, ch: weights.WeightChannel, version: int, flags: int) -> None:
         """The buckets of one version: staged for the main thread, or loaded by the engine itself."""
         with self.cv:
             buf, self.spare = self.spare, None
@@ -144,7 +144,7 @@ class Heartbeat(threading.Thread):
         sock = GeneratorSocket(*self.args)
         try:
             while not self.stop.wait(self.period_s):
-                sock.send(M.Heartbeat(gen_id=self.gen_id, incarnation=self.incarnation,
+                sock.send(messages.Heartbeat(gen_id=self.gen_id, incarnation=self.incarnation,
                                       policy_version=self.receiver.received))
         finally:
             sock.close()
@@ -154,12 +154,12 @@ def make_reward_pool(cfg: Config) -> RewardPool:
     return RewardPool.from_config(cfg.reward)
 
 
-def handshake(sock: GeneratorSocket, run_id: str, gen_id: int, incarnation: str, timeout_s: float) -> M.Welcome:
-    sock.send(M.Hello(protocol_version=M.PROTOCOL_VERSION, run_id=run_id, gen_id=gen_id, incarnation=incarnation, pid=os.getpid()))
+def handshake(sock: GeneratorSocket, run_id: str, gen_id: int, incarnation: str, timeout_s: float) -> messages.Welcome:
+    sock.send(messages.Hello(protocol_version=messages.PROTOCOL_VERSION, run_id=run_id, gen_id=gen_id, incarnation=incarnation, pid=os.getpid()))
     reply = sock.recv(timeout_s)
-    if isinstance(reply, M.Refused):
+    if isinstance(reply, messages.Refused):
         raise SystemExit(f"generator {gen_id}: the hub refused us: {reply.reason}")
-    if not isinstance(reply, M.Welcome):
+    if not isinstance(reply, messages.Welcome):
         raise SystemExit(f"generator {gen_id}: no welcome from the hub within {timeout_s:.0f}s (got {type(reply).__name__}); is the learner running?")
     return reply
 
@@ -172,7 +172,7 @@ def run_actor(cfg: Config, *, engine, tokenizer, hub_addr: str, key: bytes, run_
     welcome = handshake(sock, run_id, gen_id, incarnation, cfg.transport.welcome_timeout_s)
     log_path = _log_file(run_dir, f"gen{gen_id}.jsonl")
     receiver = WeightReceiver(welcome, engine, cfg.transport.weight_sync_timeout_s, log_path,
-                              W.pair_prefix(gen_id, incarnation))
+                              weights.pair_prefix(gen_id, incarnation))
     receiver.start()
     beat = Heartbeat(hub_addr, key, gen_id, incarnation, cfg.transport.heartbeat_s, receiver)
     beat.start()
@@ -213,25 +213,25 @@ class ActorLoop:
     def serve(self) -> int:
         """Ask for work and answer it until a Stop; returns the exit code the Stop calls for."""
         while True:
-            self.sock.send(M.WorkRequest(gen_id=self.gen_id, incarnation=self.incarnation,
+            self.sock.send(messages.WorkRequest(gen_id=self.gen_id, incarnation=self.incarnation,
                                          max_groups=self.cfg.rollout.groups_per_request))
             msg = self.sock.recv(self.cfg.transport.recv_timeout_s)
-            if isinstance(msg, M.Stop):
+            if isinstance(msg, messages.Stop):
                 return self.stopped(msg)
-            if isinstance(msg, M.Work):
+            if isinstance(msg, messages.Work):
                 self.train(msg)
-            elif isinstance(msg, M.EvalWork):
+            elif isinstance(msg, messages.EvalWork):
                 self.evaluate(msg)
             # None: no work yet (admission control holds it back): ask again
 
-    def train(self, work: M.Work) -> None:
+    def train(self, work: messages.Work) -> None:
         for group in rollout(work, engine=self.engine, tokenizer=self.tokenizer, pool=self.pool,
                              receiver=self.receiver, gen_id=self.gen_id, incarnation=self.incarnation,
                              wait_s=self.cfg.transport.weight_sync_timeout_s):
             self.sock.send(group)
             self.sent += 1
 
-    def evaluate(self, work: M.EvalWork) -> None:
+    def evaluate(self, work: messages.EvalWork) -> None:
         results = evaluate(work, engine=self.engine, tokenizer=self.tokenizer, pool=self.pool, receiver=self.receiver,
                            gen_id=self.gen_id, incarnation=self.incarnation,
                            wait_s=self.cfg.transport.weight_sync_timeout_s)
@@ -243,7 +243,7 @@ class ActorLoop:
         for res in results:
             self.sock.send(res)
 
-    def stopped(self, msg: M.Stop) -> int:
+    def stopped(self, msg: messages.Stop) -> int:
         """The exit code of a Stop: drained, lost, or the end of training."""
         if msg.reason == "drained":  # the run was scaled below this id; everything we held is in
             log.info("generator %d drained: the run's generator target no longer includes this id; "
@@ -257,12 +257,12 @@ class ActorLoop:
         return 0
 
 
-def rollout(work: M.Work, *, engine, tokenizer, pool, receiver, gen_id: int, incarnation: str, wait_s: float) -> list[M.RolloutGroup]:
+def rollout(work: messages.Work, *, engine, tokenizer, pool, receiver, gen_id: int, incarnation: str, wait_s: float) -> list[messages.RolloutGroup]:
     """Generate and score one Work message: the named steps of the actor loop."""
     if receiver is not None:
         receiver.wait_for(work.policy_version, wait_s)
     t0 = time.perf_counter()
-    prompts = [M.as_array(it.prompt_ids, M.TOKEN_DTYPE).tolist() for it in work.items]
+    prompts = [messages.as_array(it.prompt_ids, messages.TOKEN_DTYPE).tolist() for it in work.items]
     hook = receiver.apply if receiver is not None else None
     groups = engine.generate(prompts, work.group_size, work.sampling, [it.seed for it in work.items], before_forward=hook)
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
@@ -274,17 +274,17 @@ def rollout(work: M.Work, *, engine, tokenizer, pool, receiver, gen_id: int, inc
         samples = []
         for j, c in enumerate(comps):
             s = scores[i * work.group_size + j]
-            samples.append(M.Sample(
-                token_ids=M.to_bytes(c.token_ids, M.TOKEN_DTYPE), logprobs=M.to_bytes(c.logprobs, M.LOGPROB_DTYPE),
-                versions=M.to_bytes(c.versions, M.VERSION_DTYPE), reward=float(s.reward),
+            samples.append(messages.Sample(
+                token_ids=messages.to_bytes(c.token_ids, messages.TOKEN_DTYPE), logprobs=messages.to_bytes(c.logprobs, messages.LOGPROB_DTYPE),
+                versions=messages.to_bytes(c.versions, messages.VERSION_DTYPE), reward=float(s.reward),
                 finish_reason=c.finish_reason, score_status=s.status,
             ))
-        out.append(M.RolloutGroup(gen_id=gen_id, incarnation=incarnation, ticket=it.ticket, prompt_id=it.prompt_id,
+        out.append(messages.RolloutGroup(gen_id=gen_id, incarnation=incarnation, ticket=it.ticket, prompt_id=it.prompt_id,
                                   epoch=it.epoch, prompt_ids=it.prompt_ids, samples=samples, gen_time_s=gen_time))
     return out
 
 
-def evaluate(work: M.EvalWork, *, engine, tokenizer, pool, receiver, gen_id: int, incarnation: str, wait_s: float) -> list[M.EvalResult]:
+def evaluate(work: messages.EvalWork, *, engine, tokenizer, pool, receiver, gen_id: int, incarnation: str, wait_s: float) -> list[messages.EvalResult]:
     """Sample and score held-out prompts with weights of exactly work.policy_version.
 
     The hub publishes nothing newer until every eval item of this version is back, so
@@ -295,14 +295,14 @@ def evaluate(work: M.EvalWork, *, engine, tokenizer, pool, receiver, gen_id: int
     if engine.version != work.policy_version:
         raise RuntimeError(f"eval of version {work.policy_version} asked, but the engine holds version {engine.version}: "
                            "the hub published newer weights before this eval finished (a hub bug)")
-    prompts = [M.as_array(it.prompt_ids, M.TOKEN_DTYPE).tolist() for it in work.items]
+    prompts = [messages.as_array(it.prompt_ids, messages.TOKEN_DTYPE).tolist() for it in work.items]
     groups = engine.generate(prompts, work.k, work.sampling, [it.seed for it in work.items])
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
     scores = pool.score_batch(list(zip(texts, [it.answer for it in work.items for _ in range(work.k)])))
     out = []
     for i, (it, comps) in enumerate(zip(work.items, groups)):
         sc = scores[i * work.k:(i + 1) * work.k]
-        out.append(M.EvalResult(gen_id=gen_id, incarnation=incarnation, ticket=it.ticket, policy_version=engine.version,
+        out.append(messages.EvalResult(gen_id=gen_id, incarnation=incarnation, ticket=it.ticket, policy_version=engine.version,
                                 rewards=[float(x.reward) for x in sc], lengths=[len(c.token_ids) for c in comps],
                                 score_status=[x.status for x in sc],
                                 texts=texts[i * work.k:(i + 1) * work.k] if it.prompt_id < work.keep_texts else []))

@@ -64,11 +64,11 @@ from typing import Callable
 
 import numpy as np
 
-from broker import state as S
+from broker import state
 from broker.evals import EvalSchedule
 from broker.hooks import GeneratorHooks
 from broker.rules import GroupRules
-from common import messages as M
+from common import messages
 from common.config import Config
 from common.data import Prompt, PromptSource
 from common.seeds import prompt_seed
@@ -97,7 +97,7 @@ class Ticket:
 class Ready:
     slot: int
     policy_version: int  # its ticket's (saved as `ReadyState.issue_version`)
-    group: M.RolloutGroup
+    group: messages.RolloutGroup
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class ShapedGroup:
     """One group of a batch as the hub hands it over: the group, and the rewards advantages are computed from
     (`GroupRules.rewards`: the scores plus the overlong shaping), decided here once."""
     slot: int
-    group: M.RolloutGroup
+    group: messages.RolloutGroup
     rewards: np.ndarray  # [n] float64
 
 
@@ -167,7 +167,7 @@ class Hub:
         self.rules = GroupRules.of(cfg)
         self.gps = cfg.rollout.groups_per_step
         r = cfg.rollout
-        self.sampling = M.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+        self.sampling = messages.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                                          forced_length_median=r.forced_length_median,
                                          forced_length_sigma=r.forced_length_sigma)
         self.cv = threading.Condition()
@@ -275,19 +275,19 @@ class Hub:
         with self.cv:
             counters = self._counted()
             pending = sorted({(t.slot, t.prompt_id, t.epoch) for t in [*self.in_flight.values(), *self.reissue]})
-            state = S.HubState(
+            saved = state.HubState(
                 version=self.version, slots=self.slots, filtered=self.filtered, filtered_this_step=self.filtered_this_step,
                 epoch=self.epoch, pos=self.pos, n_trained=self.n_trained, settled_floor=self.settled_floor,
                 settled=sorted(self.settled), counters={k: float(v) for k, v in counters.items()},
-                ready=[S.ReadyState(r.slot, r.policy_version, r.group) for _, r in sorted(self.ready.items())],
+                ready=[state.ReadyState(r.slot, r.policy_version, r.group) for _, r in sorted(self.ready.items())],
                 pending=pending,
             )
-        return S.encode(state)
+        return state.encode(saved)
 
     def restore(self, blob: bytes) -> None:
         """Continue from `snapshot()` bytes; call before `start`. Work that was in flight is re-issued
         (same slots, same seeds), and the eval of the restored version is scheduled again."""
-        st = S.decode(blob)
+        st = state.decode(blob)
         with self.cv:
             self.version, self.slots, self.filtered = st.version, st.slots, st.filtered
             self.filtered_this_step = st.filtered_this_step
@@ -366,46 +366,46 @@ class Hub:
             self.sock.close()
 
     def _handle(self, identity: bytes, msg, now: float) -> None:
-        if isinstance(msg, M.Hello):
+        if isinstance(msg, messages.Hello):
             self._hello(identity, msg, now)
             return
         gen = self.gens.get(msg.gen_id)
         if gen is None or gen.incarnation != msg.incarnation:
             stop = self.ended.get((msg.gen_id, msg.incarnation))
-            if stop is not None and isinstance(msg, (M.WorkRequest, M.Heartbeat)):
+            if stop is not None and isinstance(msg, (messages.WorkRequest, messages.Heartbeat)):
                 # A drained one asked before our Stop reached it; a lost one came back (resumed, unwedged) and must
                 # not go on: say it again.
-                if isinstance(msg, M.WorkRequest):
-                    self.sock.send(identity, M.Stop(reason=stop))
+                if isinstance(msg, messages.WorkRequest):
+                    self.sock.send(identity, messages.Stop(reason=stop))
                 return
             self.counts["hub/rejected/unknown_generator"] += 1
             return
         gen.last_seen = now
-        if isinstance(msg, M.WorkRequest):
+        if isinstance(msg, messages.WorkRequest):
             # Work goes back on the socket that asked: heartbeats come from another one.
             gen.identity = identity
             gen.wanted = max(0, min(msg.max_groups, 1024))
             gen.progress_at = now  # its main loop asks only once it has sent back all it held
-        elif isinstance(msg, M.Heartbeat):
+        elif isinstance(msg, messages.Heartbeat):
             gen.policy_version = msg.policy_version
-        elif isinstance(msg, (M.RolloutGroup, M.EvalResult)):
+        elif isinstance(msg, (messages.RolloutGroup, messages.EvalResult)):
             self.slowest_reply_s = max(self.slowest_reply_s, now - gen.progress_at)
             gen.progress_at = now
-            if isinstance(msg, M.RolloutGroup):
+            if isinstance(msg, messages.RolloutGroup):
                 self._rollout(msg)
             else:
                 self._eval_result(msg)
 
-    def _hello(self, identity: bytes, msg: M.Hello, now: float) -> None:
-        if msg.protocol_version != M.PROTOCOL_VERSION or msg.run_id != self.run_id:
+    def _hello(self, identity: bytes, msg: messages.Hello, now: float) -> None:
+        if msg.protocol_version != messages.PROTOCOL_VERSION or msg.run_id != self.run_id:
             reason = (
-                f"protocol version {msg.protocol_version} != hub's {M.PROTOCOL_VERSION}; run the same covrl version on both sides"
-                if msg.protocol_version != M.PROTOCOL_VERSION
+                f"protocol version {msg.protocol_version} != hub's {messages.PROTOCOL_VERSION}; run the same covrl version on both sides"
+                if msg.protocol_version != messages.PROTOCOL_VERSION
                 else f"run id {msg.run_id!r} is not this hub's run {self.run_id!r}; point the generator at its own run directory"
             )
             self.counts["hub/rejected/handshake"] += 1
             log.warning("refused generator %s (pid %s): %s", msg.gen_id, msg.pid, reason)
-            self.sock.send(identity, M.Refused(reason=reason))
+            self.sock.send(identity, messages.Refused(reason=reason))
             return
         if not 0 <= msg.gen_id < self.target:
             reason = (f"gen_id {msg.gen_id} is outside 0..{self.target - 1}: the run's generator target is {self.target} "
@@ -413,7 +413,7 @@ class Hub:
                       f"; to run this generator, raise it with `covrl-scale RUN_DIR --gens {msg.gen_id + 1}`"))
             self.counts["hub/rejected/handshake"] += 1
             log.warning("refused generator %s (pid %s): %s", msg.gen_id, msg.pid, reason)
-            self.sock.send(identity, M.Refused(reason=reason))
+            self.sock.send(identity, messages.Refused(reason=reason))
             return
         old = self.gens.get(msg.gen_id)
         if old is not None and old.incarnation != msg.incarnation:
@@ -421,18 +421,19 @@ class Hub:
         self.gens[msg.gen_id] = GenState(identity, msg.incarnation, now, pid=msg.pid, progress_at=now)
         self.sock.send(
             identity,
-            M.Welcome(protocol_version=M.PROTOCOL_VERSION, run_id=self.run_id, weight_addr=self.weight_addr),
+            messages.Welcome(protocol_version=messages.PROTOCOL_VERSION, run_id=self.run_id,
+                             weight_addr=self.weight_addr),
         )
         if self.hooks is not None:
             self.hooks.join(msg.gen_id, msg.incarnation)
         log.info("generator %d joined (pid %d)", msg.gen_id, msg.pid)
 
-    def _rollout(self, g: M.RolloutGroup) -> None:
+    def _rollout(self, g: messages.RolloutGroup) -> None:
         t = self.in_flight.get(g.ticket)
         if t is None or t.gen_id != g.gen_id or t.incarnation != g.incarnation:
             self.counts["hub/rejected/unknown_ticket"] += 1
             return
-        reason = M.check_rollout(
+        reason = messages.check_rollout(
             g, group_size=self.cfg.rollout.group_size, max_version=self.version, max_tokens=self.sampling.max_new_tokens
         )
         if reason is None and (g.prompt_id != t.prompt_id or g.epoch != t.epoch):
@@ -444,7 +445,7 @@ class Hub:
             self.reissue.append(t)
             return
         del self.in_flight[g.ticket]
-        self.gen_tokens += sum(M.n_tokens(s.token_ids) for s in g.samples)
+        self.gen_tokens += sum(messages.n_tokens(s.token_ids) for s in g.samples)
         self.gen_busy_s += g.gen_time_s
         if self.rules.filters_out(g, self.filtered_this_step):
             # No reward spread, no advantage: drop it and let admission issue a replacement.
@@ -455,7 +456,7 @@ class Hub:
         self.ready[t.slot] = Ready(t.slot, t.policy_version, g)
         self.cv.notify_all()
 
-    def _eval_result(self, res: M.EvalResult) -> None:
+    def _eval_result(self, res: messages.EvalResult) -> None:
         reason = self.evals.accept(res)
         if reason is None:
             self.cv.notify_all()
@@ -514,7 +515,7 @@ class Hub:
             self.ended[(gen_id, gen.incarnation)] = "drained"
             if self.hooks is not None:  # before the Stop: the channel's end is then never taken for a failure
                 self.hooks.leave(gen_id, gen.incarnation)
-            self.sock.send(gen.identity, M.Stop(reason="drained"))
+            self.sock.send(gen.identity, messages.Stop(reason="drained"))
             self.counts["hub/generators_drained"] += 1
             log.info("generator %d drained (target %d): stopped", gen_id, self.target)
 
@@ -570,7 +571,7 @@ class Hub:
                 gen.progress_at = time.monotonic()  # its clock starts now, not when it asked
                 self.sock.send(
                     gen.identity,
-                    M.Work(items=items, group_size=self.cfg.rollout.group_size, sampling=self.sampling, policy_version=self.version),
+                    messages.Work(items=items, group_size=self.cfg.rollout.group_size, sampling=self.sampling, policy_version=self.version),
                 )
 
     def _next_ticket(self, gen_id: int, incarnation: str) -> Ticket | None:
@@ -590,13 +591,13 @@ class Hub:
         self.in_flight[t.ticket] = t
         return t
 
-    def _work_item(self, t: Ticket) -> M.WorkItem:
+    def _work_item(self, t: Ticket) -> messages.WorkItem:
         p = self.source[t.prompt_id]
-        return M.WorkItem(
+        return messages.WorkItem(
             ticket=t.ticket,
             prompt_id=t.prompt_id,
             epoch=t.epoch,
-            prompt_ids=M.to_bytes(p.ids, M.TOKEN_DTYPE),
+            prompt_ids=messages.to_bytes(p.ids, messages.TOKEN_DTYPE),
             answer=p.answer,
             data_source=p.data_source,
             seed=prompt_seed(self.cfg.run.seed, t.epoch, t.prompt_id),
@@ -604,7 +605,7 @@ class Hub:
 
     def _broadcast_stop(self, reason: str) -> None:
         for gen in self.gens.values():
-            self.sock.send(gen.identity, M.Stop(reason=reason))
+            self.sock.send(gen.identity, messages.Stop(reason=reason))
 
     def stats(self) -> BrokerStats:
         """The running totals, read under the lock: the trainer turns their differences into per-step metrics."""

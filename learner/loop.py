@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import messages as M
+from common import messages
 from common.config import Config, eval_versions
 from learner.batch import StepBatch, batch_from_config, decode, encode
 from learner.ports import HubPort, ShapedGroup
@@ -62,11 +62,11 @@ class Ranks:
 def host_metrics(groups: list[ShapedGroup], version: int) -> dict[str, float]:
     """What rank 0 can read off the rollouts themselves."""
     samples = [s for r in groups for s in r.group.samples]
-    stale = np.concatenate([version - M.as_array(s.versions, M.VERSION_DTYPE) for s in samples])
+    stale = np.concatenate([version - messages.as_array(s.versions, messages.VERSION_DTYPE) for s in samples])
     return {
         "critic/score/mean": float(np.mean([s.reward for s in samples])),
-        "response_length/mean": float(np.mean([M.n_tokens(s.token_ids) for s in samples])),
-        "response_length/max": float(max(M.n_tokens(s.token_ids) for s in samples)),
+        "response_length/mean": float(np.mean([messages.n_tokens(s.token_ids) for s in samples])),
+        "response_length/max": float(max(messages.n_tokens(s.token_ids) for s in samples)),
         "staleness/mean": float(stale.mean()),
         "staleness/max": float(stale.max()),
         "reward/timeouts": float(sum(s.score_status == "timeout" for s in samples)),

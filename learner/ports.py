@@ -11,14 +11,14 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from common import messages as M
+from common import messages
 
 
 class ShapedGroup(Protocol):
     """One group of a batch, with the rewards the broker's rules shaped for it (advantages are computed from
     these, never from the raw scores)."""
 
-    group: M.RolloutGroup
+    group: messages.RolloutGroup
     rewards: np.ndarray  # [n] float64: the scores plus the overlong shaping
 
 

@@ -1,7 +1,7 @@
 """Learner rank 0's side of the weight channels: one two-member gloo channel per generator incarnation.
 
 A generator joins when the hub welcomes it (first start or restart): a join thread builds the pair
-channel (a rendezvous under the store prefix `W.pair_prefix(gen_id, incarnation)`), sends it the
+channel (a rendezvous under the store prefix `weights.pair_prefix(gen_id, incarnation)`), sends it the
 latest published version at once, and adds it to the broadcast list. So a restarted generator catches
 up before it generates, and it never trusts a version number it has not received (it starts from the
 base model, version 0, and waits for the version its work names). `publish` sends each bucket to every
@@ -28,7 +28,7 @@ A vLLM generator with the nccl transport announces its NCCL receiver in the pair
 rendezvous (`common/vllm_weights.py`). Its join thread only records that; the NCCL group itself (this rank's GPU
 + the generator's tp workers) is built by the trainer thread at the start of the next `publish`, on the
 learner's device and between train steps, so it never races DeepSpeed's own collectives. Headers still go over
-gloo, flagged `W.FLAG_DIRECT`, and each bucket is broadcast over NCCL in the generator's dtype straight into its
+gloo, flagged `weights.FLAG_DIRECT`, and each bucket is broadcast over NCCL in the generator's dtype straight into its
 workers, on the sender's own stream and with a deadline (`NcclSender`), cut short when the hub declares the
 generator lost (`learner/nccl.py`).
 
@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from common import vllm_weights
-from common import weights as W
+from common import weights
 from common.transport import free_port
 from learner import nccl
 from learner.params import param_buckets, scratch_for
@@ -69,9 +69,9 @@ class Sends:
     def __init__(self, timeout_s: float, gone: Callable[[int], bool]):
         self.deadline = time.monotonic() + timeout_s
         self.timeout_s, self.gone = timeout_s, gone
-        self.ops: dict[int, tuple[W.WeightChannel, dist.Work]] = {}
+        self.ops: dict[int, tuple[weights.WeightChannel, dist.Work]] = {}
 
-    def add(self, gen_id: int, ch: W.WeightChannel, start: Callable[[], dist.Work]) -> str | None:
+    def add(self, gen_id: int, ch: weights.WeightChannel, start: Callable[[], dist.Work]) -> str | None:
         """Begin one operation; the failure's description if it could not even begin."""
         try:
             self.ops[gen_id] = (ch, start())
@@ -96,7 +96,7 @@ class Sends:
                 pause = min(pause * 2, 5e-3)
         return failed
 
-    def _settled(self, gen_id: int, ch: W.WeightChannel, work: dist.Work) -> tuple[bool, str | None]:
+    def _settled(self, gen_id: int, ch: weights.WeightChannel, work: dist.Work) -> tuple[bool, str | None]:
         """(whether this operation is over, why it failed or None)."""
         if work.is_completed():
             try:
@@ -113,8 +113,8 @@ class Sends:
         return False, None
 
 
-def _abandon(ch: W.WeightChannel, work: dist.Work) -> None:
-    def hold(ch: W.WeightChannel, work: dist.Work) -> None:
+def _abandon(ch: weights.WeightChannel, work: dist.Work) -> None:
+    def hold(ch: weights.WeightChannel, work: dist.Work) -> None:
         try:
             work.wait()  # fails at the channel's own deadline
         except RuntimeError:
@@ -133,17 +133,17 @@ class GlooPeer:
 
     gen_id: int
     incarnation: str
-    channel: W.WeightChannel
+    channel: weights.WeightChannel
     blocking = False  # a bucket send returns at once: all such sends are waited for together (`Sends`)
 
-    def start_header(self, sends: "Sends", version: int, lay: W.Layout) -> str | None:
+    def start_header(self, sends: "Sends", version: int, lay: weights.Layout) -> str | None:
         return sends.add(self.gen_id, self.channel, lambda: self.channel.start_header(version, lay, self.flags))
 
     @property
     def flags(self) -> int:
         return 0
 
-    def send_bucket(self, sends: "Sends", lay: W.Layout, first: int, end: int, host: torch.Tensor,
+    def send_bucket(self, sends: "Sends", lay: weights.Layout, first: int, end: int, host: torch.Tensor,
                     bucket: torch.Tensor, cancelled: Callable[[], bool]) -> str | None:
         """Begin sending one bucket's host copy; the failure's description if it could not even begin."""
         return sends.add(self.gen_id, self.channel, lambda: self.channel.start_bucket(host))
@@ -168,9 +168,9 @@ class NcclPeer(GlooPeer):
 
     @property
     def flags(self) -> int:
-        return W.FLAG_DIRECT
+        return weights.FLAG_DIRECT
 
-    def send_bucket(self, sends: "Sends", lay: W.Layout, first: int, end: int, host: torch.Tensor,
+    def send_bucket(self, sends: "Sends", lay: weights.Layout, first: int, end: int, host: torch.Tensor,
                     bucket: torch.Tensor, cancelled: Callable[[], bool]) -> str | None:
         try:
             self.sender.send_bucket(lay, first, end, bucket, self.dtype, cancelled=cancelled)
@@ -190,7 +190,7 @@ class Rendezvoused:
 
     gen_id: int
     incarnation: str
-    channel: W.WeightChannel
+    channel: weights.WeightChannel
     store: dist.Store
     announced: bool  # the generator announced an NCCL receiver in the pair channel's store
 
@@ -205,12 +205,12 @@ class HostCopy:
     Written only by `publish`, under the publisher's lock, so a catch-up never labels half-written bits."""
 
     flat: torch.Tensor  # fp32, the model's size; pinned on a CUDA learner
-    layout: W.Layout
+    layout: weights.Layout
     version: int = 0
 
     def buckets(self):
         """(host, host) bucket pairs of the plan: a catch-up sends the host copy to gloo and NCCL peers alike."""
-        return ((self.flat[start:stop], self.flat[start:stop]) for *_, start, stop in W.bucket_plan(self.layout))
+        return ((self.flat[start:stop], self.flat[start:stop]) for *_, start, stop in weights.bucket_plan(self.layout))
 
 
 class WeightPublisher:
@@ -265,12 +265,12 @@ class WeightPublisher:
 
     def _rendezvous(self, gen_id: int, incarnation: str) -> Rendezvoused:
         """The learner's end of this incarnation's pair channel, once the generator has joined it too."""
-        prefix = W.pair_prefix(gen_id, incarnation)
+        prefix = weights.pair_prefix(gen_id, incarnation)
         # A client of our own store with the send deadline, so this rendezvous waits no longer than that.
         client = dist.TCPStore(self.host, self.port, None, is_master=False,
                                timeout=datetime.timedelta(seconds=self.send_timeout_s))
-        ch = W.WeightChannel(self.host, self.port, W.LEARNER_RANK, W.PAIR_WORLD, self.send_timeout_s, prefix=prefix,
-                             store=client)
+        ch = weights.WeightChannel(self.host, self.port, weights.LEARNER_RANK, weights.PAIR_WORLD, self.send_timeout_s,
+                                   prefix=prefix, store=client)
         store = dist.PrefixStore(prefix, client)
         # The announcement precedes the gloo rendezvous that just completed, so `check` cannot miss it.
         return Rendezvoused(gen_id, incarnation, ch, store, store.check([vllm_weights.ANNOUNCE_KEY]))
@@ -344,7 +344,7 @@ class WeightPublisher:
                 self._fail(peer, failed[peer.gen_id], "during its catch-up")
                 return
         self.channels[peer.gen_id] = peer
-        self.counters["weights/direct_channels"] += peer.flags == W.FLAG_DIRECT
+        self.counters["weights/direct_channels"] += peer.flags == weights.FLAG_DIRECT
         self.counters["weights/joins"] += 1
         log.info("generator %d (%s) joined the weight channels at version %d", peer.gen_id, peer.incarnation,
                  0 if self.latest is None else self.latest.version)
@@ -370,10 +370,10 @@ class WeightPublisher:
 
     # ---- called from the trainer (main) thread ------------------------------------------
 
-    def publish(self, version: int, lay: W.Layout, buckets) -> tuple[float, int, float]:
+    def publish(self, version: int, lay: weights.Layout, buckets) -> tuple[float, int, float]:
         """Send a version to every live channel. Returns (seconds, bytes sent to each, checksum)."""
         t0 = time.perf_counter()
-        acc = W.Checksum(lay.numel)
+        acc = weights.Checksum(lay.numel)
         with self.lock:
             self._connect_nccl()  # before the host copy exists on the first publish: nothing to catch up on yet
             if self.latest is None:  # pinned on a CUDA learner: device-to-host copies run at full speed
@@ -382,7 +382,7 @@ class WeightPublisher:
             live = [p for p in self.channels.values() if self._gone(p.gen_id, p.incarnation) is None]
 
             def copies():
-                for start, bucket in W.checked_buckets(lay, buckets):
+                for start, bucket in weights.checked_buckets(lay, buckets):
                     host = self.latest.flat[start:start + bucket.numel()]
                     host.copy_(bucket)  # from the learner's device; gloo sends this host copy
                     acc.add(host, start)
@@ -397,7 +397,7 @@ class WeightPublisher:
             self.latest.version = version
         return time.perf_counter() - t0, lay.numel * 4, acc.total
 
-    def _send(self, live: list[GlooPeer], version: int, lay: W.Layout, buckets) -> dict[int, str]:
+    def _send(self, live: list[GlooPeer], version: int, lay: weights.Layout, buckets) -> dict[int, str]:
         """One version to every peer in `live`, at once: the headers, then each (host, device) bucket pair of the
         plan. Returns {gen_id: why} for the peers that failed (lock held)."""
         incarnation = {p.gen_id: p.incarnation for p in live}
@@ -410,7 +410,7 @@ class WeightPublisher:
         failed.update(sends.wait())  # headers first, so a dead peer is found before the buckets
         # Buckets that only start go first, so they travel while the blocking (NCCL) sends run one at a time.
         ordered = sorted(live, key=lambda p: p.blocking)
-        for (first, end, _, _), (host, bucket) in zip(W.bucket_plan(lay), buckets, strict=True):
+        for (first, end, _, _), (host, bucket) in zip(weights.bucket_plan(lay), buckets, strict=True):
             sends = Sends(self.send_timeout_s, gone)
             for peer in ordered:
                 if peer.gen_id not in failed and (why := peer.send_bucket(
@@ -469,7 +469,7 @@ class ModelPublisher:
 
     def __init__(self, module: torch.nn.Module, *, zero3: bool, channel: WeightPublisher | None):
         self.module, self.zero3, self.channel = module, zero3, channel
-        self.layout = W.layout(module)
+        self.layout = weights.layout(module)
         self.scratch = scratch_for(module, self.layout)
 
     def publish(self, version: int) -> tuple[float, int, float] | None:
