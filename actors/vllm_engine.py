@@ -428,7 +428,7 @@ class VllmEngine(Engine):
 
     @classmethod
     def from_config(cls, cfg, model_path: str, *, stop_ids: Sequence[int]) -> "VllmEngine":
-        """Settings from the run config: `cfg.generator` (proposed section, see the issue-6 notes), `cfg.model.dtype`."""
+        """Settings from the run config: `cfg.generator` and `cfg.model.dtype`."""
         gen = cfg.generator
         # An fp32 checkpoint is served in bf16 (vLLM's attention kernels are for 16-bit dtypes); the learner keeps
         # fp32 master weights and the NCCL/RPC paths cast each bucket to the generator's dtype.

@@ -225,7 +225,7 @@ class LearnerConfig(_Section):
     high_entropy_fraction: Fraction01 = 0.0  # train only the top-rho entropy tokens (0: off; paper 0.2)
     logprob_chunk_tokens: PosInt = 1024  # tokens per lm-head chunk when computing logprobs and entropy
     # Entropy after the update of tokens just trained on (actor/entropy_delta): one more no-grad pass, over every
-    # entropy_delta_stride-th micro-batch of each rank from the first (1: the whole batch, as before).
+    # entropy_delta_stride-th micro-batch of each rank from the first (1: the whole batch).
     log_entropy_delta: bool = True
     entropy_delta_stride: PosInt = 8
     importance: ImportanceConfig = msgspec.field(default_factory=ImportanceConfig)
@@ -463,7 +463,7 @@ def check(cfg: Config) -> None:
                           f"weight_send_timeout_s ({t.batch_timeout_s:g} + {t.weight_send_timeout_s:g}): the other learner "
                           f"ranks wait that long for rank 0 while it waits for the generators; raise it")
     if cfg.rollout.top_p < 1:
-        # Decided for issue 13: the learner does not re-derive the nucleus. Both engines report pi_behav under the
+        # The learner does not re-derive the nucleus. Both engines report pi_behav under the
         # nucleus they sampled from (renormalised over the top-p tokens; vLLM's processed_logprobs), the learner
         # scores pi_prox and pi_theta under the full tempered softmax, so every ratio would carry the nucleus mass.
         raise ConfigError(
