@@ -20,7 +20,11 @@ its incarnation at once and a leave thread sends it the stop header and drops it
 (`weights/left_channels`); whoever finds such a channel gone (a publish, a join thread that was still in its
 rendezvous) counts it as left, never as a failure.
 
-Every bucket is copied into `latest` (a host vector, pinned on a CUDA learner) and the gloo channels send
+Each admitted channel is a peer, its kind chosen once when it is admitted: a `GlooPeer` (buckets over the gloo
+pair channel, all peers at once) or an `NcclPeer` (below); the publisher calls their `start_header`, `send_bucket`,
+`release` and `close` and never asks which kind it holds.
+
+Every bucket is copied into `latest` (a `HostCopy`: a host vector, pinned on a CUDA learner) and the gloo channels send
 that copy, never the caller's tensor: a CUDA learner's buckets are on its GPU, and the caller reuses one
 bucket buffer for the next bucket as soon as it is asked for.
 

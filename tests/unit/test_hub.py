@@ -94,6 +94,15 @@ def test_wrong_protocol_version_and_garbage_are_rejected_and_hub_survives(hub, c
     gen.close()
 
 
+def _until_counter(hub, key, value, timeout_s=5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while hub.stats().counters.get(key) != value:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_admission_control_and_staleness_zero_batches(hub):
     gen = GeneratorSocket(hub.sock.address, KEY)
     assert isinstance(_hello(gen), M.Welcome)
@@ -110,9 +119,15 @@ def test_admission_control_and_staleness_zero_batches(hub):
     shaped = GroupRules.of(hub.cfg).rewards([r.group for r in batch])
     assert all(np.array_equal(r.rewards, row) for r, row in zip(batch, shaped, strict=True))
     assert hub.stats().gen_busy_s == pytest.approx(0.2)  # each valid group's gen_time_s (timing_s/gen_idle)
+    assert {k: v for k, v in hub.stats().counters.items() if "weight_lag" in k} == {
+        "perf/weight_lag/gen0": 0.0, "perf/weight_lag/max": 0.0}
     hub.set_version(1)
     more = gen.recv(5.0)  # the pending request is served once the version moves
     assert isinstance(more, M.Work) and more.policy_version == 1 and len(more.items) == 2
+    # The weight lag: versions behind the learner by the generator's last heartbeat.
+    assert hub.stats().counters["perf/weight_lag/max"] == 1.0
+    gen.send(M.Heartbeat(gen_id=0, incarnation="a", policy_version=1))
+    assert _until_counter(hub, "perf/weight_lag/gen0", 0.0)
     # A result for an unknown ticket, or with a version from the future, is rejected, not trained.
     gen.send(_result(M.WorkItem(ticket=999, prompt_id=0, epoch=0, prompt_ids=more.items[0].prompt_ids, answer="",
                                 data_source="", seed=0)))
