@@ -477,19 +477,8 @@ class VllmEngine(Engine):
         params = [self.api.SamplingParams(**sampling_kwargs(n, sampling, s, self.stop_ids, self.settings.seed_requests),
                                           output_kind=self.api.FINAL_ONLY) for s in seeds]
         fut = self._loop.submit(self._generate_all([list(map(int, p)) for p in prompts], params))
-        hook = before_forward or (lambda: None)
-        deadline = time.monotonic() + self.settings.timeout_s
         try:
-            while True:
-                hook()  # may apply staged weights (load_flat) while requests run
-                try:
-                    finals = fut.result(timeout=min(self.settings.poll_s, max(0.0, deadline - time.monotonic())))
-                    break
-                except concurrent.futures.TimeoutError:
-                    if time.monotonic() >= deadline:
-                        raise EngineTimeout(f"vLLM did not finish {len(prompts)} prompts within "
-                                            f"{self.settings.timeout_s:.0f}s (generator.engine_timeout_s): the "
-                                            "engine is taken to be wedged") from None
+            finals = self._finals(fut, len(prompts), before_forward or (lambda: None))
         finally:
             fut.cancel()  # no-op when done; otherwise vLLM aborts the requests
         groups = []
@@ -500,6 +489,20 @@ class VllmEngine(Engine):
             fallback = v_submit if v_submit == self.version or self.settings.weight_update == "finish" else None
             groups.append([to_completion(c, fallback, self.api.version_spans) for c in comps])
         return groups
+
+    def _finals(self, fut: concurrent.futures.Future, prompts: int, hook: Callable[[], None]):
+        """Wait for every request's final output, running `hook` between polls (it may apply staged weights while
+        requests run), at most `generator.engine_timeout_s`."""
+        deadline = time.monotonic() + self.settings.timeout_s
+        while True:
+            hook()
+            try:
+                return fut.result(timeout=min(self.settings.poll_s, max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise EngineTimeout(f"vLLM did not finish {prompts} prompts within "
+                                        f"{self.settings.timeout_s:.0f}s (generator.engine_timeout_s): the "
+                                        "engine is taken to be wedged") from None
 
     async def _generate_all(self, prompts, params):
         return await asyncio.gather(*(self._one(p, sp) for p, sp in zip(prompts, params)))

@@ -344,18 +344,7 @@ class Hub:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                got = self.sock.recv(0.05)
-                now = time.monotonic()
-                target = self._poll_target(now)  # outside the lock: it may read a file
-                if got is not None:
-                    identity, msg = got
-                    with self.cv:
-                        self._handle(identity, msg, now)
-                with self.cv:
-                    self._set_target(target)
-                    self._expire(now)
-                    self._drain()
-                    self._serve_wanted()
+                self._turn()
             self._broadcast_stop("training finished")
         except BaseException as e:  # surfaced to the trainer thread by take_batch
             log.exception("hub thread crashed")
@@ -364,6 +353,21 @@ class Hub:
                 self.cv.notify_all()
         finally:
             self.sock.close()
+
+    def _turn(self) -> None:
+        """One turn of the hub thread: a message (if one came within 50 ms), then the periodic duties."""
+        got = self.sock.recv(0.05)
+        now = time.monotonic()
+        target = self._poll_target(now)  # outside the lock: it may read a file
+        if got is not None:
+            identity, msg = got
+            with self.cv:
+                self._handle(identity, msg, now)
+        with self.cv:
+            self._set_target(target)
+            self._expire(now)
+            self._drain()
+            self._serve_wanted()
 
     def _handle(self, identity: bytes, msg, now: float) -> None:
         if isinstance(msg, messages.Hello):
