@@ -16,7 +16,7 @@ from broker.hooks import GeneratorHooks
 from broker.hub import BrokerStats
 from broker.hub import Hub as RealHub
 from broker.rules import GroupRules
-from common import messages as M
+from common import messages
 from common.config import eval_versions, from_dict
 from learner.__main__ import GeneratorEvents
 from learner.batch import batch_from_config, decode, encode
@@ -31,11 +31,11 @@ CFG = {"run": {"steps": 4, "checkpoint_every_steps": 3}, "rollout": {"groups_per
 
 
 def _group(rewards):
-    samples = [M.Sample(token_ids=M.to_bytes([5, 6, 7], M.TOKEN_DTYPE), logprobs=M.to_bytes(np.full(3, -0.5), M.LOGPROB_DTYPE),
-                        versions=M.to_bytes([0, 0, 0], M.VERSION_DTYPE), reward=float(r), finish_reason="stop",
+    samples = [messages.Sample(token_ids=messages.to_bytes([5, 6, 7], messages.TOKEN_DTYPE), logprobs=messages.to_bytes(np.full(3, -0.5), messages.LOGPROB_DTYPE),
+                        versions=messages.to_bytes([0, 0, 0], messages.VERSION_DTYPE), reward=float(r), finish_reason="stop",
                         score_status="ok") for r in rewards]
-    return M.RolloutGroup(gen_id=0, incarnation="x", ticket=0, prompt_id=0, epoch=0,
-                          prompt_ids=M.to_bytes([1, 2], M.TOKEN_DTYPE), samples=samples, gen_time_s=0.0)
+    return messages.RolloutGroup(gen_id=0, incarnation="x", ticket=0, prompt_id=0, epoch=0,
+                          prompt_ids=messages.to_bytes([1, 2], messages.TOKEN_DTYPE), samples=samples, gen_time_s=0.0)
 
 
 class Ready:
