@@ -2,8 +2,8 @@
 
 Three threads, one job each:
 - main: the actor loop below (request -> generate -> score -> send);
-- weights: blocks in the weight channel's broadcast and stages each version;
-  the main thread swaps staged weights in before the next forward, so new
+- weights: blocks in the weight channel's broadcast and stages each version (`actors/weights.py`:
+  `WeightReceiver`); the main thread swaps staged weights in before the next forward, so new
   weights take effect mid-generation and every token records its version;
 - heartbeat: its own socket, so the hub knows this process is alive even
   while a long batch is generating.
@@ -13,7 +13,7 @@ the weights it holds. Only the engine sets it, as it loads a version; it stamps 
 checks it (`evaluate`). The weight receiver keeps no version of its own: it holds vectors in transit, each
 labelled with the version it carries (staged for the main thread, or being loaded by it), and what has
 *arrived* (`WeightReceiver.received`) is the newest of those labels, else the engine's version. That is what
-the heartbeat reports (`Heartbeat.weight_version`) and what `wait_for` waits for. A (re)started generator starts
+the heartbeat reports (`Heartbeat.policy_version`) and what `wait_for` waits for. A (re)started generator starts
 from the base model, version 0, whatever the learner is at: the learner sends it the latest version first thing,
 and work waits for the version it names.
 
@@ -33,101 +33,17 @@ import os
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
-import torch
-
-from common import messages as M
-from common import weights as W
+from actors.weights import WeightReceiver
+from common import messages
+from common import weights
 from common.runfiles import EXIT_DRAINED, EXIT_LOST
 from common.config import Config
 from common.rewards import RewardPool
 from common.transport import GeneratorSocket
 
 log = logging.getLogger("covrl.actor")
-
-
-class WeightReceiver(threading.Thread):
-    """Receives every published version through the engine's weight interface (`actors/engine.py`: `Engine`);
-    hands the newest host vector to the main thread, or lets the engine load it directly."""
-
-    def __init__(self, welcome: M.Welcome, engine, timeout_s: float, log_path: str | None, prefix: str):
-        super().__init__(name="weights", daemon=True)
-        self.welcome, self.engine, self.timeout_s, self.log_path, self.prefix = welcome, engine, timeout_s, log_path, prefix
-        self.lay = W.layout(engine.model)
-        self.cv = threading.Condition()
-        # Vectors in transit, with the version each carries (the engine owns the version it holds; see above):
-        # the newest received and not yet swapped in, and the one the main thread is swapping in now.
-        self.staged: tuple[int, torch.Tensor] | None = None
-        self.applying: int | None = None
-        # A received vector nobody uses any more (applied, or replaced by a newer one before it was): the next
-        # version is received into it instead of into fresh memory.
-        self.spare: torch.Tensor | None = None
-        self.finished = False
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            ch = self.engine.join_weights(self.welcome.weight_addr, self.prefix, self.timeout_s,
-                                          self.welcome.weight_rank, self.welcome.weight_world)
-            while (got := ch.receive_header(self.lay)) is not None:
-                version, flags = got
-                with self.cv:
-                    buf, self.spare = self.spare, None
-                # The host vector, or None when the engine has loaded the version itself (vLLM, nccl transport).
-                received = self.engine.receive_weights(ch, self.lay, version, flags, out=buf)
-                staged, weights_sum = (None, None) if received is None else ((version, received[0]), received[1])
-                if self.log_path:
-                    with open(self.log_path, "a") as f:
-                        f.write(json.dumps({"version": version, "checksum": weights_sum, "t": time.time(),
-                                            "channel": self.prefix, "direct": staged is None}) + "\n")
-                with self.cv:
-                    if staged is None:  # the engine holds `version` already
-                        self.spare = buf  # not received into
-                    else:
-                        if self.staged is not None:  # never applied: its vector is free
-                            self.spare = self.staged[1]
-                        self.staged = staged
-                    self.cv.notify_all()
-        except BaseException as e:
-            log.exception("weight receiver failed")
-            self.error = e
-        finally:
-            with self.cv:
-                self.finished = True
-                self.cv.notify_all()
-
-    @property
-    def received(self) -> int:
-        """The newest version that has arrived: staged, being swapped in, or else the engine's own."""
-        with self.cv:
-            return self._received()
-
-    def _received(self) -> int:  # cv held
-        if self.staged is not None:
-            return self.staged[0]
-        return self.applying if self.applying is not None else self.engine.version
-
-    def apply(self) -> None:
-        """Swap in the newest staged weights, if any (called between forwards, from the main thread only)."""
-        with self.cv:
-            staged, self.staged = self.staged, None
-            self.applying = None if staged is None else staged[0]
-        if staged is not None:
-            self.engine.load_flat(staged[1], staged[0])  # the engine's version is staged[0] from here
-            with self.cv:
-                self.applying = None
-                self.spare = staged[1]  # load_flat copied it into the model (Engine.load_flat keeps no reference)
-
-    def wait_for(self, version: int, timeout_s: float) -> None:
-        """Block until `version` (or a newer one) has arrived, then swap in the newest."""
-        deadline = time.monotonic() + timeout_s
-        with self.cv:
-            while self._received() < version and not self.finished:
-                if not self.cv.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() >= deadline:
-                    raise TimeoutError(f"weights of version {version} did not arrive within {timeout_s:.0f}s")
-        if self.error is not None:
-            raise RuntimeError("weight receiver failed") from self.error
-        self.apply()
 
 
 class Heartbeat(threading.Thread):
@@ -141,7 +57,8 @@ class Heartbeat(threading.Thread):
         sock = GeneratorSocket(*self.args)
         try:
             while not self.stop.wait(self.period_s):
-                sock.send(M.Heartbeat(gen_id=self.gen_id, incarnation=self.incarnation, weight_version=self.receiver.received))
+                sock.send(messages.Heartbeat(gen_id=self.gen_id, incarnation=self.incarnation,
+                                      policy_version=self.receiver.received))
         finally:
             sock.close()
 
@@ -150,75 +67,115 @@ def make_reward_pool(cfg: Config) -> RewardPool:
     return RewardPool.from_config(cfg.reward)
 
 
-def handshake(sock: GeneratorSocket, run_id: str, gen_id: int, incarnation: str, timeout_s: float) -> M.Welcome:
-    sock.send(M.Hello(protocol_version=M.PROTOCOL_VERSION, run_id=run_id, gen_id=gen_id, incarnation=incarnation, pid=os.getpid()))
+def handshake(sock: GeneratorSocket, run_id: str, gen_id: int, incarnation: str, timeout_s: float) -> messages.Welcome:
+    sock.send(messages.Hello(protocol_version=messages.PROTOCOL_VERSION, run_id=run_id, gen_id=gen_id, incarnation=incarnation, pid=os.getpid()))
     reply = sock.recv(timeout_s)
-    if isinstance(reply, M.Refused):
+    if isinstance(reply, messages.Refused):
         raise SystemExit(f"generator {gen_id}: the hub refused us: {reply.reason}")
-    if not isinstance(reply, M.Welcome):
+    if not isinstance(reply, messages.Welcome):
         raise SystemExit(f"generator {gen_id}: no welcome from the hub within {timeout_s:.0f}s (got {type(reply).__name__}); is the learner running?")
     return reply
 
 
 def run_actor(cfg: Config, *, engine, tokenizer, hub_addr: str, key: bytes, run_id: str, gen_id: int, run_dir: str | None) -> int:
+    """One generator process's life: handshake, the weight and heartbeat threads, then the actor loop until a Stop;
+    returns the exit code."""
     incarnation = uuid.uuid4().hex
     sock = GeneratorSocket(hub_addr, key)
     welcome = handshake(sock, run_id, gen_id, incarnation, cfg.transport.welcome_timeout_s)
-    log_path = os.path.join(run_dir, "generators", f"gen{gen_id}.jsonl") if run_dir else None
-    if log_path:
-        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    log_path = _log_file(run_dir, f"gen{gen_id}.jsonl")
     receiver = WeightReceiver(welcome, engine, cfg.transport.weight_sync_timeout_s, log_path,
-                              W.pair_prefix(gen_id, incarnation))
+                              weights.pair_prefix(gen_id, incarnation))
     receiver.start()
     beat = Heartbeat(hub_addr, key, gen_id, incarnation, cfg.transport.heartbeat_s, receiver)
     beat.start()
-    eval_log = os.path.join(run_dir, "generators", f"gen{gen_id}_eval.jsonl") if run_dir else None
-    sent = 0
     with make_reward_pool(cfg) as pool:
         try:
-            while True:
-                sock.send(M.WorkRequest(gen_id=gen_id, incarnation=incarnation, max_groups=cfg.rollout.groups_per_request))
-                msg = sock.recv(cfg.transport.recv_timeout_s)
-                if msg is None:
-                    continue  # no work yet (admission control holds it back): ask again
-                if isinstance(msg, M.Stop):
-                    if msg.reason == "drained":  # the run was scaled below this id; everything we held is in
-                        log.info("generator %d drained: the run's generator target no longer includes this id; "
-                                 "exiting after %d rollout groups", gen_id, sent)
-                        return EXIT_DRAINED
-                    if msg.reason.startswith("lost"):  # the hub gave up on this incarnation and re-issued its work
-                        log.error("generator %d: the hub declared this incarnation %s; exiting so that a fresh one "
-                                  "replaces it", gen_id, msg.reason)
-                        return EXIT_LOST
-                    log.info("generator %d: stop (%s) after %d rollout groups", gen_id, msg.reason, sent)
-                    return 0
-                if isinstance(msg, M.Work):
-                    for group in rollout(msg, engine=engine, tokenizer=tokenizer, pool=pool, receiver=receiver,
-                                         gen_id=gen_id, incarnation=incarnation,
-                                         wait_s=cfg.transport.weight_sync_timeout_s):
-                        sock.send(group)
-                        sent += 1
-                elif isinstance(msg, M.EvalWork):
-                    results = evaluate(msg, engine=engine, tokenizer=tokenizer, pool=pool, receiver=receiver,
-                                       gen_id=gen_id, incarnation=incarnation, wait_s=cfg.transport.weight_sync_timeout_s)
-                    if eval_log:  # what this generator actually ran, per eval chunk
-                        with open(eval_log, "a") as f:
-                            f.write(json.dumps({"version": msg.policy_version, "data_source": msg.items[0].data_source,
-                                                "temperature": msg.sampling.temperature, "k": msg.k,
-                                                "prompts": len(msg.items)}) + "\n")
-                    for res in results:
-                        sock.send(res)
+            loop = ActorLoop(cfg, sock=sock, engine=engine, tokenizer=tokenizer, pool=pool, receiver=receiver,
+                             gen_id=gen_id, incarnation=incarnation,
+                             eval_log=_log_file(run_dir, f"gen{gen_id}_eval.jsonl"))
+            return loop.serve()
         finally:
             beat.stop.set()
             sock.close()
 
 
-def rollout(work: M.Work, *, engine, tokenizer, pool, receiver, gen_id: int, incarnation: str, wait_s: float) -> list[M.RolloutGroup]:
+def _log_file(run_dir: str | None, name: str) -> str | None:
+    """RUN_DIR/generators/<name> (its directory made), or None without a run directory."""
+    if not run_dir:
+        return None
+    os.makedirs(os.path.join(run_dir, "generators"), exist_ok=True)
+    return os.path.join(run_dir, "generators", name)
+
+
+@dataclass
+class ActorLoop:
+    """The main thread's loop: request -> generate -> score -> send, until the hub says stop."""
+
+    cfg: Config
+    sock: GeneratorSocket
+    engine: object
+    tokenizer: object
+    pool: RewardPool
+    receiver: WeightReceiver
+    gen_id: int
+    incarnation: str
+    eval_log: str | None  # what this generator actually evaluated, one line per eval chunk
+    sent: int = 0  # rollout groups sent back
+
+    def serve(self) -> int:
+        """Ask for work and answer it until a Stop; returns the exit code the Stop calls for."""
+        while True:
+            self.sock.send(messages.WorkRequest(gen_id=self.gen_id, incarnation=self.incarnation,
+                                         max_groups=self.cfg.rollout.groups_per_request))
+            msg = self.sock.recv(self.cfg.transport.recv_timeout_s)
+            if isinstance(msg, messages.Stop):
+                return self.stopped(msg)
+            if isinstance(msg, messages.Work):
+                self.train(msg)
+            elif isinstance(msg, messages.EvalWork):
+                self.evaluate(msg)
+            # None: no work yet (admission control holds it back): ask again
+
+    def train(self, work: messages.Work) -> None:
+        for group in rollout(work, engine=self.engine, tokenizer=self.tokenizer, pool=self.pool,
+                             receiver=self.receiver, gen_id=self.gen_id, incarnation=self.incarnation,
+                             wait_s=self.cfg.transport.weight_sync_timeout_s):
+            self.sock.send(group)
+            self.sent += 1
+
+    def evaluate(self, work: messages.EvalWork) -> None:
+        results = evaluate(work, engine=self.engine, tokenizer=self.tokenizer, pool=self.pool, receiver=self.receiver,
+                           gen_id=self.gen_id, incarnation=self.incarnation,
+                           wait_s=self.cfg.transport.weight_sync_timeout_s)
+        if self.eval_log:
+            with open(self.eval_log, "a") as f:
+                f.write(json.dumps({"version": work.policy_version, "data_source": work.items[0].data_source,
+                                    "temperature": work.sampling.temperature, "k": work.k,
+                                    "prompts": len(work.items)}) + "\n")
+        for res in results:
+            self.sock.send(res)
+
+    def stopped(self, msg: messages.Stop) -> int:
+        """The exit code of a Stop: drained, lost, or the end of training."""
+        if msg.reason == "drained":  # the run was scaled below this id; everything we held is in
+            log.info("generator %d drained: the run's generator target no longer includes this id; "
+                     "exiting after %d rollout groups", self.gen_id, self.sent)
+            return EXIT_DRAINED
+        if msg.reason.startswith("lost"):  # the hub gave up on this incarnation and re-issued its work
+            log.error("generator %d: the hub declared this incarnation %s; exiting so that a fresh one "
+                      "replaces it", self.gen_id, msg.reason)
+            return EXIT_LOST
+        log.info("generator %d: stop (%s) after %d rollout groups", self.gen_id, msg.reason, self.sent)
+        return 0
+
+
+def rollout(work: messages.Work, *, engine, tokenizer, pool, receiver, gen_id: int, incarnation: str, wait_s: float) -> list[messages.RolloutGroup]:
     """Generate and score one Work message: the named steps of the actor loop."""
     if receiver is not None:
         receiver.wait_for(work.policy_version, wait_s)
     t0 = time.perf_counter()
-    prompts = [M.as_array(it.prompt_ids, M.TOKEN_DTYPE).tolist() for it in work.items]
+    prompts = [messages.as_array(it.prompt_ids, messages.TOKEN_DTYPE).tolist() for it in work.items]
     hook = receiver.apply if receiver is not None else None
     groups = engine.generate(prompts, work.group_size, work.sampling, [it.seed for it in work.items], before_forward=hook)
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
@@ -230,17 +187,17 @@ def rollout(work: M.Work, *, engine, tokenizer, pool, receiver, gen_id: int, inc
         samples = []
         for j, c in enumerate(comps):
             s = scores[i * work.group_size + j]
-            samples.append(M.Sample(
-                token_ids=M.to_bytes(c.token_ids, M.TOKEN_DTYPE), logprobs=M.to_bytes(c.logprobs, M.LOGPROB_DTYPE),
-                versions=M.to_bytes(c.versions, M.VERSION_DTYPE), reward=float(s.reward),
+            samples.append(messages.Sample(
+                token_ids=messages.to_bytes(c.token_ids, messages.TOKEN_DTYPE), logprobs=messages.to_bytes(c.logprobs, messages.LOGPROB_DTYPE),
+                versions=messages.to_bytes(c.versions, messages.VERSION_DTYPE), reward=float(s.reward),
                 finish_reason=c.finish_reason, score_status=s.status,
             ))
-        out.append(M.RolloutGroup(gen_id=gen_id, incarnation=incarnation, ticket=it.ticket, prompt_id=it.prompt_id,
+        out.append(messages.RolloutGroup(gen_id=gen_id, incarnation=incarnation, ticket=it.ticket, prompt_id=it.prompt_id,
                                   epoch=it.epoch, prompt_ids=it.prompt_ids, samples=samples, gen_time_s=gen_time))
     return out
 
 
-def evaluate(work: M.EvalWork, *, engine, tokenizer, pool, receiver, gen_id: int, incarnation: str, wait_s: float) -> list[M.EvalResult]:
+def evaluate(work: messages.EvalWork, *, engine, tokenizer, pool, receiver, gen_id: int, incarnation: str, wait_s: float) -> list[messages.EvalResult]:
     """Sample and score held-out prompts with weights of exactly work.policy_version.
 
     The hub publishes nothing newer until every eval item of this version is back, so
@@ -251,14 +208,14 @@ def evaluate(work: M.EvalWork, *, engine, tokenizer, pool, receiver, gen_id: int
     if engine.version != work.policy_version:
         raise RuntimeError(f"eval of version {work.policy_version} asked, but the engine holds version {engine.version}: "
                            "the hub published newer weights before this eval finished (a hub bug)")
-    prompts = [M.as_array(it.prompt_ids, M.TOKEN_DTYPE).tolist() for it in work.items]
+    prompts = [messages.as_array(it.prompt_ids, messages.TOKEN_DTYPE).tolist() for it in work.items]
     groups = engine.generate(prompts, work.k, work.sampling, [it.seed for it in work.items])
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
     scores = pool.score_batch(list(zip(texts, [it.answer for it in work.items for _ in range(work.k)])))
     out = []
     for i, (it, comps) in enumerate(zip(work.items, groups)):
         sc = scores[i * work.k:(i + 1) * work.k]
-        out.append(M.EvalResult(gen_id=gen_id, incarnation=incarnation, ticket=it.ticket, weight_version=engine.version,
+        out.append(messages.EvalResult(gen_id=gen_id, incarnation=incarnation, ticket=it.ticket, policy_version=engine.version,
                                 rewards=[float(x.reward) for x in sc], lengths=[len(c.token_ids) for c in comps],
                                 score_status=[x.status for x in sc],
                                 texts=texts[i * work.k:(i + 1) * work.k] if it.prompt_id < work.keep_texts else []))

@@ -10,7 +10,7 @@ every model call so an actor can swap in new weights mid-generation; tokens
 after the swap carry the new version (PipelineRL-style in-flight updates; the
 KV cache of earlier tokens is kept, as there).
 
-`TorchEngine` (also importable as `CpuEngine`, its former name) is a torch sampler with a KV cache over a
+`TorchEngine` (also importable as `CpuEngine`) is a torch sampler with a KV cache over a
 transformers causal LM, on the CPU or on one CUDA device (`device=`; `actors/factory.load_engine` picks this process's GPU when
 the launcher gave it one). vLLM (actors/vllm_engine.py) is the fast GPU engine; the torch engine is the
 reference, the CPU engine, and the GPU fallback where vLLM cannot be installed (`generator.engine = "torch"`).
@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from common import weights as W
+from common import weights
 from common.messages import SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -79,10 +79,10 @@ class Engine(ABC):
     gloo into a host vector that `receive_weights` returns and the main thread hands to `load_flat` between
     forwards (the torch engine; vLLM with the rpc transport). An engine whose weights bypass this process (vLLM
     with the nccl transport) overrides the rendezvous hooks, to announce its receiver before the rendezvous and
-    join its own group after it, and loads each version flagged `W.FLAG_DIRECT` itself, from the weight thread.
+    join its own group after it, and loads each version flagged `weights.FLAG_DIRECT` itself, from the weight thread.
     """
 
-    model: torch.nn.Module  # the architecture; `W.layout(engine.model)` is the weight channel's layout
+    model: torch.nn.Module  # the architecture; `weights.layout(engine.model)` is the weight channel's layout
     version: int
 
     @abstractmethod
@@ -100,15 +100,15 @@ class Engine(ABC):
         """Load a flat fp32 parameter vector (layout order) as `version`. Must not keep `flat` after returning:
         the weight receiver reuses its memory for the next version."""
 
-    def join_weights(self, weight_addr: str, prefix: str, timeout_s: float, rank: int = 1,
-                     world: int = 2) -> W.WeightChannel:
-        """This generator's channel to learner rank 0: rank `rank` of the group under `prefix` (`W.pair_prefix`)
-        in the learner's store at `weight_addr`. Blocks until the learner has joined it too."""
+    def join_weights(self, weight_addr: str, prefix: str, timeout_s: float) -> weights.WeightChannel:
+        """This generator's channel to learner rank 0: the generator's end of the pair channel under `prefix`
+        (`weights.pair_prefix`) in the learner's store at `weight_addr`. Blocks until the learner has joined it too."""
         host, port = weight_addr.rsplit(":", 1)
         store = dist.TCPStore(host, int(port), None, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
         pair = dist.PrefixStore(prefix, store)
         self._before_weight_rendezvous(pair)
-        ch = W.WeightChannel(host, int(port), rank, world, timeout_s, prefix=prefix, store=store)
+        ch = weights.WeightChannel(host, int(port), weights.GENERATOR_RANK, weights.PAIR_WORLD, timeout_s, prefix=prefix,
+                                   store=store)
         self._after_weight_rendezvous(pair, timeout_s)
         return ch
 
@@ -118,15 +118,12 @@ class Engine(ABC):
     def _after_weight_rendezvous(self, store: dist.Store, timeout_s: float) -> None:
         """Join whatever else the learner builds for this channel once it has admitted it."""
 
-    def receive_weights(self, ch: W.WeightChannel, lay: W.Layout, version: int, flags: int,
+    def receive_weights(self, ch: weights.WeightChannel, lay: weights.Layout, version: int, flags: int,
                         out: torch.Tensor | None = None) -> tuple[torch.Tensor, float] | None:
         """The buckets that follow a header of `version`: (flat fp32 host vector, checksum), for `load_flat`
         between forwards; or None when the engine has loaded `version` itself (then `self.version == version`).
         `out`: a free vector of the model's size to receive into."""
-        if flags & W.FLAG_DIRECT:
-            raise RuntimeError("weight channel: the learner flagged this version as sent over NCCL into vLLM workers, "
-                               f"but this generator's {type(self).__name__} announced no NCCL receiver (a learner bug: "
-                               "it must decide per channel from the generator's announcement, common/vllm_weights.py)")
+        weights.refuse_direct(flags, f"this generator's {type(self).__name__}")
         return ch.receive_buckets(lay, out)
 
 
@@ -211,7 +208,7 @@ class TorchEngine(Engine):
         blocking copy (copy_'s default) returns only once the data has arrived, so `flat` is free to reuse on
         return; on CUDA it is also ordered after the kernels already queued on the current stream (a swap between
         forwards never races the step before it). One host-to-device copy per parameter."""
-        W.load_flat(self.model, flat)
+        weights.load_flat(self.model, flat)
         self.version = version
 
     @torch.inference_mode()
@@ -318,7 +315,7 @@ def _completions(N: int, n: int, tok: torch.Tensor, lp: torch.Tensor, ver: torch
     return result
 
 
-CpuEngine = TorchEngine  # its former name, still imported by tests and benchmarks
+CpuEngine = TorchEngine  # the name tests and benchmarks import it by
 
 
 class _HfCache:

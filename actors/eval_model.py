@@ -21,7 +21,7 @@ import torch
 
 from actors.actor import evaluate, make_reward_pool
 from actors.factory import load_engine
-from common import messages as M
+from common import messages
 from common.cli import USER_ERRORS, fail
 from common.config import load_config
 from common.data import check_model_dir, eval_sets, resolve_model
@@ -32,7 +32,7 @@ from common.heldout import eval_item, eval_metrics, eval_params, eval_room
 def run(cfg, model: str, sets: dict) -> dict[str, float]:
     """The eval metrics of `model` on `sets` (`eval_sets` of the config, built by the caller)."""
     engine, tokenizer = load_engine(cfg, model)
-    results: dict[str, list[M.EvalResult]] = {}
+    results: dict[str, list[messages.EvalResult]] = {}
     ticket = 0
     with make_reward_pool(cfg) as pool:
         for ds, prompts in sets.items():
@@ -40,10 +40,10 @@ def run(cfg, model: str, sets: dict) -> dict[str, float]:
             room = eval_room(cfg, k)
             for start in range(0, len(prompts), room):
                 indices = range(start, min(start + room, len(prompts)))
-                items = [eval_item(cfg, ticket + j, ds, i, prompts[i], M.to_bytes(prompts[i].ids, M.TOKEN_DTYPE))
+                items = [eval_item(cfg, ticket + j, ds, i, prompts[i], messages.to_bytes(prompts[i].ids, messages.TOKEN_DTYPE))
                          for j, i in enumerate(indices)]
                 ticket += len(items)
-                work = M.EvalWork(items=items, k=k, sampling=sampling, policy_version=engine.version)
+                work = messages.EvalWork(items=items, k=k, sampling=sampling, policy_version=engine.version)
                 results.setdefault(ds, []).extend(evaluate(work, engine=engine, tokenizer=tokenizer, pool=pool, receiver=None,
                                                            gen_id=0, incarnation="standalone", wait_s=0.0))
     return eval_metrics(results)

@@ -57,7 +57,7 @@ def load_engine(cfg, model_path: str):
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
     # This process's GPU when the launcher gave it one (CUDA_VISIBLE_DEVICES per generator; "" hides them all),
-    # else the CPU, in model.dtype on either (bf16 on the CPU too, as before).
+    # else the CPU, in model.dtype on either (bf16 on the CPU too).
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fraction = apply_memory_fraction(device)  # before the model takes any GPU memory
     log.info("generator engine: torch on %s, %s%s", device, str(dtype).removeprefix("torch."),

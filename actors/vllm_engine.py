@@ -70,8 +70,8 @@ import numpy as np
 import torch
 
 from actors.engine import Completion, Engine, hash32
-from common import vllm_weights as VW
-from common import weights as W
+from common import vllm_weights
+from common import weights
 from common.config import GeneratorConfig, RunConfig
 from common.messages import SamplingParams
 
@@ -258,7 +258,7 @@ class VllmSettings:
                              "workers) or \"nccl\" (learner GPU straight into the workers; needs separate GPUs)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} is a fraction in (0, 1]")
-        VW.torch_dtype(self.dtype)
+        vllm_weights.torch_dtype(self.dtype)
 
 
 class NeverRaised(Exception):
@@ -379,7 +379,7 @@ class _Loop:
 
 
 def meta_model(model_path: str) -> torch.nn.Module:
-    """The model's architecture on the meta device: names and shapes for `W.layout`, no memory."""
+    """The model's architecture on the meta device: names and shapes for `weights.layout`, no memory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -399,9 +399,9 @@ class VllmEngine(Engine):
     def __init__(self, model_path: str, *, stop_ids: Sequence[int], settings: VllmSettings = VllmSettings(),
                  llm=None, api=None):
         self.settings, self.stop_ids = settings, [int(t) for t in stop_ids]
-        self.model = meta_model(model_path)  # the actor takes W.layout(engine.model) from it
-        self.lay = W.layout(self.model)
-        self.dtype = VW.torch_dtype(settings.dtype)
+        self.model = meta_model(model_path)  # the actor takes weights.layout(engine.model) from it
+        self.lay = weights.layout(self.model)
+        self.dtype = vllm_weights.torch_dtype(settings.dtype)
         self.api = api if api is not None else vllm_api()
         if settings.weight_update == "keep" and not self.api.version_spans:
             raise ValueError(f"generator.weight_update = \"keep\" needs vLLM to label each token with its weight "
@@ -428,7 +428,7 @@ class VllmEngine(Engine):
 
     @classmethod
     def from_config(cls, cfg, model_path: str, *, stop_ids: Sequence[int]) -> "VllmEngine":
-        """Settings from the run config: `cfg.generator` (proposed section, see the issue-6 notes), `cfg.model.dtype`."""
+        """Settings from the run config: `cfg.generator` and `cfg.model.dtype`."""
         gen = cfg.generator
         # An fp32 checkpoint is served in bf16 (vLLM's attention kernels are for 16-bit dtypes); the learner keeps
         # fp32 master weights and the NCCL/RPC paths cast each bucket to the generator's dtype.
@@ -477,19 +477,8 @@ class VllmEngine(Engine):
         params = [self.api.SamplingParams(**sampling_kwargs(n, sampling, s, self.stop_ids, self.settings.seed_requests),
                                           output_kind=self.api.FINAL_ONLY) for s in seeds]
         fut = self._loop.submit(self._generate_all([list(map(int, p)) for p in prompts], params))
-        hook = before_forward or (lambda: None)
-        deadline = time.monotonic() + self.settings.timeout_s
         try:
-            while True:
-                hook()  # may apply staged weights (load_flat) while requests run
-                try:
-                    finals = fut.result(timeout=min(self.settings.poll_s, max(0.0, deadline - time.monotonic())))
-                    break
-                except concurrent.futures.TimeoutError:
-                    if time.monotonic() >= deadline:
-                        raise EngineTimeout(f"vLLM did not finish {len(prompts)} prompts within "
-                                            f"{self.settings.timeout_s:.0f}s (generator.engine_timeout_s): the "
-                                            "engine is taken to be wedged") from None
+            finals = self._finals(fut, len(prompts), before_forward or (lambda: None))
         finally:
             fut.cancel()  # no-op when done; otherwise vLLM aborts the requests
         groups = []
@@ -500,6 +489,20 @@ class VllmEngine(Engine):
             fallback = v_submit if v_submit == self.version or self.settings.weight_update == "finish" else None
             groups.append([to_completion(c, fallback, self.api.version_spans) for c in comps])
         return groups
+
+    def _finals(self, fut: concurrent.futures.Future, prompts: int, hook: Callable[[], None]):
+        """Wait for every request's final output, running `hook` between polls (it may apply staged weights while
+        requests run), at most `generator.engine_timeout_s`."""
+        deadline = time.monotonic() + self.settings.timeout_s
+        while True:
+            hook()
+            try:
+                return fut.result(timeout=min(self.settings.poll_s, max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise EngineTimeout(f"vLLM did not finish {prompts} prompts within "
+                                        f"{self.settings.timeout_s:.0f}s (generator.engine_timeout_s): the "
+                                        "engine is taken to be wedged") from None
 
     async def _generate_all(self, prompts, params):
         return await asyncio.gather(*(self._one(p, sp) for p, sp in zip(prompts, params)))
@@ -558,8 +561,8 @@ class VllmEngine(Engine):
             raise ValueError(f"load_flat: {flat.numel()} elements for a model of {self.lay.numel}")
 
         async def load():
-            for first, end, start, stop in W.bucket_plan(self.lay):
-                meta = VW.bucket_meta(self.lay, first, end, self.dtype)
+            for first, end, start, stop in weights.bucket_plan(self.lay):
+                meta = vllm_weights.bucket_meta(self.lay, first, end, self.dtype)
                 await self.llm.collective_rpc("covrl_load_weights", args=(
                     meta["names"], meta["shapes"], meta["dtype_names"][0], rpc_bytes(flat[start:stop], self.dtype)))
             await self._label(version)
@@ -596,25 +599,25 @@ class VllmEngine(Engine):
             self.join_via_store(store, timeout_s)
 
     def receive_weights(self, ch, lay, version: int, flags: int, out=None):
-        if flags & W.FLAG_DIRECT and self.receives_weights_directly:
+        if flags & weights.FLAG_DIRECT and self.receives_weights_directly:
             self.receive_nccl(version)  # pauses generation, loads, stamps the version, resumes
             return None
         return super().receive_weights(ch, lay, version, flags, out)
 
     def announce_receiver(self, store) -> None:
         """Before the pair channel's rendezvous: tell the learner this generator's NCCL group size and dtype."""
-        VW.announce(store, self.tp, self.dtype)
+        vllm_weights.announce(store, self.tp, self.dtype)
 
     def join_via_store(self, store, timeout_s: float) -> None:
         """After the rendezvous: read the learner's NCCL address from the pair channel's store and join."""
-        addr = VW.read_address(store, timeout_s)
+        addr = vllm_weights.read_address(store, timeout_s)
         self.join_nccl(addr["host"], addr["port"], addr["world_size"], timeout_s)
 
     def receive_nccl(self, version: int) -> None:
         """The nccl transport, per version: receive every bucket the learner's `NcclSender.send_bucket` broadcasts."""
         if self.nccl is None:
             raise RuntimeError("receive_nccl before join_nccl: the NCCL group to the learner is not built")
-        metas = [VW.bucket_meta(self.lay, first, end, self.dtype) for first, end, _, _ in W.bucket_plan(self.lay)]
+        metas = [vllm_weights.bucket_meta(self.lay, first, end, self.dtype) for first, end, _, _ in weights.bucket_plan(self.lay)]
 
         async def native():
             await self.llm.start_weight_update()
@@ -634,8 +637,8 @@ class VllmEngine(Engine):
 
         self._update(version, native if self.nccl == "native" else extension)
 
-    def fingerprint(self, name: str = VW.FINGERPRINT_PARAM) -> list[float]:
-        """`VW.fingerprint` of one (unfused, unsplit) parameter in every worker."""
+    def fingerprint(self, name: str = vllm_weights.FINGERPRINT_PARAM) -> list[float]:
+        """`vllm_weights.fingerprint` of one (unfused, unsplit) parameter in every worker."""
         return list(self._loop.run(self.llm.collective_rpc("covrl_fingerprint", args=(name,)), self.settings.timeout_s))
 
     def close(self) -> None:
@@ -658,7 +661,7 @@ class CovrlWorkerExtension:
         return self.model_runner.get_model()
 
     def covrl_load_weights(self, names: list[str], shapes: list[list[int]], dtype_name: str, data: bytes) -> None:
-        parts = W.shaped(from_rpc_bytes(data, dtype_name).to(self.device), [tuple(s) for s in shapes])
+        parts = weights.shaped(from_rpc_bytes(data, dtype_name).to(self.device), [tuple(s) for s in shapes])
         self._covrl_model().load_weights(list(zip(names, parts, strict=True)))
 
     def covrl_init_nccl(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
@@ -680,8 +683,8 @@ class CovrlWorkerExtension:
         params = dict(self._covrl_model().named_parameters())
         if name not in params:
             raise KeyError(f"vLLM's model has no parameter {name!r} (it fuses q/k/v and gate/up); fingerprint an "
-                           f"unfused one such as {VW.FINGERPRINT_PARAM!r}")
-        return VW.fingerprint(params[name])
+                           f"unfused one such as {vllm_weights.FINGERPRINT_PARAM!r}")
+        return vllm_weights.fingerprint(params[name])
 
 
 # ---- the generator role of launch/gpu_check.py -------------------------------------------------
@@ -698,7 +701,7 @@ def _self_check(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--weights", required=True, help="host:port of the learner's weight-channel store")
-    ap.add_argument("--incarnation", default="gpu_check", help="this generator's pair channel: W.pair_prefix(0, this)")
+    ap.add_argument("--incarnation", default="gpu_check", help="this generator's pair channel: weights.pair_prefix(0, this)")
     ap.add_argument("--transport", choices=TRANSPORTS, required=True)
     ap.add_argument("--job", required=True, help="JSON: prompts, n, temperature, top_p, max_new_tokens, dtype, max_model_len")
     ap.add_argument("--out", required=True)
@@ -719,7 +722,7 @@ def _self_check(argv: list[str] | None = None) -> int:
                         settings=VllmSettings(transport=args.transport, dtype=job["dtype"], enforce_eager=True,
                                               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=job["max_model_len"]))
     try:
-        ch = engine.join_weights(args.weights, W.pair_prefix(0, args.incarnation), 600)
+        ch = engine.join_weights(args.weights, weights.pair_prefix(0, args.incarnation), 600)
         got = ch.receive_header(engine.lay)
         if got is None:
             raise RuntimeError("the learner stopped the weight channel before sending version 1")

@@ -13,7 +13,7 @@ import collections
 from dataclasses import dataclass
 from typing import Callable
 
-from common import messages as M
+from common import messages
 from common.config import Config, eval_versions
 from common.data import Prompt
 from common.heldout import eval_item, eval_metrics, eval_params, eval_room
@@ -36,8 +36,8 @@ class EvalSchedule:
         self.versions = set(eval_versions(cfg)) if self.prompts else set()
         self.pending: collections.deque[tuple[int, str, int]] = collections.deque()  # (version, source, index)
         self.in_flight: dict[int, EvalTicket] = {}
-        self.scores: dict[int, dict[str, list[M.EvalResult]]] = {}
-        self.texts: dict[int, list[tuple[str, int, M.EvalResult]]] = {}  # version -> (source, prompt, result)
+        self.scores: dict[int, dict[str, list[messages.EvalResult]]] = {}
+        self.texts: dict[int, list[tuple[str, int, messages.EvalResult]]] = {}  # version -> (source, prompt, result)
 
     def schedule(self, version: int) -> None:
         """Queue every held-out prompt for `version` if it is an evaluated version not yet queued."""
@@ -60,7 +60,7 @@ class EvalSchedule:
         return (any(v <= version for v, _, _ in self.pending)
                 or any(t.version <= version for t in self.in_flight.values()))
 
-    def serve(self, gen_id: int, incarnation: str, new_ticket: Callable[[], int]) -> M.EvalWork | None:
+    def serve(self, gen_id: int, incarnation: str, new_ticket: Callable[[], int]) -> messages.EvalWork | None:
         """The next chunk of one data source's queued prompts for this generator, or None if none are queued."""
         if not self.pending:
             return None
@@ -73,18 +73,18 @@ class EvalSchedule:
             t = EvalTicket(new_ticket(), version, ds, i, gen_id, incarnation)
             self.in_flight[t.ticket] = t
             p = self.prompts[ds][i]
-            items.append(eval_item(self.cfg, t.ticket, ds, i, p, M.to_bytes(p.ids, M.TOKEN_DTYPE)))
-        return M.EvalWork(items=items, k=k, sampling=sampling, policy_version=version,
+            items.append(eval_item(self.cfg, t.ticket, ds, i, p, messages.to_bytes(p.ids, messages.TOKEN_DTYPE)))
+        return messages.EvalWork(items=items, k=k, sampling=sampling, policy_version=version,
                           keep_texts=self.cfg.logging.eval_samples)
 
-    def accept(self, res: M.EvalResult) -> str | None:
+    def accept(self, res: messages.EvalResult) -> str | None:
         """Record a result; or the reason it was refused ("unknown_ticket", or `check_eval`'s, then re-queued)."""
         t = self.in_flight.get(res.ticket)
         if t is None or t.gen_id != res.gen_id or t.incarnation != res.incarnation:
             return "unknown_ticket"
         del self.in_flight[res.ticket]
         sampling, k = eval_params(self.cfg, t.data_source)
-        reason = M.check_eval(res, k=k, version=t.version, max_tokens=sampling.max_new_tokens)
+        reason = messages.check_eval(res, k=k, version=t.version, max_tokens=sampling.max_new_tokens)
         if reason is not None:
             self.pending.appendleft((t.version, t.data_source, t.index))
             return reason
@@ -112,7 +112,7 @@ class EvalSchedule:
             self.pending.appendleft((e.version, e.data_source, e.index))
         return len(lost)
 
-    def take(self, version: int) -> tuple[dict[str, float], list[tuple[str, int, M.EvalResult]]]:
+    def take(self, version: int) -> tuple[dict[str, float], list[tuple[str, int, messages.EvalResult]]]:
         """The eval metrics of `version` (empty if it was not evaluated) and the results that carry response texts
         as (data source, prompt index, result) in source and prompt order; forgotten once taken."""
         return eval_metrics(self.scores.pop(version, {})), sorted(self.texts.pop(version, []), key=lambda x: x[:2])

@@ -1,6 +1,8 @@
 """The hub: owns the prompt stream, issues work, collects rollouts (a thread of learner rank 0).
 
 Invariants
+- The hub owns the policy version on learner rank 0 (`version`): only `set_version` moves it (`learner/loop.py`:
+  `Lead.publish`, before the weights of that version leave), and it is saved in the hub's snapshot.
 - Every prompt issue gets a *slot*: its position in the training stream. A
   re-issue (dead generator, group too stale) keeps the slot, so the stream's
   order, and with it the batch composition, does not depend on timing.
@@ -28,13 +30,13 @@ Invariants
   `covrl-scale RUN_DIR --gens N` rewrites) is read again about every `target_poll_s`. Only ids 0..N-1 are
   welcomed; a connected generator whose id is >= N is *draining*: it gets no new work (training or eval), what it
   sends back for the tickets it holds is accepted as usual, and once it holds none the hub sends it
-  `Stop(reason="drained")`, forgets it and calls `on_leave` (the publisher closes its weight channel). So a
+  `Stop(reason="drained")`, forgets it and calls `hooks.leave` (the publisher closes its weight channel). So a
   scale-down loses no prompt and trains none twice; a draining generator that dies instead is the ordinary
   timeout case (its tickets are re-issued with their slots). Raising N again before the drain completes makes it
   a full member again. The gauges `cluster/generators` (connected, not draining) and `cluster/generators_target`
   are read with the counters, never snapshotted.
 - The hub is the one owner of the decision that a generator incarnation is *lost* (`_lose`, the one place), and
-  everyone else follows it: its work is re-issued with its slots, `on_lost` drops its weight channel at once (a
+  everyone else follows it: its work is re-issued with its slots, `hooks.lost` drops its weight channel at once (a
   publish in progress stops waiting for it) and records the verdict for the launcher, which stops its process
   group and restarts it (RUN_DIR/generators_lost.jsonl), and a late message from it gets `Stop(reason="lost: ...")`.
   Why, counted under `hub/generator_lost/<why>`: `timeout` (silent for `transport.generator_timeout_s`: dead,
@@ -46,8 +48,9 @@ Invariants
   clock held while its heartbeat says it is still waiting for the weights its work names.
 
 The trainer thread talks to the hub only through `start`, `take_batch`, `set_version`, `wait_version_done`,
-`take_eval`, `stats`, `snapshot` / `restore` and `stop`, and the weight publisher through `lose`, each under the
-hub's lock; the ZeroMQ socket belongs to the hub thread alone.
+`take_eval`, `stats`, `snapshot` / `restore` and `stop`, and the weight publisher through `lose` (the port the
+learner declares, `learner/ports.py`: `HubPort`), each under the hub's lock; the hub calls back through
+`GeneratorHooks` (`broker/hooks.py`). The ZeroMQ socket belongs to the hub thread alone.
 """
 
 from __future__ import annotations
@@ -59,10 +62,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from broker import state as S
+import numpy as np
+
+from broker import state
 from broker.evals import EvalSchedule
+from broker.hooks import GeneratorHooks
 from broker.rules import GroupRules
-from common import messages as M
+from common import messages
 from common.config import Config
 from common.data import Prompt, PromptSource
 from common.seeds import prompt_seed
@@ -79,19 +85,28 @@ class Ticket:
     epoch: int
     gen_id: int
     incarnation: str
-    issue_version: int
+    policy_version: int  # the version its work was issued at (`Work.policy_version`)
 
     @classmethod
     def waiting(cls, slot: int, prompt_id: int, epoch: int) -> "Ticket":
-        """A slot waiting for re-issue: no ticket number, generator or issue version yet."""
+        """A slot waiting for re-issue: no ticket number, generator or version yet."""
         return cls(-1, slot, prompt_id, epoch, -1, "", -1)
 
 
 @dataclass
 class Ready:
     slot: int
-    issue_version: int
-    group: M.RolloutGroup
+    policy_version: int  # its ticket's (saved as `ReadyState.issue_version`)
+    group: messages.RolloutGroup
+
+
+@dataclass(frozen=True)
+class ShapedGroup:
+    """One group of a batch as the hub hands it over: the group, and the rewards advantages are computed from
+    (`GroupRules.rewards`: the scores plus the overlong shaping), decided here once."""
+    slot: int
+    group: messages.RolloutGroup
+    rewards: np.ndarray  # [n] float64
 
 
 @dataclass
@@ -100,7 +115,7 @@ class GenState:
     incarnation: str
     last_seen: float  # any message, heartbeats included: liveness
     pid: int = 0
-    weight_version: int = 0  # the newest version it has received (its heartbeat)
+    policy_version: int = 0  # the newest version that has arrived there (its heartbeat)
     wanted: int = 0  # groups asked for and not yet given
     # The last sign of progress from its main loop (a request, a result) or the last time it was given work or
     # had to wait for weights: what the stuck check measures from.
@@ -115,7 +130,9 @@ class BrokerStats:
     generator seconds (generate + score, `RolloutGroup.gen_time_s`) behind every valid group received;
     counters: the `hub/...` metrics (rejections by reason, re-issues, stale drops, lost and drained generators,
     hub/filtered_groups and hub/lost_prompts, which must stay 0) and the gauges `cluster/generators` (connected and
-    not draining) and `cluster/generators_target` (the run's target now).
+    not draining), `cluster/generators_target` (the run's target now) and the weight lag of each connected generator
+    (`perf/weight_lag/gen<id>`, versions behind the learner by its last heartbeat) and their maximum
+    (`perf/weight_lag/max`).
     """
     filtered_groups: int
     gen_tokens: int
@@ -126,13 +143,12 @@ class BrokerStats:
 class Hub:
     def __init__(self, cfg: Config, *, run_id: str, key: bytes, host: str, port: int, source: PromptSource,
                  weight_addr: str, generators: Callable[[], int], eval_prompts: dict[str, list[Prompt]] | None = None,
-                 on_join=None, on_leave=None, on_lost=None, target_poll_s: float = 1.0):
+                 hooks: GeneratorHooks | None = None, target_poll_s: float = 1.0):
         """`host`, `port`: where the hub binds (cluster.json's hub_addr; port 0: a random one). `generators`: the
         run's generator target now, called here once and then by the hub thread every `target_poll_s`; it must not
         raise (an exception stops the hub like any hub-thread failure), so a reader of a file keeps its last good
-        value (learner/__main__.py). `on_join` / `on_leave`: called by the hub thread, with the lock held, when a
-        generator incarnation is welcomed / drained; `on_lost(gen_id, incarnation, pid, why, detail)`: when one is
-        declared lost (`_lose`), by whichever thread decided it, with the lock held. None of them may block."""
+        value (learner/__main__.py). `hooks` (`broker/hooks.py`): told when a generator incarnation is welcomed,
+        drained or declared lost, with the lock held; none of them may block."""
         self.cfg = cfg
         self.run_id = run_id
         self.sock = HubSocket(host, port, key)
@@ -142,18 +158,16 @@ class Hub:
         self.target_poll_s = target_poll_s
         self.target = generators()  # ids 0 .. target - 1 are wanted; connected ones above it drain
         self._target_read_at = time.monotonic()
-        self.on_join = on_join  # (gen_id, incarnation) -> None: builds that incarnation's weight channel
-        self.on_leave = on_leave  # (gen_id, incarnation) -> None: a drained incarnation's channel goes, not a failure
+        self.hooks = hooks
         # (gen_id, incarnation) -> the Stop reason it was given: drained or lost incarnations, whose late heartbeats
         # are expected and whose late requests get that Stop again (a few per run: restarts and drains are bounded).
         self.ended: dict[tuple[int, str], str] = {}
-        self.on_lost = on_lost  # (gen_id, incarnation, pid, why, detail) -> None: the verdict, for everyone else
         self.slowest_reply_s = 0.0  # the longest a generator's main loop took to answer work (the progress limit)
         self._checked_at = 0.0
         self.rules = GroupRules.of(cfg)
         self.gps = cfg.rollout.groups_per_step
         r = cfg.rollout
-        self.sampling = M.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+        self.sampling = messages.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                                          forced_length_median=r.forced_length_median,
                                          forced_length_sigma=r.forced_length_sigma)
         self.cv = threading.Condition()
@@ -217,8 +231,9 @@ class Hub:
         with self.cv:
             return self.evals.take(version)
 
-    def take_batch(self, version: int, timeout_s: float) -> list[Ready]:
-        """Block until the batch for the step that starts at `version` is ready."""
+    def take_batch(self, version: int, timeout_s: float) -> list[ShapedGroup]:
+        """Block until the batch for the step that starts at `version` is ready; each group with its shaped
+        rewards."""
         deadline = time.monotonic() + timeout_s
         with self.cv:
             while True:
@@ -260,19 +275,19 @@ class Hub:
         with self.cv:
             counters = self._counted()
             pending = sorted({(t.slot, t.prompt_id, t.epoch) for t in [*self.in_flight.values(), *self.reissue]})
-            state = S.HubState(
+            saved = state.HubState(
                 version=self.version, slots=self.slots, filtered=self.filtered, filtered_this_step=self.filtered_this_step,
                 epoch=self.epoch, pos=self.pos, n_trained=self.n_trained, settled_floor=self.settled_floor,
                 settled=sorted(self.settled), counters={k: float(v) for k, v in counters.items()},
-                ready=[S.ReadyState(r.slot, r.issue_version, r.group) for _, r in sorted(self.ready.items())],
+                ready=[state.ReadyState(r.slot, r.policy_version, r.group) for _, r in sorted(self.ready.items())],
                 pending=pending,
             )
-        return S.encode(state)
+        return state.encode(saved)
 
     def restore(self, blob: bytes) -> None:
         """Continue from `snapshot()` bytes; call before `start`. Work that was in flight is re-issued
         (same slots, same seeds), and the eval of the restored version is scheduled again."""
-        st = S.decode(blob)
+        st = state.decode(blob)
         with self.cv:
             self.version, self.slots, self.filtered = st.version, st.slots, st.filtered
             self.filtered_this_step = st.filtered_this_step
@@ -293,13 +308,13 @@ class Hub:
             return False
         if not self.cfg.run.deterministic:
             return True
-        if self.reissue or any(t.issue_version <= version for t in self.in_flight.values()):
+        if self.reissue or any(t.policy_version <= version for t in self.in_flight.values()):
             return False
         return self.slots - self.filtered >= self.rules.admit_cap(version)
 
-    def _try_batch(self, version: int) -> list[Ready] | None:
+    def _try_batch(self, version: int) -> list[ShapedGroup] | None:
         floor = self.rules.staleness_floor(version)
-        if any(t.issue_version < floor for t in self.in_flight.values()):
+        if any(t.policy_version < floor for t in self.in_flight.values()):
             return None  # a straggler could still land inside the bound: wait for it
         for slot in sorted(self.ready):
             r = self.ready[slot]
@@ -313,7 +328,8 @@ class Hub:
         self.filtered_this_step = 0
         self._settle(slots)
         self.n_trained += len(slots)
-        return [self.ready.pop(s) for s in slots]
+        groups = [self.ready.pop(s).group for s in slots]
+        return [ShapedGroup(s, g, row) for s, g, row in zip(slots, groups, self.rules.rewards(groups), strict=True)]
 
     def _settle(self, slots) -> None:
         """Record slots as done for good (trained, or dropped by dynamic sampling); counts any seen twice."""
@@ -328,18 +344,7 @@ class Hub:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                got = self.sock.recv(0.05)
-                now = time.monotonic()
-                target = self._poll_target(now)  # outside the lock: it may read a file
-                if got is not None:
-                    identity, msg = got
-                    with self.cv:
-                        self._handle(identity, msg, now)
-                with self.cv:
-                    self._set_target(target)
-                    self._expire(now)
-                    self._drain()
-                    self._serve_wanted()
+                self._turn()
             self._broadcast_stop("training finished")
         except BaseException as e:  # surfaced to the trainer thread by take_batch
             log.exception("hub thread crashed")
@@ -349,47 +354,62 @@ class Hub:
         finally:
             self.sock.close()
 
+    def _turn(self) -> None:
+        """One turn of the hub thread: a message (if one came within 50 ms), then the periodic duties."""
+        got = self.sock.recv(0.05)
+        now = time.monotonic()
+        target = self._poll_target(now)  # outside the lock: it may read a file
+        if got is not None:
+            identity, msg = got
+            with self.cv:
+                self._handle(identity, msg, now)
+        with self.cv:
+            self._set_target(target)
+            self._expire(now)
+            self._drain()
+            self._serve_wanted()
+
     def _handle(self, identity: bytes, msg, now: float) -> None:
-        if isinstance(msg, M.Hello):
+        if isinstance(msg, messages.Hello):
             self._hello(identity, msg, now)
             return
         gen = self.gens.get(msg.gen_id)
         if gen is None or gen.incarnation != msg.incarnation:
             stop = self.ended.get((msg.gen_id, msg.incarnation))
-            if stop is not None and isinstance(msg, (M.WorkRequest, M.Heartbeat)):
+            if stop is not None and isinstance(msg, (messages.WorkRequest, messages.Heartbeat)):
                 # A drained one asked before our Stop reached it; a lost one came back (resumed, unwedged) and must
                 # not go on: say it again.
-                if isinstance(msg, M.WorkRequest):
-                    self.sock.send(identity, M.Stop(reason=stop))
+                if isinstance(msg, messages.WorkRequest):
+                    self.sock.send(identity, messages.Stop(reason=stop))
                 return
             self.counts["hub/rejected/unknown_generator"] += 1
             return
         gen.last_seen = now
-        if isinstance(msg, M.WorkRequest):
+        if isinstance(msg, messages.WorkRequest):
             # Work goes back on the socket that asked: heartbeats come from another one.
             gen.identity = identity
             gen.wanted = max(0, min(msg.max_groups, 1024))
             gen.progress_at = now  # its main loop asks only once it has sent back all it held
-        elif isinstance(msg, M.Heartbeat):
-            gen.weight_version = msg.weight_version
-        elif isinstance(msg, (M.RolloutGroup, M.EvalResult)):
+        elif isinstance(msg, messages.Heartbeat):
+            gen.policy_version = msg.policy_version
+        elif isinstance(msg, (messages.RolloutGroup, messages.EvalResult)):
             self.slowest_reply_s = max(self.slowest_reply_s, now - gen.progress_at)
             gen.progress_at = now
-            if isinstance(msg, M.RolloutGroup):
+            if isinstance(msg, messages.RolloutGroup):
                 self._rollout(msg)
             else:
                 self._eval_result(msg)
 
-    def _hello(self, identity: bytes, msg: M.Hello, now: float) -> None:
-        if msg.protocol_version != M.PROTOCOL_VERSION or msg.run_id != self.run_id:
+    def _hello(self, identity: bytes, msg: messages.Hello, now: float) -> None:
+        if msg.protocol_version != messages.PROTOCOL_VERSION or msg.run_id != self.run_id:
             reason = (
-                f"protocol version {msg.protocol_version} != hub's {M.PROTOCOL_VERSION}; run the same covrl version on both sides"
-                if msg.protocol_version != M.PROTOCOL_VERSION
+                f"protocol version {msg.protocol_version} != hub's {messages.PROTOCOL_VERSION}; run the same covrl version on both sides"
+                if msg.protocol_version != messages.PROTOCOL_VERSION
                 else f"run id {msg.run_id!r} is not this hub's run {self.run_id!r}; point the generator at its own run directory"
             )
             self.counts["hub/rejected/handshake"] += 1
             log.warning("refused generator %s (pid %s): %s", msg.gen_id, msg.pid, reason)
-            self.sock.send(identity, M.Refused(reason=reason))
+            self.sock.send(identity, messages.Refused(reason=reason))
             return
         if not 0 <= msg.gen_id < self.target:
             reason = (f"gen_id {msg.gen_id} is outside 0..{self.target - 1}: the run's generator target is {self.target} "
@@ -397,7 +417,7 @@ class Hub:
                       f"; to run this generator, raise it with `covrl-scale RUN_DIR --gens {msg.gen_id + 1}`"))
             self.counts["hub/rejected/handshake"] += 1
             log.warning("refused generator %s (pid %s): %s", msg.gen_id, msg.pid, reason)
-            self.sock.send(identity, M.Refused(reason=reason))
+            self.sock.send(identity, messages.Refused(reason=reason))
             return
         old = self.gens.get(msg.gen_id)
         if old is not None and old.incarnation != msg.incarnation:
@@ -405,25 +425,19 @@ class Hub:
         self.gens[msg.gen_id] = GenState(identity, msg.incarnation, now, pid=msg.pid, progress_at=now)
         self.sock.send(
             identity,
-            M.Welcome(
-                protocol_version=M.PROTOCOL_VERSION,
-                run_id=self.run_id,
-                weight_version=self.version,
-                weight_addr=self.weight_addr,
-                weight_rank=1,  # of its own two-member channel, W.pair_prefix(gen_id, incarnation)
-                weight_world=2,
-            ),
+            messages.Welcome(protocol_version=messages.PROTOCOL_VERSION, run_id=self.run_id,
+                             weight_addr=self.weight_addr),
         )
-        if self.on_join is not None:
-            self.on_join(msg.gen_id, msg.incarnation)
+        if self.hooks is not None:
+            self.hooks.join(msg.gen_id, msg.incarnation)
         log.info("generator %d joined (pid %d)", msg.gen_id, msg.pid)
 
-    def _rollout(self, g: M.RolloutGroup) -> None:
+    def _rollout(self, g: messages.RolloutGroup) -> None:
         t = self.in_flight.get(g.ticket)
         if t is None or t.gen_id != g.gen_id or t.incarnation != g.incarnation:
             self.counts["hub/rejected/unknown_ticket"] += 1
             return
-        reason = M.check_rollout(
+        reason = messages.check_rollout(
             g, group_size=self.cfg.rollout.group_size, max_version=self.version, max_tokens=self.sampling.max_new_tokens
         )
         if reason is None and (g.prompt_id != t.prompt_id or g.epoch != t.epoch):
@@ -435,7 +449,7 @@ class Hub:
             self.reissue.append(t)
             return
         del self.in_flight[g.ticket]
-        self.gen_tokens += sum(M.n_tokens(s.token_ids) for s in g.samples)
+        self.gen_tokens += sum(messages.n_tokens(s.token_ids) for s in g.samples)
         self.gen_busy_s += g.gen_time_s
         if self.rules.filters_out(g, self.filtered_this_step):
             # No reward spread, no advantage: drop it and let admission issue a replacement.
@@ -443,10 +457,10 @@ class Hub:
             self.filtered_this_step += 1
             self._settle([t.slot])
             return
-        self.ready[t.slot] = Ready(t.slot, t.issue_version, g)
+        self.ready[t.slot] = Ready(t.slot, t.policy_version, g)
         self.cv.notify_all()
 
-    def _eval_result(self, res: M.EvalResult) -> None:
+    def _eval_result(self, res: messages.EvalResult) -> None:
         reason = self.evals.accept(res)
         if reason is None:
             self.cv.notify_all()
@@ -465,7 +479,7 @@ class Hub:
         silent_s = self.cfg.transport.generator_timeout_s
         needs: dict[int, int] = {}  # gen_id -> the newest version the work it holds was issued at
         for t in self.in_flight.values():
-            needs[t.gen_id] = max(needs.get(t.gen_id, -1), t.issue_version)
+            needs[t.gen_id] = max(needs.get(t.gen_id, -1), t.policy_version)
         for gen_id, version in self.evals.versions_held().items():
             needs[gen_id] = max(needs.get(gen_id, -1), version)
         limit = self.progress_limit_s()
@@ -475,7 +489,7 @@ class Hub:
                                               f"(transport.generator_timeout_s = {silent_s:g})")
             elif gen_id not in needs:
                 continue
-            elif gen.weight_version < needs[gen_id]:
+            elif gen.policy_version < needs[gen_id]:
                 gen.progress_at = now  # it waits for weights we send: not its fault
             elif now - gen.progress_at > limit:
                 self._lose(gen_id, "stuck", f"it holds work and its main loop has sent nothing for "
@@ -503,15 +517,15 @@ class Hub:
                 continue  # it delivers what it holds first (or times out, and the work is re-issued)
             gen = self.gens.pop(gen_id)
             self.ended[(gen_id, gen.incarnation)] = "drained"
-            if self.on_leave is not None:  # before the Stop: the channel's end is then never taken for a failure
-                self.on_leave(gen_id, gen.incarnation)
-            self.sock.send(gen.identity, M.Stop(reason="drained"))
+            if self.hooks is not None:  # before the Stop: the channel's end is then never taken for a failure
+                self.hooks.leave(gen_id, gen.incarnation)
+            self.sock.send(gen.identity, messages.Stop(reason="drained"))
             self.counts["hub/generators_drained"] += 1
             log.info("generator %d drained (target %d): stopped", gen_id, self.target)
 
     def _lose(self, gen_id: int, why: str, detail: str) -> None:
         """The one place a generator incarnation is declared lost (lock held): its work is re-issued with its slots,
-        it is forgotten (a late request gets Stop), counted, logged with what it held, and `on_lost` tells the
+        it is forgotten (a late request gets Stop), counted, logged with what it held, and `hooks.lost` tells the
         weight publisher and the launcher."""
         gen = self.gens.pop(gen_id)
         slots = sorted(t.slot for t in self.in_flight.values() if t.gen_id == gen_id)
@@ -528,8 +542,8 @@ class Hub:
         held = f"{len(slots)} groups" + (f" (slots {slots[0]}..{slots[-1]})" if slots else "") + f", {evals} eval prompts"
         log.warning("generator %d (pid %d, incarnation %s) lost (%s): %s; it held %s, re-issued", gen_id, gen.pid,
                     gen.incarnation, why, detail, held)
-        if self.on_lost is not None:
-            self.on_lost(gen_id, gen.incarnation, gen.pid, why, f"{detail}; it held {held}")
+        if self.hooks is not None:
+            self.hooks.lost(gen_id, gen.incarnation, gen.pid, why, f"{detail}; it held {held}")
         self.cv.notify_all()
 
     def _new_ticket(self) -> int:
@@ -561,7 +575,7 @@ class Hub:
                 gen.progress_at = time.monotonic()  # its clock starts now, not when it asked
                 self.sock.send(
                     gen.identity,
-                    M.Work(items=items, group_size=self.cfg.rollout.group_size, sampling=self.sampling, policy_version=self.version),
+                    messages.Work(items=items, group_size=self.cfg.rollout.group_size, sampling=self.sampling, policy_version=self.version),
                 )
 
     def _next_ticket(self, gen_id: int, incarnation: str) -> Ticket | None:
@@ -581,13 +595,13 @@ class Hub:
         self.in_flight[t.ticket] = t
         return t
 
-    def _work_item(self, t: Ticket) -> M.WorkItem:
+    def _work_item(self, t: Ticket) -> messages.WorkItem:
         p = self.source[t.prompt_id]
-        return M.WorkItem(
+        return messages.WorkItem(
             ticket=t.ticket,
             prompt_id=t.prompt_id,
             epoch=t.epoch,
-            prompt_ids=M.to_bytes(p.ids, M.TOKEN_DTYPE),
+            prompt_ids=messages.to_bytes(p.ids, messages.TOKEN_DTYPE),
             answer=p.answer,
             data_source=p.data_source,
             seed=prompt_seed(self.cfg.run.seed, t.epoch, t.prompt_id),
@@ -595,7 +609,7 @@ class Hub:
 
     def _broadcast_stop(self, reason: str) -> None:
         for gen in self.gens.values():
-            self.sock.send(gen.identity, M.Stop(reason=reason))
+            self.sock.send(gen.identity, messages.Stop(reason=reason))
 
     def stats(self) -> BrokerStats:
         """The running totals, read under the lock: the trainer turns their differences into per-step metrics."""
@@ -606,9 +620,17 @@ class Hub:
             counters = {**self._counted(), "hub/filtered_groups": self.filtered,
                         "hub/lost_prompts": float(self.slots - accounted),
                         "cluster/generators": float(sum(g < self.target for g in self.gens)),
-                        "cluster/generators_target": float(self.target)}
+                        "cluster/generators_target": float(self.target), **self._weight_lag()}
             return BrokerStats(filtered_groups=self.filtered, gen_tokens=self.gen_tokens, counters=counters,
                                gen_busy_s=self.gen_busy_s)
+
+    def _weight_lag(self) -> dict[str, float]:
+        """How many versions each connected generator's newest arrived weights (its heartbeat) are behind the
+        learner's version: `perf/weight_lag/gen<id>` each, and `perf/weight_lag/max` (lock held). Under `perf/`
+        with the other wall-clock measurements: it depends on when the last heartbeat left, so two runs of one seed
+        differ here and nowhere else."""
+        lag = {f"perf/weight_lag/gen{g}": float(self.version - gen.policy_version) for g, gen in self.gens.items()}
+        return {**lag, "perf/weight_lag/max": max(lag.values(), default=0.0)}
 
     def _counted(self) -> dict[str, float]:
         """The hub's counters plus the socket's rejections (lock held)."""

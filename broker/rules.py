@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from common import messages as M
+from common import messages
 from common.config import Config, FilterConfig, RolloutConfig
 
 
@@ -32,14 +32,14 @@ def zero_spread(rewards: list[float]) -> bool:
     return max(rewards) == min(rewards)
 
 
-def scores(groups: list[M.RolloutGroup]) -> np.ndarray:
+def scores(groups: list[messages.RolloutGroup]) -> np.ndarray:
     """[G, n] the verifier's rewards as they came, unshaped."""
     return np.array([[s.reward for s in g.samples] for g in groups], dtype=np.float64)
 
 
-def oldest_version(group: M.RolloutGroup) -> int:
+def oldest_version(group: messages.RolloutGroup) -> int:
     """The oldest policy version that generated any token of the group."""
-    return min(int(M.as_array(s.versions, M.VERSION_DTYPE).min()) for s in group.samples)
+    return min(int(messages.as_array(s.versions, messages.VERSION_DTYPE).min()) for s in group.samples)
 
 
 class GroupRules:
@@ -64,16 +64,16 @@ class GroupRules:
         """The oldest version a token trained in the step that starts at `version` may have."""
         return version - self.max_staleness
 
-    def too_stale(self, group: M.RolloutGroup, version: int) -> bool:
+    def too_stale(self, group: messages.RolloutGroup, version: int) -> bool:
         return oldest_version(group) < self.staleness_floor(version)
 
-    def filters_out(self, group: M.RolloutGroup, filtered_this_step: int) -> bool:
+    def filters_out(self, group: messages.RolloutGroup, filtered_this_step: int) -> bool:
         """Dynamic sampling: drop this group (no reward spread) unless this step's filtering budget is spent."""
         return (self.filter.dynamic_sampling and zero_spread([s.reward for s in group.samples])
                 and filtered_this_step < self.filter.max_filtered_batches * self.groups_per_step)
 
-    def rewards(self, groups: list[M.RolloutGroup]) -> np.ndarray:
+    def rewards(self, groups: list[messages.RolloutGroup]) -> np.ndarray:
         """[G, n] the rewards advantages are computed from: the scores plus the overlong shaping."""
-        lengths = np.array([[M.n_tokens(s.token_ids) for s in g.samples] for g in groups])
+        lengths = np.array([[messages.n_tokens(s.token_ids) for s in g.samples] for g in groups])
         return scores(groups) + overlong_penalty(lengths, self.max_new_tokens, self.filter.overlong_buffer_tokens,
                                          self.filter.overlong_penalty)

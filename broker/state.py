@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import msgspec
 
-from common import messages as M
+from common import messages
 
 
 class ReadyState(msgspec.Struct, frozen=True):
     slot: int
     issue_version: int
-    group: M.RolloutGroup
+    group: messages.RolloutGroup
 
 
 class HubState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -192,9 +192,14 @@ class FilterConfig(_Section):
     overlong_penalty: Annotated[float, Meta(ge=0)] = 1.0
 
 
+AdamBeta = Annotated[float, Meta(ge=0, lt=1)]
+
+
 class LearnerConfig(_Section):
     lr: PosFloat = 1e-4
     weight_decay: Annotated[float, Meta(ge=0)] = 0.0
+    adam_betas: tuple[AdamBeta, AdamBeta] = (0.9, 0.999)  # AdamW's (beta1, beta2)
+    adam_eps: PosFloat = 1e-8  # AdamW's epsilon
     grad_clip: PosFloat = 1.0
     # An optimizer step whose loss or gradient is not finite is skipped (actor/skipped_steps); this many
     # in a row stop the run with a checkpoint.
@@ -220,7 +225,7 @@ class LearnerConfig(_Section):
     high_entropy_fraction: Fraction01 = 0.0  # train only the top-rho entropy tokens (0: off; paper 0.2)
     logprob_chunk_tokens: PosInt = 1024  # tokens per lm-head chunk when computing logprobs and entropy
     # Entropy after the update of tokens just trained on (actor/entropy_delta): one more no-grad pass, over every
-    # entropy_delta_stride-th micro-batch of each rank from the first (1: the whole batch, as before).
+    # entropy_delta_stride-th micro-batch of each rank from the first (1: the whole batch).
     log_entropy_delta: bool = True
     entropy_delta_stride: PosInt = 8
     importance: ImportanceConfig = msgspec.field(default_factory=ImportanceConfig)
@@ -458,7 +463,7 @@ def check(cfg: Config) -> None:
                           f"weight_send_timeout_s ({t.batch_timeout_s:g} + {t.weight_send_timeout_s:g}): the other learner "
                           f"ranks wait that long for rank 0 while it waits for the generators; raise it")
     if cfg.rollout.top_p < 1:
-        # Decided for issue 13: the learner does not re-derive the nucleus. Both engines report pi_behav under the
+        # The learner does not re-derive the nucleus. Both engines report pi_behav under the
         # nucleus they sampled from (renormalised over the top-p tokens; vLLM's processed_logprobs), the learner
         # scores pi_prox and pi_theta under the full tempered softmax, so every ratio would carry the nucleus mass.
         raise ConfigError(

@@ -20,9 +20,9 @@ from typing import Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 5  # 2: evaluation messages (EvalWork, EvalResult); 3: one weight channel per generator incarnation;
-# 4: forced response lengths in SamplingParams (the generation-heavy benchmark workload); 5: eval response texts
-# for the rollout log (EvalWork.keep_texts, EvalResult.texts)
+# The version of this wire: a generator and a hub must agree on it (`Hello` is refused otherwise). Raise it with
+# any change to a message below; the policy version travels as `policy_version` in every message that carries it.
+PROTOCOL_VERSION = 6
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -63,7 +63,7 @@ class WorkRequest(_Msg, tag="want"):
 class Heartbeat(_Msg, tag="beat"):
     gen_id: int
     incarnation: str
-    weight_version: int
+    policy_version: int  # the newest version that has arrived at this generator (the hub's weight-lag gauge)
 
 
 class Sample(_Msg):
@@ -92,7 +92,7 @@ class EvalResult(_Msg, tag="evalres"):
     gen_id: int
     incarnation: str
     ticket: int
-    weight_version: int  # the policy version every sample was generated with
+    policy_version: int  # the version every sample was generated with
     rewards: list[float]
     lengths: list[int]  # response tokens per sample
     score_status: list[str]  # "ok" | "timeout" | "error" per sample
@@ -103,12 +103,13 @@ class EvalResult(_Msg, tag="evalres"):
 
 
 class Welcome(_Msg, tag="welcome"):
+    """The hub admits a generator incarnation. Its weight channel is its own two-member group under
+    `pair_prefix(gen_id, incarnation)` (common/weights.py) in the store at `weight_addr`; the version it generates
+    with is the first one it receives there, never a number from here."""
+
     protocol_version: int
     run_id: str
-    weight_version: int  # the learner's version now; the generator still waits to *receive* a version before using it
     weight_addr: str  # host:port of the learner's weight-channel TCPStore
-    weight_rank: int  # this generator's rank in its own channel (learner is 0), under W.pair_prefix(gen_id, incarnation)
-    weight_world: int
 
 
 class Refused(_Msg, tag="refused"):
@@ -172,7 +173,7 @@ def check_eval(res: EvalResult, *, k: int, version: int, max_tokens: int) -> str
     """Why this eval result cannot be counted, or None (a stable metric-key reason, like check_rollout)."""
     if not (len(res.rewards) == len(res.lengths) == len(res.score_status) == k) or len(res.texts) not in (0, k):
         return "eval_shape"
-    if res.weight_version != version:
+    if res.policy_version != version:
         return "eval_version"
     if any(not (0 < n <= max_tokens) for n in res.lengths) or any(not (r == r) for r in res.rewards):
         return "eval_fields"

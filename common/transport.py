@@ -24,7 +24,7 @@ import socket
 import msgspec
 import zmq
 
-from common import messages as M
+from common import messages
 
 SECRET_FILE = "secret.key"
 MAX_MESSAGE_BYTES = 256 << 20  # a frame larger than this is refused by libzmq itself
@@ -118,7 +118,7 @@ class HubSocket(_Endpoint):
     """ROUTER: many generators, each addressed by its ZeroMQ identity."""
 
     def __init__(self, host: str, port: int, key: bytes, hwm: int = 1000):
-        super().__init__(zmq.ROUTER, key, M.HUB_INBOUND, hwm)
+        super().__init__(zmq.ROUTER, key, messages.HUB_INBOUND, hwm)
         # A reply to a peer that has gone away is dropped, not queued forever.
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         if port:
@@ -151,7 +151,7 @@ class GeneratorSocket(_Endpoint):
     """DEALER: one generator's line to the hub."""
 
     def __init__(self, address: str, key: bytes, hwm: int = 100):
-        super().__init__(zmq.DEALER, key, M.GENERATOR_INBOUND, hwm)
+        super().__init__(zmq.DEALER, key, messages.GENERATOR_INBOUND, hwm)
         self.sock.setsockopt(zmq.SNDTIMEO, 30_000)
         self.sock.connect(f"tcp://{address}")
 

@@ -26,7 +26,7 @@ import json
 
 import torch
 
-from common import weights as W
+from common import weights
 
 # Path segments that wrappers insert into parameter names; never part of a checkpoint name.
 _WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_forward_module")
@@ -65,7 +65,7 @@ def vllm_target(name: str) -> tuple[str, str | int | None]:
     return name, None
 
 
-def bucket_meta(lay: W.Layout, first: int, end: int, dtype: torch.dtype) -> dict:
+def bucket_meta(lay: weights.Layout, first: int, end: int, dtype: torch.dtype) -> dict:
     """`update_info` of one bucket (parameters first..end-1 of `lay`), as vLLM's NCCL receiver reads it."""
     return {
         "names": [vllm_name(n) for n in lay.names[first:end]],
@@ -74,18 +74,18 @@ def bucket_meta(lay: W.Layout, first: int, end: int, dtype: torch.dtype) -> dict
     }
 
 
-def bucket_tensors(lay: W.Layout, first: int, end: int, bucket: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def bucket_tensors(lay: weights.Layout, first: int, end: int, bucket: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """(vLLM name, view shaped as the parameter) for each parameter of a flat bucket."""
-    return [(vllm_name(n), p) for n, p in W.bucket_views(lay, first, end, bucket)]
+    return [(vllm_name(n), p) for n, p in weights.bucket_views(lay, first, end, bucket)]
 
 
 def fingerprint(t: torch.Tensor, dtype: torch.dtype | None = None) -> float:
-    """`W.Checksum` of one tensor after rounding it to `dtype` (the generator's), so the learner's fp32
+    """`weights.Checksum` of one tensor after rounding it to `dtype` (the generator's), so the learner's fp32
     copy and the bf16 copy inside vLLM give the same number exactly when the weights arrived."""
     flat = t.detach().reshape(-1)
     if dtype is not None:
         flat = flat.to(dtype)
-    acc = W.Checksum(flat.numel())
+    acc = weights.Checksum(flat.numel())
     acc.add(flat.float().cpu(), 0)
     return acc.total
 

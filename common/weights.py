@@ -31,6 +31,9 @@ FLAG_STOP = 1
 # comes here, so versions, layout checks and dead-peer detection stay on one channel.
 FLAG_DIRECT = 2
 BUCKET_NUMEL = 32 << 20  # 128 MiB of fp32 per broadcast call
+# The two members of a generator incarnation's own channel (`pair_prefix`): learner rank 0 sends, the generator
+# receives.
+LEARNER_RANK, GENERATOR_RANK, PAIR_WORLD = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -159,11 +162,19 @@ def pair_prefix(gen_id: int, incarnation: str) -> str:
     return f"gen{gen_id}/{incarnation}"
 
 
+def refuse_direct(flags: int, receiver: str) -> None:
+    """A receiver without an NCCL group (`receiver` names it) refuses a header flagged FLAG_DIRECT."""
+    if flags & FLAG_DIRECT:
+        raise RuntimeError(f"weight channel: the learner flagged this version as sent over NCCL into vLLM workers, but "
+                           f"{receiver} announced no NCCL receiver (a learner bug: it must decide per channel from the "
+                           f"generator's announcement, common/vllm_weights.py)")
+
+
 class WeightChannel:
     """A gloo group whose rank 0 (learner rank 0) broadcasts versions to ranks 1.. (generators).
 
     The sending side is driven by `learner/publisher.py` (`start_header`, then each bucket, then `start_stop`); the
-    receiving side by the generator's weight thread (`receive_header`, `receive_buckets`, or `receive`).
+    receiving side by the generator's weight thread (`receive_header`, then `receive_buckets`).
 
     `prefix` names a group inside a shared store, so each generator incarnation can get a two-member
     channel of its own (`pair_prefix`) that is built when it joins and dropped when it dies, while the
@@ -241,16 +252,3 @@ class WeightChannel:
             self._bcast(flat[start:end])  # a 1-D slice is contiguous
             acc.add(flat[start:end], start)
         return flat, acc.total
-
-    def receive(self, lay: Layout, out: torch.Tensor | None = None) -> tuple[int, torch.Tensor, float] | None:
-        """Receiver side: block for the next version -> (version, flat, checksum); None when the learner says stop."""
-        got = self.receive_header(lay)
-        if got is None:
-            return None
-        version, flags = got
-        if flags & FLAG_DIRECT:
-            raise RuntimeError("weight channel: the learner flagged this version as sent over NCCL into vLLM workers, "
-                               "but this generator announced no NCCL receiver (a learner bug: it must decide per "
-                               "channel from the generator's announcement, common/vllm_weights.py)")
-        flat, total = self.receive_buckets(lay, out)
-        return version, flat, total

@@ -117,23 +117,35 @@ class GeneratorTargetReader:
         return n
 
 
+class GeneratorEvents:
+    """The hub's `GeneratorHooks` (broker/hooks.py) on learner rank 0: a joined or drained incarnation's weight
+    channel is built or closed; a lost one's goes at once, and the launcher stops its process and restarts it (it
+    follows RUN_DIR/generators_lost.jsonl)."""
+
+    def __init__(self, channel: WeightPublisher, run_dir: str):
+        self.channel, self.run_dir = channel, run_dir
+
+    def join(self, gen_id: int, incarnation: str) -> None:
+        self.channel.join(gen_id, incarnation)
+
+    def leave(self, gen_id: int, incarnation: str) -> None:
+        self.channel.leave(gen_id, incarnation)
+
+    def lost(self, gen_id: int, incarnation: str, pid: int, why: str, detail: str) -> None:
+        self.channel.drop(gen_id, incarnation)
+        record_lost_generator(self.run_dir, LostGenerator(gen_id, incarnation, pid, why, detail, time.time()))
+
+
 def lead(cfg, args, cluster, tokenizer, publisher: ModelPublisher, world: int, start: int, resumed: dict | None) -> Lead:
     """Rank 0's role: the broker (restored on resume), the metrics sink (rows after the checkpoint purged), PAR.
     The hub binds cluster.json's hub_addr (the launcher's choice of this node's address), not transport.host."""
     host, port = cluster.hub_addr.rsplit(":", 1)
     source, evals = PromptSource(cfg, tokenizer), eval_sets(cfg, tokenizer) if cfg.eval.every_steps else None
     channel = publisher.channel
-
-    def on_lost(gen_id: int, incarnation: str, pid: int, why: str, detail: str) -> None:
-        """The hub's verdict, followed by everyone: the weight channel goes at once, and the launcher stops the
-        process and restarts it (it follows RUN_DIR/generators_lost.jsonl)."""
-        channel.drop(gen_id, incarnation)
-        record_lost_generator(args.run_dir, LostGenerator(gen_id, incarnation, pid, why, detail, time.time()))
-
     hub = Hub(cfg, run_id=cluster.run_id, key=load_secret(args.run_dir), host=host, port=int(port),
               source=source, weight_addr=cluster.weight_addr,
               generators=GeneratorTargetReader(args.run_dir, cluster.generators), eval_prompts=evals,
-              on_join=channel.join, on_leave=channel.leave, on_lost=on_lost)
+              hooks=GeneratorEvents(channel, args.run_dir))
     channel.report = hub.lose  # a weight channel that fails or misses its deadline: the hub decides
     par = ParSchedule(cfg.learner.par, cfg.run.steps)
     # An evaluated version's row waits for its eval results; step 0's row is the base model's evaluation.

@@ -9,8 +9,8 @@ ZeRO's gradient reduction is a collective: a rank that skipped a backward
 would hang the others.
 
 Advantages are computed here, per group, before any sharding, so they never
-depend on how the batch is split, from the rewards the broker's rules shape
-(`broker.rules.GroupRules.rewards`: the scores plus the overlong penalty).
+depend on how the batch is split, from the rewards the broker hands over with each group (shaped by its
+rules: the scores plus the overlong penalty; the learner never shapes them again).
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ import msgspec
 import numpy as np
 import torch
 
-from broker.rules import GroupRules
-from common import messages as M
+from common import messages
 from common.config import LearnerConfig
 from common.seeds import step_seed
-from learner import advantages as A
+from learner import advantages
 
 _LEARNER = LearnerConfig()  # every default lives in common/config.py
 
@@ -88,8 +87,8 @@ def _micro_batches(lengths: list[int], idx: list[int], budget: int) -> list[list
 
 
 def build_step_batch(
-    groups: list[M.RolloutGroup],
-    rewards: np.ndarray,  # [G, n] shaped rewards (GroupRules.rewards)
+    groups: list[messages.RolloutGroup],
+    rewards: np.ndarray,  # [G, n] shaped rewards, as the broker hands them over
     *,
     version: int,
     ranks: int,
@@ -99,17 +98,17 @@ def build_step_batch(
     par_lambda: float = 1.0,
     seed: int = 0,
 ) -> StepBatch:
-    resp_lengths = np.array([[M.n_tokens(s.token_ids) for s in g.samples] for g in groups])
-    adv = A.ESTIMATORS[estimator](rewards, resp_lengths)
+    resp_lengths = np.array([[messages.n_tokens(s.token_ids) for s in g.samples] for g in groups])
+    adv = advantages.ESTIMATORS[estimator](rewards, resp_lengths)
     samples: list[TrainSample] = []
     group_of: list[int] = []
     for gi, g in enumerate(groups):
-        prompt = M.as_array(g.prompt_ids, M.TOKEN_DTYPE)
+        prompt = messages.as_array(g.prompt_ids, messages.TOKEN_DTYPE)
         for si, s in enumerate(g.samples):
-            resp = M.as_array(s.token_ids, M.TOKEN_DTYPE)
+            resp = messages.as_array(s.token_ids, messages.TOKEN_DTYPE)
             samples.append(
                 TrainSample(
-                    input_ids=M.to_bytes(np.concatenate([prompt, resp]), M.TOKEN_DTYPE),
+                    input_ids=messages.to_bytes(np.concatenate([prompt, resp]), messages.TOKEN_DTYPE),
                     prompt_len=len(prompt),
                     behav_logprobs=s.logprobs,
                     versions=s.versions,
@@ -117,8 +116,8 @@ def build_step_batch(
                 )
             )
             group_of.append(gi)
-    lengths = [M.n_tokens(s.input_ids) for s in samples]
-    resp_len = [M.n_tokens(s.versions) for s in samples]
+    lengths = [messages.n_tokens(s.input_ids) for s in samples]
+    resp_len = [messages.n_tokens(s.versions) for s in samples]
     per_mini = len(groups) // mini_batches
     plan, mini_tokens, mini_seqs = [], [], []
     for m in range(mini_batches):
@@ -132,12 +131,13 @@ def build_step_batch(
                      par_lambda=par_lambda, seed=seed)
 
 
-def batch_from_config(groups: list[M.RolloutGroup], cfg, *, version: int, ranks: int, par_lambda: float = 1.0,
-                      micro_batch_tokens: int | None = None) -> StepBatch:
-    """`build_step_batch` with every knob read from the run config (the learner and the reference loop share it)."""
+def batch_from_config(groups: list[messages.RolloutGroup], rewards: np.ndarray, cfg, *, version: int, ranks: int,
+                      par_lambda: float = 1.0, micro_batch_tokens: int | None = None) -> StepBatch:
+    """`build_step_batch` with every knob read from the run config (the learner and the reference loop share it);
+    `rewards` [G, n]: the shaped rewards the broker decided (`broker.rules.GroupRules.rewards`)."""
     lc = cfg.learner
     return build_step_batch(
-        groups, GroupRules.of(cfg).rewards(groups), version=version, ranks=ranks, mini_batches=lc.mini_batches,
+        groups, rewards, version=version, ranks=ranks, mini_batches=lc.mini_batches,
         micro_batch_tokens=micro_batch_tokens or lc.micro_batch_tokens, estimator=lc.advantage,
         par_lambda=par_lambda, seed=step_seed(cfg.run.seed, version + 1),
     )
@@ -157,7 +157,7 @@ def pack(samples: list[TrainSample], idx: list[int], pad_id: int) -> dict[str, t
     ids, pos, mask, behav, vers, adv, sid = [], [], [], [], [], [], []
     for k, i in enumerate(idx):
         s = samples[i]
-        seq = M.as_array(s.input_ids, M.TOKEN_DTYPE).astype(np.int64)
+        seq = messages.as_array(s.input_ids, messages.TOKEN_DTYPE).astype(np.int64)
         P, R = s.prompt_len, len(seq) - s.prompt_len
         ids.append(seq)
         pos.append(np.arange(len(seq)))
@@ -166,10 +166,10 @@ def pack(samples: list[TrainSample], idx: list[int], pad_id: int) -> dict[str, t
         m[P - 1 : P - 1 + R] = 1.0
         mask.append(m)
         b = np.zeros(len(seq), dtype=np.float32)
-        b[P - 1 : P - 1 + R] = M.as_array(s.behav_logprobs, M.LOGPROB_DTYPE)
+        b[P - 1 : P - 1 + R] = messages.as_array(s.behav_logprobs, messages.LOGPROB_DTYPE)
         behav.append(b)
         v = np.zeros(len(seq), dtype=np.int64)
-        v[P - 1 : P - 1 + R] = M.as_array(s.versions, M.VERSION_DTYPE)
+        v[P - 1 : P - 1 + R] = messages.as_array(s.versions, messages.VERSION_DTYPE)
         vers.append(v)
         adv.append(np.full(len(seq), s.advantage, dtype=np.float32))
         sid.append(np.full(len(seq), k, dtype=np.int64))

@@ -9,9 +9,13 @@ stand-ins and no processes:
   schedule), `Follower` elsewhere (the publisher only: every rank publishes, ZeRO-3 gathers are collectives);
 - `save`: `(step, state, hub_blob) -> None`, the checkpoint writer (a collective: every rank calls it).
 
-The ordering that makes runs reproducible lives in `Lead.publish`: the publish of version v + 1 waits until
-the generation pinned to version v is in (`Hub.wait_version_done`), and the hub moves to the new version before
-the weights leave, because a token stamped with it may reach the hub the moment the broadcast lands.
+The policy version has one owner on rank 0: the hub (`HubPort.set_version`; it stamps work with it, bounds
+staleness by it and saves it in its snapshot). Step k trains on the batch of version k - 1 and makes version k;
+`Lead.publish` is the one place the version moves, and everything else is handed it from there: the hub first,
+then the weights, labelled with it (the publisher's host copy carries the version of its bits, nothing more).
+That order is what makes runs reproducible: the publish of version v + 1 waits until the generation pinned to
+version v is in (`wait_version_done`), and the hub moves to the new version before the weights leave, because a
+token stamped with it may reach the hub the moment the broadcast lands (work for it just waits in the generator).
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import messages as M
+from common import messages
 from common.config import Config, eval_versions
-from learner import batch as B
+from learner.batch import StepBatch, batch_from_config, decode, encode
+from learner.ports import HubPort, ShapedGroup
 from learner.trainer import step_metrics
 
 log = logging.getLogger("covrl.learner")
@@ -41,11 +46,11 @@ class Ranks:
     def __init__(self, rank: int):
         self.rank = rank
 
-    def share(self, batch: B.StepBatch | None) -> B.StepBatch:
+    def share(self, batch: StepBatch | None) -> StepBatch:
         """Rank 0's batch to every rank: msgpack bytes in a broadcast (no pickles of our structs)."""
-        box = [B.encode(batch) if self.rank == 0 else None]
+        box = [encode(batch) if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
-        return B.decode(box[0])
+        return decode(box[0])
 
     def agree(self, flag: bool) -> bool:
         """True on every rank if it is true on any."""
@@ -54,14 +59,14 @@ class Ranks:
         return bool(t.item())
 
 
-def host_metrics(groups: list, version: int) -> dict[str, float]:
+def host_metrics(groups: list[ShapedGroup], version: int) -> dict[str, float]:
     """What rank 0 can read off the rollouts themselves."""
     samples = [s for r in groups for s in r.group.samples]
-    stale = np.concatenate([version - M.as_array(s.versions, M.VERSION_DTYPE) for s in samples])
+    stale = np.concatenate([version - messages.as_array(s.versions, messages.VERSION_DTYPE) for s in samples])
     return {
         "critic/score/mean": float(np.mean([s.reward for s in samples])),
-        "response_length/mean": float(np.mean([M.n_tokens(s.token_ids) for s in samples])),
-        "response_length/max": float(max(M.n_tokens(s.token_ids) for s in samples)),
+        "response_length/mean": float(np.mean([messages.n_tokens(s.token_ids) for s in samples])),
+        "response_length/max": float(max(messages.n_tokens(s.token_ids) for s in samples)),
         "staleness/mean": float(stale.mean()),
         "staleness/max": float(stale.max()),
         "reward/timeouts": float(sum(s.score_status == "timeout" for s in samples)),
@@ -98,7 +103,7 @@ class Follower:
     def publish(self, step: int) -> None:
         self.publisher.publish(step)  # under ZeRO-3 this rank's shards join each bucket's gather
 
-    def record(self, step: int, batch: B.StepBatch, metrics: dict[str, float], published, t0: float) -> None:
+    def record(self, step: int, batch: StepBatch, metrics: dict[str, float], published, t0: float) -> None:
         pass
 
     def checkpoint_state(self, step: int, world: int) -> tuple[None, None]:
@@ -115,7 +120,7 @@ class Lead:
     (step 0: the base model's evaluation) and rows stay in step order.
     """
 
-    def __init__(self, cfg: Config, *, hub, publisher, sink, par, world: int, held: dict[int, dict[str, float]],
+    def __init__(self, cfg: Config, *, hub: HubPort, publisher, sink, par, world: int, held: dict[int, dict[str, float]],
                  start: int = 0, rollouts=None):
         self.cfg, self.hub, self.publisher, self.sink, self.par, self.world = cfg, hub, publisher, sink, par, world
         self.rollouts = rollouts  # learner/rollout_log.py: the readable rollouts (None: not written)
@@ -129,14 +134,14 @@ class Lead:
         self.trained, self.last_row = start, {}  # the newest step trained, its row: for the progress line
         self.show_progress()
 
-    def take(self, step: int) -> B.StepBatch:
+    def take(self, step: int) -> StepBatch:
         version = step - 1
         t0 = time.perf_counter()
         groups = self.hub.take_batch(version, timeout_s=self.wait_s)
         self.batch_wait = time.perf_counter() - t0
         self.extra = host_metrics(groups, version)
-        batch = B.batch_from_config([r.group for r in groups], self.cfg, version=version, ranks=self.world,
-                                    par_lambda=self.par.value(step))
+        batch = batch_from_config([r.group for r in groups], np.stack([r.rewards for r in groups]), self.cfg,
+                                  version=version, ranks=self.world, par_lambda=self.par.value(step))
         if self.rollouts is not None:
             self.rollouts.train(step, [r.group for r in groups], [s.advantage for s in batch.samples])
         return batch
@@ -156,11 +161,12 @@ class Lead:
         self.sink.progress(self.trained, self.last_row, sorted(self.held))
 
     def publish(self, step: int) -> Published:
+        """Make `step` the policy version: the one place it moves on rank 0 (see the module docstring)."""
         waited = self.finish_version(step - 1)
-        self.hub.set_version(step)  # before the weights leave: work for `step` just waits in the generator
-        return Published(*self.publisher.publish(step), waited_s=waited)
+        self.hub.set_version(step)  # the owner moves first: work for `step` just waits in the generator
+        return Published(*self.publisher.publish(step), waited_s=waited)  # then the weights, labelled `step`
 
-    def record(self, step: int, batch: B.StepBatch, metrics: dict[str, float], published: Published,
+    def record(self, step: int, batch: StepBatch, metrics: dict[str, float], published: Published,
                t0: float) -> None:
         now = time.perf_counter()
         stats = self.hub.stats()

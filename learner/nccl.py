@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from common import weights as W
+from common import weights
 from common.vllm_weights import bucket_tensors
 
 
@@ -65,7 +65,7 @@ class NcclSender:
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(self.device)
 
-    def send_bucket(self, lay: W.Layout, first: int, end: int, bucket: torch.Tensor, dtype: torch.dtype,
+    def send_bucket(self, lay: weights.Layout, first: int, end: int, bucket: torch.Tensor, dtype: torch.dtype,
                     cancelled=None) -> int:
         """Broadcast one bucket (parameters first..end-1, flat, on any device) parameter by parameter in `dtype`,
         and wait until it has landed (at most `timeout_s`, or until `cancelled()`: the hub declared the generator

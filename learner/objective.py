@@ -23,7 +23,7 @@ from typing import Callable, Protocol
 import torch
 
 from common.config import LearnerConfig
-from learner import losses as L
+from learner import losses
 
 
 @dataclass
@@ -87,7 +87,7 @@ def _select_top_covariance(entries: list[Surveyed], comm: Collectives, fraction:
     n = sums[2].clamp(min=1.0)
     means = (sums[0] / n, sums[1] / n)
     k = max(1, int(fraction * float(sums[2])))
-    scores = [score(L.covariance_score(e.old.double(), e.adv.double(), e.mask, means=means), e.mask) for e in entries]
+    scores = [score(losses.covariance_score(e.old.double(), e.adv.double(), e.mask, means=means), e.mask) for e in entries]
     above = [s[s > floor] for s in scores]
     kth = comm.kth_largest(torch.cat(above).cpu() if above else torch.zeros(0, dtype=torch.float64), k)
     return [(s >= kth) & (s > floor) for s in scores]
@@ -99,8 +99,8 @@ def select_high_entropy(entries: list[Surveyed], comm: Collectives, *, fraction:
     vals = [e.entropy[e.mask > 0] for e in entries]
     local = torch.cat(vals).cpu() if vals else torch.zeros(0)
     count = comm.sum_(torch.tensor([float(local.numel())], dtype=torch.float64))
-    kth = comm.kth_largest(local, L.high_entropy_count(float(count), fraction))
-    return [L.high_entropy_keep(e.entropy, e.mask, kth) for e in entries]
+    kth = comm.kth_largest(local, losses.high_entropy_count(float(count), fraction))
+    return [losses.high_entropy_keep(e.entropy, e.mask, kth) for e in entries]
 
 
 # ---- the registry of policy losses -----------------------------------------------
@@ -123,7 +123,7 @@ class PolicyLoss:
 class PPO(PolicyLoss):
     def __init__(self, lc: LearnerConfig):
         c = lc.loss
-        self.f = functools.partial(L.ppo_loss, clip_low=c.clip_low, clip_high=c.clip_high,
+        self.f = functools.partial(losses.ppo_loss, clip_low=c.clip_low, clip_high=c.clip_high,
                                    dual_clip_c=c.dual_clip_c or None)
 
     def __call__(self, t, generator):
@@ -136,7 +136,7 @@ class ClipCov(PolicyLoss):
 
     def __init__(self, lc: LearnerConfig):
         self.cfg = c = lc.loss
-        self.f = functools.partial(L.clip_cov_loss, clip_low=c.clip_low, clip_high=c.clip_high,
+        self.f = functools.partial(losses.clip_cov_loss, clip_low=c.clip_low, clip_high=c.clip_high,
                                    cov_fraction=c.cov_fraction, cov_lb=c.cov_lb, cov_ub=c.cov_ub)
         self.select_step = self._select_step if lc.cov_scope == "step" else None
 
@@ -145,8 +145,8 @@ class ClipCov(PolicyLoss):
 
     def _select_step(self, entries, comm, generator):
         def keys(cov, mask):
-            candidate = L.clip_cov_candidates(cov, mask, self.cfg.cov_lb, self.cfg.cov_ub)
-            return L.clip_cov_keys(candidate, generator).double()
+            candidate = losses.clip_cov_candidates(cov, mask, self.cfg.cov_lb, self.cfg.cov_ub)
+            return losses.clip_cov_keys(candidate, generator).double()
 
         return _select_top_covariance(entries, comm, self.cfg.cov_fraction, keys, floor=-1.0)
 
@@ -156,7 +156,7 @@ class KLCov(PolicyLoss):
 
     def __init__(self, lc: LearnerConfig):
         self.cfg = c = lc.loss
-        self.f = functools.partial(L.kl_cov_loss, kl_fraction=c.kl_fraction, kl_coef=c.kl_coef)
+        self.f = functools.partial(losses.kl_cov_loss, kl_fraction=c.kl_fraction, kl_coef=c.kl_coef)
         self.select_step = self._select_step if lc.cov_scope == "step" else None
 
     def __call__(self, t, generator):
@@ -169,7 +169,7 @@ class KLCov(PolicyLoss):
             # that differ by more than ~1e-12.
             pos = torch.arange(cov.numel(), dtype=torch.float64, device=cov.device).view_as(cov) / (cov.numel() + 1)
             tie = 1e-12 * (comm.rank + pos) / comm.world
-            return torch.where(L.kl_cov_eligible(cov, mask), cov - tie, torch.full_like(cov, float("-inf")))
+            return torch.where(losses.kl_cov_eligible(cov, mask), cov - tie, torch.full_like(cov, float("-inf")))
 
         return _select_top_covariance(entries, comm, self.cfg.kl_fraction, score, floor=float("-inf"))
 
@@ -177,7 +177,7 @@ class KLCov(PolicyLoss):
 class GSPO(PolicyLoss):
     def __init__(self, lc: LearnerConfig):
         c = lc.loss
-        self.f = functools.partial(L.gspo_loss, clip_low=c.clip_low, clip_high=c.clip_high)
+        self.f = functools.partial(losses.gspo_loss, clip_low=c.clip_low, clip_high=c.clip_high)
 
     def __call__(self, t, generator):
         return self.f(t.logp, t.old, t.adv, t.mask, seq_ids=t.seq_ids, num_seqs=t.num_seqs)
@@ -186,7 +186,7 @@ class GSPO(PolicyLoss):
 class CISPO(PolicyLoss):
     def __init__(self, lc: LearnerConfig):
         c = lc.loss
-        self.f = functools.partial(L.cispo_loss, clip_low=c.clip_low, clip_high=c.clip_high)
+        self.f = functools.partial(losses.cispo_loss, clip_low=c.clip_low, clip_high=c.clip_high)
 
     def __call__(self, t, generator):
         return self.f(t.logp, t.old, t.adv, t.mask)
@@ -218,8 +218,8 @@ class Objective:
         imp = cfg.importance
         kind = "none" if imp.prox == "behaviour" else imp.type  # pi_prox = pi_behav: w = 1 by definition
         lo, hi = (imp.geo_lo, imp.geo_hi) if imp.type == "geo_mask" else (imp.lo, imp.hi)
-        self.weights = functools.partial(L.importance_weights, kind=kind, cap=imp.cap, lo=lo, hi=hi)
-        self.agg = functools.partial(L.aggregate, mode=cfg.agg, norm_tokens=float(cfg.norm_tokens or max_new_tokens))
+        self.weights = functools.partial(losses.importance_weights, kind=kind, cap=imp.cap, lo=lo, hi=hi)
+        self.agg = functools.partial(losses.aggregate, mode=cfg.agg, norm_tokens=float(cfg.norm_tokens or max_new_tokens))
         self.high_entropy = (functools.partial(select_high_entropy, fraction=cfg.high_entropy_fraction)
                              if cfg.high_entropy_fraction > 0 else None)
 
@@ -246,14 +246,14 @@ class Objective:
         metrics.update(pm)
         tok = tok * w
         if par_lambda != 1.0:
-            tok = tok * L.par_weights(t.adv, par_lambda)
+            tok = tok * losses.par_weights(t.adv, par_lambda)
         if t.keep is not None:
             tok = tok * t.keep  # dropped low-entropy tokens stay in the denominator
         metrics["pg_loss"] = tok.detach()  # the policy-gradient part, before bonus and KL terms
         if self.cfg.entropy_coef:
             tok = tok - self.cfg.entropy_coef * t.entropy * t.mask
         if self.cfg.kl.coef:
-            kl = L.kl_penalty(t.logp, t.ref, self.cfg.kl.estimator) * t.mask
+            kl = losses.kl_penalty(t.logp, t.ref, self.cfg.kl.estimator) * t.mask
             tok = tok + self.cfg.kl.coef * kl
             metrics["kl_ref"] = kl.detach()
         loss = self.agg(tok, t.mask, global_tokens=global_tokens, global_seqs=global_seqs, seq_ids=t.seq_ids,

@@ -1,7 +1,7 @@
 """Learner rank 0's side of the weight channels: one two-member gloo channel per generator incarnation.
 
 A generator joins when the hub welcomes it (first start or restart): a join thread builds the pair
-channel (a rendezvous under the store prefix `W.pair_prefix(gen_id, incarnation)`), sends it the
+channel (a rendezvous under the store prefix `weights.pair_prefix(gen_id, incarnation)`), sends it the
 latest published version at once, and adds it to the broadcast list. So a restarted generator catches
 up before it generates, and it never trusts a version number it has not received (it starts from the
 base model, version 0, and waits for the version its work names). `publish` sends each bucket to every
@@ -20,7 +20,11 @@ its incarnation at once and a leave thread sends it the stop header and drops it
 (`weights/left_channels`); whoever finds such a channel gone (a publish, a join thread that was still in its
 rendezvous) counts it as left, never as a failure.
 
-Every bucket is copied into `latest` (a host vector, pinned on a CUDA learner) and the gloo channels send
+Each admitted channel is a peer, its kind chosen once when it is admitted: a `GlooPeer` (buckets over the gloo
+pair channel, all peers at once) or an `NcclPeer` (below); the publisher calls their `start_header`, `send_bucket`,
+`release` and `close` and never asks which kind it holds.
+
+Every bucket is copied into `latest` (a `HostCopy`: a host vector, pinned on a CUDA learner) and the gloo channels send
 that copy, never the caller's tensor: a CUDA learner's buckets are on its GPU, and the caller reuses one
 bucket buffer for the next bucket as soon as it is asked for.
 
@@ -28,7 +32,7 @@ A vLLM generator with the nccl transport announces its NCCL receiver in the pair
 rendezvous (`common/vllm_weights.py`). Its join thread only records that; the NCCL group itself (this rank's GPU
 + the generator's tp workers) is built by the trainer thread at the start of the next `publish`, on the
 learner's device and between train steps, so it never races DeepSpeed's own collectives. Headers still go over
-gloo, flagged `W.FLAG_DIRECT`, and each bucket is broadcast over NCCL in the generator's dtype straight into its
+gloo, flagged `weights.FLAG_DIRECT`, and each bucket is broadcast over NCCL in the generator's dtype straight into its
 workers, on the sender's own stream and with a deadline (`NcclSender`), cut short when the hub declares the
 generator lost (`learner/nccl.py`).
 
@@ -43,15 +47,16 @@ import datetime
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from common import vllm_weights as VW
-from common import weights as W
+from common import vllm_weights
+from common import weights
 from common.transport import free_port
-from learner import nccl as N
+from learner import nccl
 from learner.params import param_buckets, scratch_for
 
 log = logging.getLogger("covrl.publisher")
@@ -68,9 +73,9 @@ class Sends:
     def __init__(self, timeout_s: float, gone: Callable[[int], bool]):
         self.deadline = time.monotonic() + timeout_s
         self.timeout_s, self.gone = timeout_s, gone
-        self.ops: dict[int, tuple[W.WeightChannel, dist.Work]] = {}
+        self.ops: dict[int, tuple[weights.WeightChannel, dist.Work]] = {}
 
-    def add(self, gen_id: int, ch: W.WeightChannel, start: Callable[[], dist.Work]) -> str | None:
+    def add(self, gen_id: int, ch: weights.WeightChannel, start: Callable[[], dist.Work]) -> str | None:
         """Begin one operation; the failure's description if it could not even begin."""
         try:
             self.ops[gen_id] = (ch, start())
@@ -85,29 +90,35 @@ class Sends:
         pending, pause = dict(self.ops), 2e-4
         while pending:
             for gen_id, (ch, work) in list(pending.items()):
-                if work.is_completed():
+                done, why = self._settled(gen_id, ch, work)
+                if done:
                     del pending[gen_id]
-                    try:
-                        work.wait()
-                    except RuntimeError as e:  # gloo: the peer closed the connection, or the deadline passed
-                        failed[gen_id] = f"weight channel failed: {str(e)[:200]}"
-                elif self.gone(gen_id):
-                    del pending[gen_id]
-                    failed[gen_id] = LOST
-                    _abandon(ch, work)
-                elif time.monotonic() >= self.deadline:
-                    del pending[gen_id]
-                    failed[gen_id] = (f"a weight send was not taken within {self.timeout_s:.0f}s "
-                                      f"(transport.weight_send_timeout_s)")
-                    _abandon(ch, work)
+                if why is not None:
+                    failed[gen_id] = why
             if pending:
                 time.sleep(pause)
                 pause = min(pause * 2, 5e-3)
         return failed
 
+    def _settled(self, gen_id: int, ch: weights.WeightChannel, work: dist.Work) -> tuple[bool, str | None]:
+        """(whether this operation is over, why it failed or None)."""
+        if work.is_completed():
+            try:
+                work.wait()
+            except RuntimeError as e:  # gloo: the peer closed the connection, or the deadline passed
+                return True, f"weight channel failed: {str(e)[:200]}"
+            return True, None
+        if self.gone(gen_id):
+            _abandon(ch, work)
+            return True, LOST
+        if time.monotonic() >= self.deadline:
+            _abandon(ch, work)
+            return True, f"a weight send was not taken within {self.timeout_s:.0f}s (transport.weight_send_timeout_s)"
+        return False, None
 
-def _abandon(ch: W.WeightChannel, work: dist.Work) -> None:
-    def hold(ch: W.WeightChannel, work: dist.Work) -> None:
+
+def _abandon(ch: weights.WeightChannel, work: dist.Work) -> None:
+    def hold(ch: weights.WeightChannel, work: dist.Work) -> None:
         try:
             work.wait()  # fails at the channel's own deadline
         except RuntimeError:
@@ -115,6 +126,95 @@ def _abandon(ch: W.WeightChannel, work: dist.Work) -> None:
         del ch  # the last reference: its process group is freed here, with nothing pending, not in the caller
 
     threading.Thread(target=hold, args=(ch, work), name="abandoned-send", daemon=True).start()
+
+
+@dataclass(eq=False)
+class GlooPeer:
+    """One generator incarnation's weight channel on learner rank 0, its buckets over the gloo pair channel.
+
+    The kind of peer is chosen once, when the channel is admitted (`NcclPeer` for a generator that announced an
+    NCCL receiver); the publisher only calls these methods."""
+
+    gen_id: int
+    incarnation: str
+    channel: weights.WeightChannel
+    blocking = False  # a bucket send returns at once: all such sends are waited for together (`Sends`)
+
+    def start_header(self, sends: "Sends", version: int, lay: weights.Layout) -> str | None:
+        return sends.add(self.gen_id, self.channel, lambda: self.channel.start_header(version, lay, self.flags))
+
+    @property
+    def flags(self) -> int:
+        return 0
+
+    def send_bucket(self, sends: "Sends", lay: weights.Layout, first: int, end: int, host: torch.Tensor,
+                    bucket: torch.Tensor, cancelled: Callable[[], bool]) -> str | None:
+        """Begin sending one bucket's host copy; the failure's description if it could not even begin."""
+        return sends.add(self.gen_id, self.channel, lambda: self.channel.start_bucket(host))
+
+    def release(self) -> None:
+        """Free what this peer holds besides its gloo channel (nothing here)."""
+
+    def close(self) -> None:
+        """A generator that leaves: tell it to stop (with the send deadline; it may be gone already), then release."""
+        _try(self.channel.stop)
+        self.release()
+
+
+@dataclass(eq=False)
+class NcclPeer(GlooPeer):
+    """A vLLM generator with the nccl transport: headers over gloo flagged FLAG_DIRECT, each bucket broadcast over
+    its own NCCL group straight into its workers, in the dtype it announced, one generator at a time."""
+
+    sender: nccl.NcclSender
+    dtype: torch.dtype  # the generator's: each bucket is sent in it
+    blocking = True  # a bucket send waits for its broadcast to land (with its own deadline)
+
+    @property
+    def flags(self) -> int:
+        return weights.FLAG_DIRECT
+
+    def send_bucket(self, sends: "Sends", lay: weights.Layout, first: int, end: int, host: torch.Tensor,
+                    bucket: torch.Tensor, cancelled: Callable[[], bool]) -> str | None:
+        try:
+            self.sender.send_bucket(lay, first, end, bucket, self.dtype, cancelled=cancelled)
+            return None
+        except RuntimeError as e:  # nccl.NcclTimeout, or the hub's verdict
+            return LOST if cancelled() else str(e)[:300]
+
+    def release(self) -> None:
+        """Its NCCL communicator (vLLM's destroy aborts it)."""
+        _try(self.sender.close)
+
+
+@dataclass
+class Rendezvoused:
+    """A channel whose gloo rendezvous is done: admitted at once as a `GlooPeer`, or, when its generator announced an
+    NCCL receiver, held until the trainer thread builds its NCCL group at the next publish (`_connect_nccl`)."""
+
+    gen_id: int
+    incarnation: str
+    channel: weights.WeightChannel
+    store: dist.Store
+    announced: bool  # the generator announced an NCCL receiver in the pair channel's store
+
+    def as_gloo(self) -> GlooPeer:
+        """What is retired if it goes before its NCCL group exists: its gloo channel alone."""
+        return GlooPeer(self.gen_id, self.incarnation, self.channel)
+
+
+@dataclass
+class HostCopy:
+    """The latest published version on learner rank 0's host, for late joiners: its bits and the version they are.
+    Written only by `publish`, under the publisher's lock, so a catch-up never labels half-written bits."""
+
+    flat: torch.Tensor  # fp32, the model's size; pinned on a CUDA learner
+    layout: weights.Layout
+    version: int = 0
+
+    def buckets(self):
+        """(host, host) bucket pairs of the plan: a catch-up sends the host copy to gloo and NCCL peers alike."""
+        return ((self.flat[start:stop], self.flat[start:stop]) for *_, start, stop in weights.bucket_plan(self.layout))
 
 
 class WeightPublisher:
@@ -127,14 +227,10 @@ class WeightPublisher:
         self.send_timeout_s = timeout_s if send_timeout_s is None else send_timeout_s
         self.store = dist.TCPStore(host, port, None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
                                    wait_for_workers=False)
-        self.lock = threading.Lock()  # channels, latest copy, and every send
-        # gen_id -> (incarnation, gloo channel, (NCCL sender, dtype) for a direct vLLM receiver or None)
-        self.channels: dict[int, tuple[str, W.WeightChannel, tuple[N.NcclSender, torch.dtype] | None]] = {}
-        # Direct (NCCL) receivers whose gloo rendezvous is done; the trainer thread builds their NCCL group.
-        self.pending_direct: list[tuple[int, str, W.WeightChannel, dist.Store]] = []
-        self.latest: torch.Tensor | None = None
-        self.latest_version = 0
-        self.lay: W.Layout | None = None
+        self.lock = threading.Lock()  # channels, the host copy, and every send
+        self.channels: dict[int, GlooPeer] = {}  # gen_id -> its admitted peer
+        self.pending_direct: list[Rendezvoused] = []
+        self.latest: HostCopy | None = None
         self.counters: collections.Counter[str] = collections.Counter()
         self._stopped = False
         # (gen_id, incarnation) -> LEFT or LOST: incarnations gone for good (`leave`, `drop`). Their own lock, never
@@ -153,38 +249,46 @@ class WeightPublisher:
 
     def _join(self, gen_id: int, incarnation: str) -> None:
         try:
-            prefix = W.pair_prefix(gen_id, incarnation)
-            # A client of our own store with the send deadline, so this rendezvous waits no longer than that.
-            client = dist.TCPStore(self.host, self.port, None, is_master=False,
-                                   timeout=datetime.timedelta(seconds=self.send_timeout_s))
-            ch = W.WeightChannel(self.host, self.port, 0, 2, self.send_timeout_s, prefix=prefix, store=client)
-            store = dist.PrefixStore(prefix, client)
-            # The announcement precedes the gloo rendezvous that just completed, so `check` cannot miss it.
-            direct = store.check([VW.ANNOUNCE_KEY])
+            joined = self._rendezvous(gen_id, incarnation)
         except Exception as e:  # noqa: BLE001 - a generator that died or hangs before its rendezvous: count, report
-            if self._gone(gen_id, incarnation) == LEFT:
-                log.info("generator %d (%s) was drained before its weight channel was built", gen_id, incarnation)
-                return
-            log.warning("generator %d (%s) did not complete its weight-channel rendezvous within %.0fs: %s",
-                        gen_id, incarnation, self.send_timeout_s, str(e)[:200])
-            with self.lock:
-                self.counters["weights/join_failures"] += 1
-                self._report(gen_id, incarnation, f"its weight-channel rendezvous failed within "
-                                                   f"{self.send_timeout_s:.0f}s (transport.weight_send_timeout_s)")
+            self._join_failed(gen_id, incarnation, e)
             return
         with self.lock:
             if self._stopped:
-                self._try(ch.stop)
+                _try(joined.channel.stop)
                 return
             if (why := self._gone(gen_id, incarnation)) is not None:  # drained or lost while in the rendezvous
-                self._retire(gen_id, (incarnation, ch, None), why)
+                self._retire(joined.as_gloo(), why)
                 return
-            if direct:
-                self.pending_direct.append((gen_id, incarnation, ch, store))
+            if joined.announced:
+                self.pending_direct.append(joined)
                 log.info("generator %d (%s) announced an NCCL receiver: its group is built at the next publish",
                          gen_id, incarnation)
                 return
-            self._admit(gen_id, incarnation, ch, None)
+            self._admit(joined.as_gloo())
+
+    def _rendezvous(self, gen_id: int, incarnation: str) -> Rendezvoused:
+        """The learner's end of this incarnation's pair channel, once the generator has joined it too."""
+        prefix = weights.pair_prefix(gen_id, incarnation)
+        # A client of our own store with the send deadline, so this rendezvous waits no longer than that.
+        client = dist.TCPStore(self.host, self.port, None, is_master=False,
+                               timeout=datetime.timedelta(seconds=self.send_timeout_s))
+        ch = weights.WeightChannel(self.host, self.port, weights.LEARNER_RANK, weights.PAIR_WORLD, self.send_timeout_s,
+                                   prefix=prefix, store=client)
+        store = dist.PrefixStore(prefix, client)
+        # The announcement precedes the gloo rendezvous that just completed, so `check` cannot miss it.
+        return Rendezvoused(gen_id, incarnation, ch, store, store.check([vllm_weights.ANNOUNCE_KEY]))
+
+    def _join_failed(self, gen_id: int, incarnation: str, e: Exception) -> None:
+        if self._gone(gen_id, incarnation) == LEFT:
+            log.info("generator %d (%s) was drained before its weight channel was built", gen_id, incarnation)
+            return
+        log.warning("generator %d (%s) did not complete its weight-channel rendezvous within %.0fs: %s",
+                    gen_id, incarnation, self.send_timeout_s, str(e)[:200])
+        with self.lock:
+            self.counters["weights/join_failures"] += 1
+            self._report(gen_id, incarnation, f"its weight-channel rendezvous failed within "
+                                               f"{self.send_timeout_s:.0f}s (transport.weight_send_timeout_s)")
 
     def leave(self, gen_id: int, incarnation: str) -> None:
         """This incarnation leaves on purpose (the hub drained it): stop its channel and drop it without counting a
@@ -207,27 +311,25 @@ class WeightPublisher:
 
     def _remove(self, gen_id: int, incarnation: str, why: str) -> None:
         with self.lock:
-            entry = self.channels.get(gen_id)
-            if entry is not None and entry[0] == incarnation:
+            peer = self.channels.get(gen_id)
+            if peer is not None and peer.incarnation == incarnation:
                 del self.channels[gen_id]
-                self._retire(gen_id, entry, why)
-            for waiting in [p for p in self.pending_direct if p[:2] == (gen_id, incarnation)]:
+                self._retire(peer, why)
+            for waiting in [p for p in self.pending_direct if (p.gen_id, p.incarnation) == (gen_id, incarnation)]:
                 self.pending_direct.remove(waiting)
-                self._retire(gen_id, (incarnation, waiting[2], None), why)
+                self._retire(waiting.as_gloo(), why)
 
-    def _retire(self, gen_id: int, entry, why: str) -> None:
+    def _retire(self, peer: GlooPeer, why: str) -> None:
         """A channel removed from the lists (lock held): a leaving generator is told to stop (on its own thread,
         with the send deadline); a lost one is not waited for at all."""
-        incarnation, ch, direct = entry
         if why == LEFT:
-            self._close(ch, direct)
+            peer.close()
             self.counters["weights/left_channels"] += 1
-            log.info("generator %d (%s) left: its weight channel is closed", gen_id, incarnation)
+            log.info("generator %d (%s) left: its weight channel is closed", peer.gen_id, peer.incarnation)
             return
-        if direct is not None:
-            self._try(direct[0].close)  # its NCCL communicator (vLLM's destroy aborts it)
+        peer.release()
         self.counters["weights/dropped_channels"] += 1
-        log.warning("generator %d (%s): weight channel dropped (%s)", gen_id, incarnation,
+        log.warning("generator %d (%s): weight channel dropped (%s)", peer.gen_id, peer.incarnation,
                     "declared lost by the hub" if why == LOST else why)
 
     def _gone(self, gen_id: int, incarnation: str) -> str | None:
@@ -238,119 +340,111 @@ class WeightPublisher:
         if self.report is not None and self._gone(gen_id, incarnation) is None:
             self.report(gen_id, incarnation, why)
 
-    def _admit(self, gen_id: int, incarnation: str, ch: W.WeightChannel, direct) -> None:
+    def _admit(self, peer: GlooPeer) -> None:
         """Catch a new channel up on the latest version and add it to the broadcast list (lock held)."""
         if self.latest is not None:  # catch up: the version everyone else holds
-            failed = self._send({gen_id: (incarnation, ch, direct)}, self.latest_version, self.lay,
-                                ((self.latest[start:stop], self.latest[start:stop]) for *_, start, stop
-                                 in W.bucket_plan(self.lay)))
+            failed = self._send([peer], self.latest.version, self.latest.layout, self.latest.buckets())
             if failed:
-                self._fail(gen_id, (incarnation, ch, direct), failed[gen_id], "during its catch-up")
+                self._fail(peer, failed[peer.gen_id], "during its catch-up")
                 return
-        self.channels[gen_id] = (incarnation, ch, direct)
-        self.counters["weights/direct_channels"] += direct is not None
+        self.channels[peer.gen_id] = peer
+        self.counters["weights/direct_channels"] += peer.flags == weights.FLAG_DIRECT
         self.counters["weights/joins"] += 1
-        log.info("generator %d (%s) joined the weight channels at version %d", gen_id, incarnation, self.latest_version)
+        log.info("generator %d (%s) joined the weight channels at version %d", peer.gen_id, peer.incarnation,
+                 0 if self.latest is None else self.latest.version)
 
-    def _connect_direct(self) -> None:
+    def _connect_nccl(self) -> None:
         """Build the NCCL group of every generator that announced one (trainer thread, lock held)."""
         pending, self.pending_direct = self.pending_direct, []
-        for gen_id, incarnation, ch, store in pending:
-            if (why := self._gone(gen_id, incarnation)) is not None:  # gone before its NCCL group was built
-                self._retire(gen_id, (incarnation, ch, None), why)
+        for joined in pending:
+            if (why := self._gone(joined.gen_id, joined.incarnation)) is not None:  # gone before its group was built
+                self._retire(joined.as_gloo(), why)
                 continue
             try:
                 port = free_port(self.host)
-                world, dtype = VW.offer_address(store, self.host, port, self.send_timeout_s)
-                sender = N.NcclSender(self.host, port, world, self.device, self.send_timeout_s)  # waits for the workers
+                world, dtype = vllm_weights.offer_address(joined.store, self.host, port, self.send_timeout_s)
+                sender = nccl.NcclSender(self.host, port, world, self.device, self.send_timeout_s)  # waits for workers
             except Exception as e:  # noqa: BLE001 - a generator that died before its NCCL rendezvous: count, report
-                log.exception("generator %d (%s) never completed its NCCL rendezvous", gen_id, incarnation)
+                log.exception("generator %d (%s) never completed its NCCL rendezvous", joined.gen_id,
+                              joined.incarnation)
                 self.counters["weights/join_failures"] += 1
-                self._report(gen_id, incarnation, f"its NCCL rendezvous failed: {str(e)[:200]}")
+                self._report(joined.gen_id, joined.incarnation, f"its NCCL rendezvous failed: {str(e)[:200]}")
                 continue
-            self._admit(gen_id, incarnation, ch, (sender, dtype))
+            self._admit(NcclPeer(joined.gen_id, joined.incarnation, joined.channel, sender, dtype))
 
     # ---- called from the trainer (main) thread ------------------------------------------
 
-    def publish(self, version: int, lay: W.Layout, buckets) -> tuple[float, int, float]:
+    def publish(self, version: int, lay: weights.Layout, buckets) -> tuple[float, int, float]:
         """Send a version to every live channel. Returns (seconds, bytes sent to each, checksum)."""
         t0 = time.perf_counter()
-        acc = W.Checksum(lay.numel)
+        acc = weights.Checksum(lay.numel)
         with self.lock:
-            self._connect_direct()  # before `latest` exists on the first publish: nothing to catch up on yet
+            self._connect_nccl()  # before the host copy exists on the first publish: nothing to catch up on yet
             if self.latest is None:  # pinned on a CUDA learner: device-to-host copies run at full speed
-                self.latest = torch.empty(lay.numel, dtype=torch.float32, pin_memory=self.device.type == "cuda")
-                self.lay = lay
-            live = {g: e for g, e in self.channels.items() if self._gone(g, e[0]) is None}
+                flat = torch.empty(lay.numel, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+                self.latest = HostCopy(flat, lay)
+            live = [p for p in self.channels.values() if self._gone(p.gen_id, p.incarnation) is None]
 
             def copies():
-                for start, bucket in W.checked_buckets(lay, buckets):
-                    host = self.latest[start:start + bucket.numel()]
+                for start, bucket in weights.checked_buckets(lay, buckets):
+                    host = self.latest.flat[start:start + bucket.numel()]
                     host.copy_(bucket)  # from the learner's device; gloo sends this host copy
                     acc.add(host, start)
                     yield host, bucket  # NCCL sends straight from the learner's GPU
 
             failed = self._send(live, version, lay, copies())
+            by_id = {p.gen_id: p for p in live}
             for gen_id, why in failed.items():
-                if self.channels.get(gen_id) == live[gen_id]:
+                if self.channels.get(gen_id) is by_id[gen_id]:
                     del self.channels[gen_id]
-                self._fail(gen_id, live[gen_id], why, f"at version {version}")
-            self.latest_version = version
+                self._fail(by_id[gen_id], why, f"at version {version}")
+            self.latest.version = version
         return time.perf_counter() - t0, lay.numel * 4, acc.total
 
-    def _send(self, live: dict, version: int, lay: W.Layout, buckets) -> dict[int, str]:
-        """One version to every channel in `live`, at once: the headers, then each (host, device) bucket pair of the
-        plan. Returns {gen_id: why} for the channels that failed (lock held)."""
-        failed: dict[int, str] = {}
+    def _send(self, live: list[GlooPeer], version: int, lay: weights.Layout, buckets) -> dict[int, str]:
+        """One version to every peer in `live`, at once: the headers, then each (host, device) bucket pair of the
+        plan. Returns {gen_id: why} for the peers that failed (lock held)."""
+        incarnation = {p.gen_id: p.incarnation for p in live}
 
         def gone(gen_id: int) -> bool:
-            return self._gone(gen_id, live[gen_id][0]) is not None
+            return self._gone(gen_id, incarnation[gen_id]) is not None
 
         sends = Sends(self.send_timeout_s, gone)
-        for gen_id, (_, ch, direct) in live.items():
-            if why := sends.add(gen_id, ch, lambda: ch.start_header(version, lay, W.FLAG_DIRECT if direct else 0)):
-                failed[gen_id] = why
+        failed = {p.gen_id: why for p in live if (why := p.start_header(sends, version, lay))}
         failed.update(sends.wait())  # headers first, so a dead peer is found before the buckets
-        for (first, end, _, _), (host, bucket) in zip(W.bucket_plan(lay), buckets, strict=True):
+        # Buckets that only start go first, so they travel while the blocking (NCCL) sends run one at a time.
+        ordered = sorted(live, key=lambda p: p.blocking)
+        for (first, end, _, _), (host, bucket) in zip(weights.bucket_plan(lay), buckets, strict=True):
             sends = Sends(self.send_timeout_s, gone)
-            for gen_id, (_, ch, direct) in live.items():
-                if gen_id not in failed and direct is None and (why := sends.add(gen_id, ch,
-                                                                                lambda: ch.start_bucket(host))):
-                    failed[gen_id] = why
-            for gen_id, (_, ch, direct) in live.items():  # NCCL senders one at a time, each with its deadline
-                if gen_id not in failed and direct is not None:
-                    try:
-                        direct[0].send_bucket(lay, first, end, bucket, direct[1], cancelled=lambda: gone(gen_id))
-                    except RuntimeError as e:  # N.NcclTimeout, or the hub's verdict
-                        failed[gen_id] = LOST if gone(gen_id) else str(e)[:300]
+            for peer in ordered:
+                if peer.gen_id not in failed and (why := peer.send_bucket(
+                        sends, lay, first, end, host, bucket, lambda g=peer.gen_id: gone(g))):
+                    failed[peer.gen_id] = why
             failed.update(sends.wait())
         return failed
 
-    def _fail(self, gen_id: int, entry, why: str, when: str) -> None:
+    def _fail(self, peer: GlooPeer, why: str, when: str) -> None:
         """A channel that failed, missed a deadline or was given up on (lock held): retired, and reported to the hub
         unless the hub decided it (LOST) or it was leaving anyway (LEFT)."""
-        incarnation = entry[0]
-        gone = self._gone(gen_id, incarnation)
+        gone = self._gone(peer.gen_id, peer.incarnation)
         if gone == LEFT or why == LOST:
-            self._retire(gen_id, entry, gone or LOST)
+            self._retire(peer, gone or LOST)
             return
-        self._retire(gen_id, entry, why)
+        self._retire(peer, why)
         if gone is None:
-            self._report(gen_id, incarnation, f"{why} ({when})")
+            self._report(peer.gen_id, peer.incarnation, f"{why} ({when})")
 
     def stop(self) -> None:
         """The run is over: every channel gets the stop header, at once, each with the send deadline."""
         with self.lock:
             self._stopped = True
-            entries = [(g, e[1], e[2]) for g, e in self.channels.items()]
-            entries += [(g, ch, None) for g, _, ch, _ in self.pending_direct]
+            peers = [*self.channels.values(), *(joined.as_gloo() for joined in self.pending_direct)]
             sends = Sends(self.send_timeout_s, lambda g: False)
-            for gen_id, ch, _ in entries:
-                sends.add(gen_id, ch, ch.start_stop)
+            for peer in peers:
+                sends.add(peer.gen_id, peer.channel, peer.channel.start_stop)
             sends.wait()
-            for _, _, direct in entries:
-                if direct is not None:
-                    self._try(direct[0].close)
+            for peer in peers:
+                peer.release()
             self.channels.clear()
             self.pending_direct.clear()
 
@@ -359,21 +453,13 @@ class WeightPublisher:
         with self.lock:
             return dict(self.counters)
 
-    # ---- helpers (lock held) -----------------------------------------------------------------
 
-    def _close(self, ch: W.WeightChannel, direct) -> None:
-        """Tell the receiver to stop (it may be gone already) and close the NCCL sender, if any."""
-        self._try(ch.stop)
-        if direct is not None:
-            self._try(direct[0].close)
-
-    @staticmethod
-    def _try(op) -> bool:
-        try:
-            op()
-            return True
-        except RuntimeError:  # gloo: the peer closed the connection or the deadline passed; NCCL: N.NcclTimeout
-            return False
+def _try(op) -> bool:
+    try:
+        op()
+        return True
+    except RuntimeError:  # gloo: the peer closed the connection or the deadline passed; NCCL: nccl.NcclTimeout
+        return False
 
 
 class ModelPublisher:
@@ -387,7 +473,7 @@ class ModelPublisher:
 
     def __init__(self, module: torch.nn.Module, *, zero3: bool, channel: WeightPublisher | None):
         self.module, self.zero3, self.channel = module, zero3, channel
-        self.layout = W.layout(module)
+        self.layout = weights.layout(module)
         self.scratch = scratch_for(module, self.layout)
 
     def publish(self, version: int) -> tuple[float, int, float] | None:

@@ -22,7 +22,7 @@ import json
 import os
 import random
 
-from common import messages as M
+from common import messages
 from common.config import Config
 from common.rewards import extract_answer
 
@@ -34,14 +34,14 @@ class RolloutLog:
         self.tokenizer, self.prompts, self.eval_prompts, self.sink = tokenizer, prompts, eval_prompts or {}, sink
 
     def _text(self, token_ids: bytes) -> str:
-        return self.tokenizer.decode(M.as_array(token_ids, M.TOKEN_DTYPE).tolist(), skip_special_tokens=True)
+        return self.tokenizer.decode(messages.as_array(token_ids, messages.TOKEN_DTYPE).tolist(), skip_special_tokens=True)
 
     def _picked(self, step: int, n: int) -> list[int]:
         if self.log.rollouts == "all" or n <= self.log.rollout_groups:
             return list(range(n))
         return sorted(random.Random(self.cfg.run.seed * 1_000_003 + step).sample(range(n), self.log.rollout_groups))
 
-    def train(self, step: int, groups: list[M.RolloutGroup], advantages: list[float]) -> None:
+    def train(self, step: int, groups: list[messages.RolloutGroup], advantages: list[float]) -> None:
         """The step's groups (in batch order) and each response's advantage (same order, flattened)."""
         if self.log.rollouts == "off" or not groups:
             return
@@ -55,26 +55,26 @@ class RolloutLog:
             p = self.prompts[g.prompt_id]
             for si, s in enumerate(g.samples):
                 text = self._text(s.token_ids)
-                versions = sorted({int(v) for v in M.as_array(s.versions, M.VERSION_DTYPE)})
+                versions = sorted({int(v) for v in messages.as_array(s.versions, messages.VERSION_DTYPE)})
                 records.append({
                     "step": step, "policy_version": version, "group": gi, "generator": g.gen_id,
                     "prompt_id": g.prompt_id, "epoch": g.epoch, "data_source": p.data_source, "prompt": p.text,
                     "ground_truth": p.answer, "sample": si, "response": text, "reward": s.reward,
                     "answer": extract_answer(text, self.cfg.reward.extract), "advantage": advantages[starts[gi] + si],
-                    "length": M.n_tokens(s.token_ids), "finish_reason": s.finish_reason,
+                    "length": messages.n_tokens(s.token_ids), "finish_reason": s.finish_reason,
                     "score_status": s.score_status, "token_versions": versions,
                     "staleness": version - versions[0] if versions else 0,
                 })
         self._write(f"step_{step}.jsonl", records, "rollouts/train", step)
 
-    def evaluated(self, version: int, results: list[tuple[str, int, M.EvalResult]]) -> None:
+    def evaluated(self, version: int, results: list[tuple[str, int, messages.EvalResult]]) -> None:
         """Eval results that carry texts, as (data source, prompt index, result) (`Hub.take_eval`)."""
         records = []
         for ds, index, res in results:
             p = self.eval_prompts[ds][index]
             for j, text in enumerate(res.texts):
                 records.append({
-                    "step": version, "policy_version": res.weight_version, "data_source": ds, "prompt_id": index,
+                    "step": version, "policy_version": res.policy_version, "data_source": ds, "prompt_id": index,
                     "prompt": p.text, "ground_truth": p.answer, "sample": j, "response": text,
                     "reward": res.rewards[j], "answer": extract_answer(text, self.cfg.reward.extract),
                     "length": res.lengths[j], "score_status": res.score_status[j],

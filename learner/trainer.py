@@ -195,7 +195,8 @@ class Trainer:
             self.ref = install_token_forward(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
                                                                                   attn_implementation=attn))
             self.ref.eval().requires_grad_(False)
-        opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+        opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay, betas=lc.adam_betas,
+                                eps=lc.adam_eps)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(cfg))
         self.device = self.engine.device  # cpu here; the rank's GPU on the GPU path
         if dist.get_rank() == 0:  # what DeepSpeed and transformers actually set up, not what was asked

@@ -9,11 +9,12 @@ import threading
 import pytest
 import torch
 
-from common import weights as W
+from common import weights
 from common.transport import free_port
 from learner.nccl import wait_until
 from learner.params import param_buckets, scratch_for
 from learner.publisher import WeightPublisher
+from tests.unit.test_weights import receive
 
 pytestmark = pytest.mark.gpu
 
@@ -21,17 +22,17 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_cuda_learner_publishes_what_the_generator_receives(monkeypatch, dtype):
-    monkeypatch.setattr(W, "BUCKET_NUMEL", 1 << 12)  # several buckets, one scratch reused for all of them
+    monkeypatch.setattr(weights, "BUCKET_NUMEL", 1 << 12)  # several buckets, one scratch reused for all of them
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 64)).to("cuda", dtype)
-    lay = W.layout(model)
+    lay = weights.layout(model)
     port = free_port()
     pub = WeightPublisher("127.0.0.1", port, 60, device="cuda")
     got = []
 
     def generator():
-        ch = W.WeightChannel("127.0.0.1", port, 1, 2, 60, prefix=W.pair_prefix(0, "g"))
-        while (v := ch.receive(lay)) is not None:
+        ch = weights.WeightChannel("127.0.0.1", port, 1, 2, 60, prefix=weights.pair_prefix(0, "g"))
+        while (v := receive(ch, lay)) is not None:
             got.append(v)
 
     t = threading.Thread(target=generator, daemon=True)
@@ -45,10 +46,10 @@ def test_a_cuda_learner_publishes_what_the_generator_receives(monkeypatch, dtype
             for p in model.parameters():
                 p.add_(0.01)
         _, _, total = pub.publish(version, lay, param_buckets(model, lay, False, scratch))
-        expected = W.flatten(model).cpu()
+        expected = weights.flatten(model).cpu()
         assert wait_until(lambda: len(got) >= version, 60, 0.01)
         v, flat, received = got[-1]
-        assert v == version and torch.equal(flat, expected) and received == total == W.checksum(expected, lay)
+        assert v == version and torch.equal(flat, expected) and received == total == weights.checksum(expected, lay)
     assert pub.latest.is_pinned()
     pub.stop()
     t.join(30)

@@ -16,7 +16,7 @@ from torch.testing import assert_close
 
 from actors.engine import TorchEngine, gumbel_noise, row_seeds, stop_token_ids
 from common.runfiles import apply_memory_fraction
-from common import weights as W
+from common import weights
 from common.messages import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -103,10 +103,10 @@ def test_cpu_and_cuda_fp32_draw_the_same_tokens(cpu, gpu, prompts, sp):
 
 
 def test_both_decode_paths_agree_on_cuda(gpu, prompts, monkeypatch):
-    import actors.engine as E
+    from actors.engine import _StaticKV
 
     fast = gpu.generate(prompts, 2, T1, SEEDS)
-    monkeypatch.setattr(E._StaticKV, "supports", classmethod(lambda cls, model: False))
+    monkeypatch.setattr(_StaticKV, "supports", classmethod(lambda cls, model: False))
     slow = gpu.generate(prompts, 2, T1, SEEDS)
     _assert_same_samples(fast, slow, max_dlogp=5e-5)
 
@@ -138,11 +138,11 @@ def _perturbed(flat: torch.Tensor, scale: float = 0.3) -> torch.Tensor:
 def test_load_flat_from_a_host_fp32_vector_into_cuda_params(prompts, dtype):
     engine, cpu = _make("cuda", dtype), _make("cpu")
     before = engine.generate(prompts, 2, T1, SEEDS)
-    flat = _perturbed(W.flatten(cpu.model))  # host fp32, as the weight receiver hands it over
+    flat = _perturbed(weights.flatten(cpu.model))  # host fp32, as the weight receiver hands it over
     assert flat.device.type == "cpu" and flat.dtype == torch.float32
     engine.load_flat(flat, 3)
     # Fingerprint: every parameter holds the new vector, moved to the GPU and rounded to the engine's dtype.
-    assert torch.equal(W.flatten(engine.model).cpu(), flat.to(dtype).float())
+    assert torch.equal(weights.flatten(engine.model).cpu(), flat.to(dtype).float())
     after = engine.generate(prompts, 2, T1, SEEDS)
     assert all((c.versions == 3).all() for g in after for c in g)
     changed = [not (len(x.token_ids) == len(y.token_ids) and np.allclose(x.logprobs, y.logprobs, atol=1e-3))
@@ -154,7 +154,7 @@ def test_load_flat_from_a_host_fp32_vector_into_cuda_params(prompts, dtype):
 
 
 def test_weights_swapped_mid_generation_on_cuda(gpu, cpu, prompts):
-    original = W.flatten(gpu.model).cpu()
+    original = weights.flatten(gpu.model).cpu()
     calls = {"n": 0}
 
     def hook():

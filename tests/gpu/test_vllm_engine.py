@@ -16,8 +16,8 @@ pytest.importorskip("vllm", reason="vllm is not installed (the gpu extra)")
 
 from actors.engine import stop_token_ids  # noqa: E402
 from actors.vllm_engine import VllmEngine, VllmSettings  # noqa: E402
-from common import vllm_weights as VW  # noqa: E402
-from common import weights as W  # noqa: E402
+from common import vllm_weights  # noqa: E402
+from common import weights  # noqa: E402
 from common.messages import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -114,8 +114,8 @@ def test_rpc_update_arrives_and_later_tokens_carry_its_version(engine, hf):
 
     perturbed(hf)
     _round_to_bf16(hf)
-    engine.load_flat(W.flatten(hf).cpu(), 1)
-    expect = VW.fingerprint(dict(hf.named_parameters())[VW.FINGERPRINT_PARAM], torch.bfloat16)
+    engine.load_flat(weights.flatten(hf).cpu(), 1)
+    expect = vllm_weights.fingerprint(dict(hf.named_parameters())[vllm_weights.FINGERPRINT_PARAM], torch.bfloat16)
     assert engine.fingerprint() == [expect]
     prompts = _prompts(8)
     groups = engine.generate(prompts, 4, T, list(range(8)))
@@ -143,7 +143,7 @@ def test_finish_mode_update_mid_generation_every_token_scores_under_its_labelled
     The two versions are far apart (the second moved by 0.5 std), so a response produced by one set of weights
     and labelled with the other would miss by far more than bf16 noise; the test says how far (the control)."""
     old, new = _hf_copy(None), _hf_copy(0.5)
-    engine.load_flat(W.flatten(old).cpu(), 10)
+    engine.load_flat(weights.flatten(old).cpu(), 10)
     calls = []
     prompts = _prompts(16)
     sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=150)
@@ -151,7 +151,7 @@ def test_finish_mode_update_mid_generation_every_token_scores_under_its_labelled
     def hook():
         calls.append(1)
         if len(calls) == 3:
-            engine.load_flat(W.flatten(new).cpu(), 11)
+            engine.load_flat(weights.flatten(new).cpu(), 11)
 
     groups = engine.generate(prompts, 4, sp, list(range(16)), before_forward=hook)
     assert engine.version == 11
@@ -184,7 +184,7 @@ def learner_lp(model, prompt, tokens):
 def _current_weights(engine):
     from transformers import AutoModelForCausalLM
 
-    return W.flatten(AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32))
+    return weights.flatten(AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32))
 
 
 def test_keep_mode_update_mid_generation_stamps_each_token():

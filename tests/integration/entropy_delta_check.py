@@ -11,7 +11,8 @@ import sys
 import torch
 
 from actors.actor import rollout
-from common import messages as M
+from broker.rules import GroupRules
+from common import messages
 from common.config import load_config
 from common.rewards import RewardPool
 from common.seeds import prompt_seed
@@ -38,15 +39,15 @@ def main(stride: int) -> None:
                              "learner.filter.dynamic_sampling=false"])
     tok, engine, trainer, source = setup(cfg)
     r = cfg.rollout
-    items = [M.WorkItem(ticket=i, prompt_id=pid, epoch=0, prompt_ids=M.to_bytes(source[pid].ids, M.TOKEN_DTYPE),
+    items = [messages.WorkItem(ticket=i, prompt_id=pid, epoch=0, prompt_ids=messages.to_bytes(source[pid].ids, messages.TOKEN_DTYPE),
                         answer=source[pid].answer, data_source=source[pid].data_source,
                         seed=prompt_seed(cfg.run.seed, 0, pid))
              for i, pid in enumerate(source.order(0)[:r.groups_per_step])]
-    work = M.Work(items=items, group_size=r.group_size, policy_version=0,
-                  sampling=M.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens))
+    work = messages.Work(items=items, group_size=r.group_size, policy_version=0,
+                  sampling=messages.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens))
     with RewardPool.from_config(cfg.reward) as pool:
         groups = rollout(work, engine=engine, tokenizer=tok, pool=pool, receiver=None, gen_id=0, incarnation="x", wait_s=0)
-    batch = batch_from_config(groups, cfg, version=0, ranks=1)
+    batch = batch_from_config(groups, GroupRules.of(cfg).rewards(groups), cfg, version=0, ranks=1)
     micro = trainer._micro(batch)
     before = entropy_sums(trainer, micro)
     met = step_metrics(trainer.train_step(batch))

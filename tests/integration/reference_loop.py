@@ -15,8 +15,9 @@ from safetensors.torch import save_file
 
 from actors.actor import rollout
 from actors.engine import CpuEngine
-from common import messages as M
-from common import weights as W
+from broker.rules import GroupRules
+from common import messages
+from common import weights
 from common.runfiles import read_run_config
 from common.data import PromptSource, model_dir
 from common.rewards import RewardPool
@@ -43,23 +44,23 @@ def main(run_dir: str, out: str, micro_batch_tokens: int | None = None) -> None:
     tok, engine, trainer, source = setup(cfg)
     order = source.order(0)
     gps, r = cfg.rollout.groups_per_step, cfg.rollout
-    sampling = M.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+    sampling = messages.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                                 forced_length_median=r.forced_length_median, forced_length_sigma=r.forced_length_sigma)
     with RewardPool.from_config(cfg.reward) as pool:
         for step in range(1, cfg.run.steps + 1):
             items = [
-                M.WorkItem(ticket=slot, prompt_id=pid, epoch=0,
-                           prompt_ids=M.to_bytes(source[pid].ids, M.TOKEN_DTYPE),
+                messages.WorkItem(ticket=slot, prompt_id=pid, epoch=0,
+                           prompt_ids=messages.to_bytes(source[pid].ids, messages.TOKEN_DTYPE),
                            answer=source[pid].answer, data_source=source[pid].data_source, seed=prompt_seed(cfg.run.seed, 0, pid))
                 for slot, pid in enumerate(order[(step - 1) * gps : step * gps], start=(step - 1) * gps)
             ]
-            work = M.Work(items=items, group_size=r.group_size, sampling=sampling, policy_version=step - 1)
+            work = messages.Work(items=items, group_size=r.group_size, sampling=sampling, policy_version=step - 1)
             groups = rollout(work, engine=engine, tokenizer=tok, pool=pool, receiver=None, gen_id=0, incarnation="ref", wait_s=0)
             if cfg.learner.filter.dynamic_sampling:
                 raise SystemExit("the reference loop does not filter groups: run it with learner.filter.dynamic_sampling=false")
-            batch = batch_from_config(groups, cfg, version=step - 1, ranks=1, micro_batch_tokens=micro_batch_tokens)
+            batch = batch_from_config(groups, GroupRules.of(cfg).rewards(groups), cfg, version=step - 1, ranks=1, micro_batch_tokens=micro_batch_tokens)
             trainer.train_step(batch)
-            engine.load_flat(W.flatten(trainer.module), step)
+            engine.load_flat(weights.flatten(trainer.module), step)
     # clone: tied weights (lm_head = embed_tokens) share memory, which safetensors refuses to save
     save_file({k: v.detach().clone() for k, v in trainer.module.state_dict().items()}, out)
 

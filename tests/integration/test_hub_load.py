@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
-from common import messages as M
+from common import messages
 from common.config import load_config
 from common.data import PromptSource
 from common.transport import GeneratorSocket
@@ -38,20 +38,20 @@ class FakeGenerator(threading.Thread):
     def run(self) -> None:
         sock = GeneratorSocket(self.address, KEY)
         inc = f"fake{self.gen_id}"
-        sock.send(M.Hello(protocol_version=M.PROTOCOL_VERSION, run_id="load", gen_id=self.gen_id, incarnation=inc, pid=1))
-        assert isinstance(sock.recv(10), M.Welcome)
+        sock.send(messages.Hello(protocol_version=messages.PROTOCOL_VERSION, run_id="load", gen_id=self.gen_id, incarnation=inc, pid=1))
+        assert isinstance(sock.recv(10), messages.Welcome)
         while not self.stop.is_set():
             t0 = time.perf_counter()
-            sock.send(M.WorkRequest(gen_id=self.gen_id, incarnation=inc, max_groups=2))
+            sock.send(messages.WorkRequest(gen_id=self.gen_id, incarnation=inc, max_groups=2))
             w = sock.recv(0.5)
-            if not isinstance(w, M.Work):
+            if not isinstance(w, messages.Work):
                 continue
             self.latencies.append(time.perf_counter() - t0)
-            v = M.to_bytes([w.policy_version] * 2, M.VERSION_DTYPE)
+            v = messages.to_bytes([w.policy_version] * 2, messages.VERSION_DTYPE)
             for it in w.items:
-                s = M.Sample(token_ids=M.to_bytes([3, 4], M.TOKEN_DTYPE), logprobs=M.to_bytes([-0.1, -0.2], M.LOGPROB_DTYPE),
+                s = messages.Sample(token_ids=messages.to_bytes([3, 4], messages.TOKEN_DTYPE), logprobs=messages.to_bytes([-0.1, -0.2], messages.LOGPROB_DTYPE),
                              versions=v, reward=float(it.prompt_id % 2), finish_reason="stop", score_status="ok")
-                sock.send(M.RolloutGroup(gen_id=self.gen_id, incarnation=inc, ticket=it.ticket, prompt_id=it.prompt_id,
+                sock.send(messages.RolloutGroup(gen_id=self.gen_id, incarnation=inc, ticket=it.ticket, prompt_id=it.prompt_id,
                                          epoch=it.epoch, prompt_ids=it.prompt_ids, samples=[s, s], gen_time_s=0.0))
                 self.sent += 1
         sock.close()
@@ -82,7 +82,7 @@ def run_load(tiny_model_dir, tmp_path, duration_s: float) -> dict:
     try:
         while time.monotonic() - t_start < duration_s:
             batch = hub.take_batch(version, timeout_s=30)
-            oldest = min(int(M.as_array(s.versions, M.VERSION_DTYPE).min()) for r in batch for s in r.group.samples)
+            oldest = min(int(messages.as_array(s.versions, messages.VERSION_DTYPE).min()) for r in batch for s in r.group.samples)
             max_staleness = max(max_staleness, version - oldest)
             trained += len(batch)
             hub.wait_version_done(version, timeout_s=30)

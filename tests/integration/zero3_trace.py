@@ -13,24 +13,25 @@ import sys
 
 import numpy as np
 
-from common import messages as M
+from broker.rules import GroupRules
+from common import messages
 from common.config import load_config
 from learner.batch import batch_from_config
 from learner.trainer import Trainer, init_distributed, thread_setup
 
 
-def groups(rng: np.random.Generator, n: int) -> list[M.RolloutGroup]:
+def groups(rng: np.random.Generator, n: int) -> list[messages.RolloutGroup]:
     out = []
     for g in range(n):
         samples = []
         for j in range(4):
             toks = rng.integers(3, 60, size=12)
-            samples.append(M.Sample(token_ids=M.to_bytes(toks, M.TOKEN_DTYPE),
-                                    logprobs=M.to_bytes(np.full(12, -1.0), M.LOGPROB_DTYPE),
-                                    versions=M.to_bytes(np.zeros(12), M.VERSION_DTYPE), reward=float(j % 2),
+            samples.append(messages.Sample(token_ids=messages.to_bytes(toks, messages.TOKEN_DTYPE),
+                                    logprobs=messages.to_bytes(np.full(12, -1.0), messages.LOGPROB_DTYPE),
+                                    versions=messages.to_bytes(np.zeros(12), messages.VERSION_DTYPE), reward=float(j % 2),
                                     finish_reason="stop", score_status="ok"))
-        out.append(M.RolloutGroup(gen_id=0, incarnation="z3", ticket=g, prompt_id=g, epoch=0,
-                                  prompt_ids=M.to_bytes(rng.integers(3, 60, size=6), M.TOKEN_DTYPE), samples=samples,
+        out.append(messages.RolloutGroup(gen_id=0, incarnation="z3", ticket=g, prompt_id=g, epoch=0,
+                                  prompt_ids=messages.to_bytes(rng.integers(3, 60, size=6), messages.TOKEN_DTYPE), samples=samples,
                                   gen_time_s=0.0))
     return out
 
@@ -45,7 +46,8 @@ def main(model_dir: str) -> None:
     rng = np.random.default_rng(0)
     complete = []
     for step in range(3):
-        trainer.train_step(batch_from_config(groups(rng, 4), cfg, version=step, ranks=1))
+        batch = groups(rng, 4)
+        trainer.train_step(batch_from_config(batch, GroupRules.of(cfg).rewards(batch), cfg, version=step, ranks=1))
         complete.append(coordinator.is_complete_trace())
     print(json.dumps({"complete": complete}), flush=True)
 

@@ -16,6 +16,7 @@ from common.data import PromptSource
 from common.transport import free_port
 from learner.nccl import wait_until
 from learner.publisher import WeightPublisher
+from tests.unit.test_hub import Hooks
 
 KEY = b"d" * 32
 
@@ -30,7 +31,7 @@ def _config():
 @contextlib.contextmanager
 def _generator_and_hub(tiny_model_dir, generators, wiring):
     """A real hub and weight publisher on loopback, and generator 1 (`run_actor`, torch engine, real reward pool) in
-    a thread. `wiring(pub)`: the hub's callbacks into the publisher. Yields (hub, pub, the generator's exit codes,
+    a thread. `wiring(pub)`: the hub's hooks into the publisher. Yields (hub, pub, the generator's exit codes,
     its thread)."""
     from transformers import AutoTokenizer
 
@@ -40,7 +41,7 @@ def _generator_and_hub(tiny_model_dir, generators, wiring):
     wport = free_port()
     pub = WeightPublisher("127.0.0.1", wport, 30)
     hub = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, source=PromptSource(cfg, tok),
-              weight_addr=f"127.0.0.1:{wport}", generators=generators, target_poll_s=0.05, **wiring(pub))
+              weight_addr=f"127.0.0.1:{wport}", generators=generators, target_poll_s=0.05, hooks=wiring(pub))
     hub.start()
     engine = TorchEngine(tiny_model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     exit_code = []
@@ -60,7 +61,7 @@ def test_a_generator_scaled_away_delivers_its_groups_then_exits_0(tiny_model_dir
     caplog.set_level(logging.INFO, logger="covrl.actor")
     target = [2]
     with _generator_and_hub(tiny_model_dir, lambda: target[0],
-                            lambda pub: dict(on_join=pub.join, on_leave=pub.leave)) as (hub, pub, exit_code, gen):
+                            lambda pub: Hooks(join=pub.join, leave=pub.leave)) as (hub, pub, exit_code, gen):
         def issued() -> bool:
             with hub.cv:
                 return hub.slots == 2
@@ -86,7 +87,7 @@ def test_a_generator_declared_lost_while_it_runs_is_told_to_stop_and_exits_lost(
     from common.runfiles import EXIT_LOST
 
     caplog.set_level(logging.INFO, logger="covrl.actor")
-    wiring = lambda pub: dict(on_join=pub.join, on_lost=lambda gen_id, inc, *_: pub.drop(gen_id, inc))  # noqa: E731
+    wiring = lambda pub: Hooks(join=pub.join, lost=lambda gen_id, inc, *_: pub.drop(gen_id, inc))  # noqa: E731
     with _generator_and_hub(tiny_model_dir, lambda: 2, wiring) as (hub, pub, exit_code, gen):
         assert wait_until(lambda: 1 in pub.channels, 30, 0.01), "the generator never joined its weight channel"
         with hub.cv:

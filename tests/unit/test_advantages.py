@@ -2,19 +2,19 @@ import numpy as np
 import pytest
 
 from common.config import ParConfig
-from learner import advantages as A
+from learner import advantages
 from learner.par import ParSchedule
 
 
 def test_estimators_hand_computed():
     r = np.array([[1.0, 0.0, 0.0, 0.0]])  # mean 0.25
-    np.testing.assert_allclose(A.drgrpo(r), [[0.75, -0.25, -0.25, -0.25]])
+    np.testing.assert_allclose(advantages.drgrpo(r), [[0.75, -0.25, -0.25, -0.25]])
     # RLOO: r_i - mean of the other three: 1 - 0 = 1; 0 - 1/3 = -1/3
-    np.testing.assert_allclose(A.rloo(r), [[1.0, -1 / 3, -1 / 3, -1 / 3]])
+    np.testing.assert_allclose(advantages.rloo(r), [[1.0, -1 / 3, -1 / 3, -1 / 3]])
     # GRPO: unbiased std of [1,0,0,0] = 0.5 -> (r - 0.25) / 0.5
-    np.testing.assert_allclose(A.grpo(r), [[1.5, -0.5, -0.5, -0.5]], rtol=1e-5)
+    np.testing.assert_allclose(advantages.grpo(r), [[1.5, -0.5, -0.5, -0.5]], rtol=1e-5)
     # REINFORCE++ baseline: token-weighted whitening of r - mean_g over lengths [3, 1, 1, 1]
-    a = A.reinforce_pp_baseline(r, np.array([[3, 1, 1, 1]]))
+    a = advantages.reinforce_pp_baseline(r, np.array([[3, 1, 1, 1]]))
     tok = np.repeat(a[0], [3, 1, 1, 1])
     assert abs(tok.mean()) < 1e-9 and abs(tok.std(ddof=1) - 1.0) < 1e-5
 

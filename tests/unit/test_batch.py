@@ -3,25 +3,25 @@ import torch
 from torch.testing import assert_close
 
 from broker.rules import scores
-from common import messages as M
-from learner import advantages as A
-from learner import batch as B
+from common import messages
+from learner import advantages
+from learner import batch
 
 
 def _group(prompt, responses, rewards, version=0):
     samples = [
-        M.Sample(token_ids=M.to_bytes(r, M.TOKEN_DTYPE), logprobs=M.to_bytes(np.full(len(r), -0.5), M.LOGPROB_DTYPE),
-                 versions=M.to_bytes(np.full(len(r), version), M.VERSION_DTYPE), reward=float(w),
+        messages.Sample(token_ids=messages.to_bytes(r, messages.TOKEN_DTYPE), logprobs=messages.to_bytes(np.full(len(r), -0.5), messages.LOGPROB_DTYPE),
+                 versions=messages.to_bytes(np.full(len(r), version), messages.VERSION_DTYPE), reward=float(w),
                  finish_reason="stop", score_status="ok")
         for r, w in zip(responses, rewards)
     ]
-    return M.RolloutGroup(gen_id=0, incarnation="x", ticket=0, prompt_id=0, epoch=0,
-                          prompt_ids=M.to_bytes(prompt, M.TOKEN_DTYPE), samples=samples, gen_time_s=0.0)
+    return messages.RolloutGroup(gen_id=0, incarnation="x", ticket=0, prompt_id=0, epoch=0,
+                          prompt_ids=messages.to_bytes(prompt, messages.TOKEN_DTYPE), samples=samples, gen_time_s=0.0)
 
 
 def test_grpo_advantages_hand_computed():
     # rewards [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(1/3) = 0.57735 -> +-0.866025
-    adv = A.grpo(np.array([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]))
+    adv = advantages.grpo(np.array([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]))
     np.testing.assert_allclose(adv[0], [0.866025, -0.866025, -0.866025, 0.866025], rtol=1e-5)
     np.testing.assert_allclose(adv[1], [0.0, 0.0, 0.0, 0.0])  # no spread, no signal
 
@@ -30,7 +30,7 @@ def test_plan_balances_tokens_and_aligns_micro_batch_counts():
     rng = np.random.default_rng(0)
     groups = [_group([1, 2, 3], [list(rng.integers(3, 50, size=rng.integers(1, 40))) for _ in range(4)], [1, 0, 1, 0])
               for _ in range(6)]
-    b = B.build_step_batch(groups, scores(groups), version=3, ranks=4, mini_batches=2, micro_batch_tokens=64)
+    b = batch.build_step_batch(groups, scores(groups), version=3, ranks=4, mini_batches=2, micro_batch_tokens=64)
     assert len(b.plan) == 2 and all(len(per_rank) == 4 for per_rank in b.plan)
     for per_rank in b.plan:
         assert len({len(micro) for micro in per_rank}) == 1  # same depth on every rank
@@ -43,7 +43,7 @@ def test_plan_balances_tokens_and_aligns_micro_batch_counts():
         for mb in micro:
             assert len(mb) == 1 or sum(lengths[i] for i in mb) <= 64
     assert b.mini_tokens[0] == sum(len(b.samples[i].versions) // 4 for micro in b.plan[0] for mb in micro for i in mb)
-    assert B.decode(B.encode(b)) == b
+    assert batch.decode(batch.encode(b)) == b
 
 
 def test_pack_aligns_targets_with_response_tokens(tiny_model_dir):
@@ -51,8 +51,8 @@ def test_pack_aligns_targets_with_response_tokens(tiny_model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa").eval()
     groups = [_group([5, 6, 7], [[8, 9], [10, 11, 12]], [1, 0]), _group([13, 14], [[15, 16, 17, 18], [19]], [0, 1])]
-    b = B.build_step_batch(groups, scores(groups), version=0, ranks=1, mini_batches=1, micro_batch_tokens=1000)
-    mb = B.pack(b.samples, [0, 1, 2, 3], pad_id=0)
+    b = batch.build_step_batch(groups, scores(groups), version=0, ranks=1, mini_batches=1, micro_batch_tokens=1000)
+    mb = batch.pack(b.samples, [0, 1, 2, 3], pad_id=0)
     assert mb["mask"].sum().item() == 2 + 3 + 4 + 1
     with torch.no_grad():
         logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits[:, :-1]
@@ -60,11 +60,11 @@ def test_pack_aligns_targets_with_response_tokens(tiny_model_dir):
         # The same log-probs one sequence at a time, unpacked:
         ref = []
         for s in b.samples:
-            ids = torch.from_numpy(M.as_array(s.input_ids, M.TOKEN_DTYPE).astype(np.int64))[None]
+            ids = torch.from_numpy(messages.as_array(s.input_ids, messages.TOKEN_DTYPE).astype(np.int64))[None]
             lp = torch.log_softmax(model(ids).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[0, :, 0]
             ref.append(lp[s.prompt_len - 1 :])
     assert_close(packed, torch.cat(ref), rtol=1e-5, atol=1e-5)
     adv = mb["adv"][mb["mask"] > 0]
     assert_close(adv[:2], torch.full((2,), 0.7071057))  # group 0: rewards [1, 0] -> +-1/sqrt(2)
-    empty = B.pack(b.samples, [], pad_id=0)
+    empty = batch.pack(b.samples, [], pad_id=0)
     assert empty["mask"].numel() == 0 and empty["input_ids"].shape == (1, 1)

@@ -6,8 +6,11 @@ from common.config import Config, ConfigError, from_dict, load_config, to_toml
 
 
 def test_defaults_roundtrip_through_toml(tmp_path):
-    cfg = load_config(None, ["rollout.group_size=4", "learner.lr=1e-4", "learner.loss.dual_clip_c=0"])
+    cfg = load_config(None, ["rollout.group_size=4", "learner.lr=1e-4", "learner.loss.dual_clip_c=0",
+                             "learner.adam_betas=[0.9, 0.95]", "learner.adam_eps=1e-6"])
     assert cfg.rollout.group_size == 4 and cfg.learner.lr == 1e-4 and cfg.learner.loss.dual_clip_c == 0
+    assert cfg.learner.adam_betas == (0.9, 0.95) and cfg.learner.adam_eps == 1e-6
+    assert Config().learner.adam_betas == (0.9, 0.999) and Config().learner.adam_eps == 1e-8  # torch's AdamW defaults
     path = tmp_path / "c.toml"
     path.write_text(to_toml(cfg))
     assert load_config(str(path)) == cfg
@@ -28,6 +31,9 @@ def test_defaults_roundtrip_through_toml(tmp_path):
     ("learner.mini_batches=3", "must divide rollout.groups_per_step"),
     ("rollout", "expected key.path=value"),
     ("learner.zero_stage=4", "at `learner.zero_stage`"),
+    ("learner.adam_betas=[0.9, 1.0]", "at `learner.adam_betas[1]`"),
+    ("learner.adam_betas=[0.9]", "at `learner.adam_betas`"),
+    ("learner.adam_eps=0", "at `learner.adam_eps`"),
     ("data.task=files", "needs data.train_files"),
     ("data.train_files=['x.jsonl']", "set data.task = \"files\""),
     ("data.eval_files=['/no/such/file.jsonl']", "does not exist"),

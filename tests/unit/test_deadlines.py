@@ -45,7 +45,7 @@ BLOCKING: dict[str, int | None] = {
     "offer_address": 3, "read_address": 1, "receive_header": None, "receive_buckets": None,
     "receive_weights": None, "receive_nccl": None, "send_header": None, "send_bucket": None, "score_batch": None,
     "WeightChannel": 4, "NcclSender": 4, "VllmEngine": None, "_send_latest": None, "_send_bucket": None,
-    "_connect_direct": None,
+    "_connect_nccl": None,
 }
 # Named like a wait but never block the host: stream ordering on the GPU.
 NOT_WAITING = {"wait_stream", "wait_event"}
@@ -71,7 +71,8 @@ RECEIVER_SCOPED: list[tuple[str, str, int | None]] = [
     ("initialize", r"^deepspeed$", None), ("destroy", r"comm", None), ("shutdown", r"llm", None),
     ("from_config", r"VllmEngine", None),
     ("stop", r"publisher|^ch$|channel", None),  # a weight channel's stop header, WeightPublisher.stop
-    ("close", r"direct|sender|\[2\]\[0\]$|sink", None),  # an NcclSender (channels[g][2][0]); the metrics sink (W&B)
+    ("close", r"sender|peer|sink", None),  # an NcclSender; a weight peer (its stop header); the metrics sink (W&B)
+    ("release", r"peer|^self$", None),  # a weight peer's NCCL communicator
 ]
 # A `with X:` on something whose name says it is a lock: it cannot take a timeout, so it must be ALLOWED.
 LOCKISH = re.compile(r"(^|[._])(lock|cv|cond|mutex)\w*$", re.IGNORECASE)
@@ -126,19 +127,29 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("learner/gpu_check.py", "main", "publisher.stop()"): PUBLISH,
     ("learner/publisher.py", "ModelPublisher.publish", "self.channel.publish(version, self.layout, buckets)"): PUBLISH,
     ("learner/publisher.py", "ModelPublisher.stop", "self.channel.stop()"): PUBLISH,
-    ("learner/publisher.py", "WeightPublisher.publish", "self._connect_direct()"):
-        "timeout: offer_address and NcclSender's set-up each wait at most weight_send_timeout_s",
     ("learner/publisher.py", "*", "with self.lock"): PUB_LOCK,
     ("learner/publisher.py", "*", "with self.gone_lock"): "local: gone_lock guards one dict and is never held across a wait",
     ("learner/publisher.py", "*", "sends.wait()"): SENDS,
-    ("learner/publisher.py", "Sends.wait", "work.wait()"): "non-blocking: only after work.is_completed()",
+    ("learner/publisher.py", "Sends._settled", "work.wait()"): "non-blocking: only after work.is_completed()",
     ("learner/publisher.py", "_abandon.hold", "work.wait()"): GLOO_PAIR + " (weight_send_timeout_s on the learner's side)",
-    ("learner/publisher.py", "WeightPublisher._send", "direct[0].send_bucket(..."):
+    ("learner/publisher.py", "NcclPeer.send_bucket", "self.sender.send_bucket(..."):
         "timeout: NcclSender.send_bucket polls its CUDA event for at most timeout_s (weight_sync_timeout_s), or until "
         "the hub's verdict",
-    ("learner/publisher.py", "*", "direct[0].close (called back)"):
+    ("learner/publisher.py", "WeightPublisher._send", "peer.send_bucket(..."):
+        "timeout: a gloo peer only starts the send (waited for in sends.wait()); an NCCL peer's is NcclPeer.send_bucket's",
+    ("learner/publisher.py", "WeightPublisher.publish", "self._connect_nccl()"):
+        "timeout: offer_address and NcclSender's set-up each wait at most weight_send_timeout_s",
+    ("learner/publisher.py", "WeightPublisher._retire", "peer.close()"):
+        "timeout: GlooPeer.close: the stop header within the pair channel's gloo _timeout, then release (below)",
+    ("learner/publisher.py", "GlooPeer.close", "self.release()"):
+        "timeout: NcclPeer.release: NcclSender.close destroys within its timeout (_within); a GlooPeer holds nothing",
+    ("learner/publisher.py", "*", "peer.release()"):
+        "timeout: NcclPeer.release: NcclSender.close destroys within its timeout (_within); a GlooPeer holds nothing",
+    ("learner/publisher.py", "NcclPeer.release", "self.sender.close (called back)"):
         "timeout: NcclSender.close destroys within its timeout (_within), or not at all after an abort",
-    ("learner/publisher.py", "*", "ch.stop (called back)"): GLOO_PAIR + " (weight_send_timeout_s on the learner's side)",
+    **{("learner/publisher.py", func, call): GLOO_PAIR + " (weight_send_timeout_s on the learner's side)"
+       for func, call in (("GlooPeer.close", "self.channel.stop (called back)"),
+                          ("WeightPublisher._join", "joined.channel.stop (called back)"))},
     ("learner/nccl.py", "NcclSender.send_bucket", "self.comm.broadcast(t, src=0, stream=self.stream)"):
         "timeout: only enqueued on self.stream; the host waits for it in wait_until(done.query, self.timeout_s) below",
     ("learner/nccl.py", "NcclSender.__init__.<lambda>", "trainer_init(..."):
@@ -152,13 +163,15 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("broker/hub.py", "*", "self.sock.send(..."):
         "non-blocking: HubSocket.send passes zmq.NOBLOCK (common/transport.py)",
     # ---- generators ----
-    ("actors/actor.py", "*", "with self.cv"):
+    ("actors/weights.py", "*", "with self.cv"):
         "local: WeightReceiver.cv is never held across a wait (receive_weights and load_flat run outside it)",
     ("actors/actor.py", "*", "sock.send(..."):
         "timeout: GeneratorSocket sets SNDTIMEO 30 s (common/transport.py): a send that cannot queue raises zmq.Again",
-    ("actors/actor.py", "WeightReceiver.run", "ch.receive_header(self.lay)"): GLOO_PAIR,
-    ("actors/actor.py", "WeightReceiver.run", "self.engine.receive_weights(..."): ENGINE,
-    ("actors/actor.py", "WeightReceiver.apply", "self.engine.load_flat(staged[1], staged[0])"): ENGINE,
+    ("actors/actor.py", "*", "self.sock.send(..."):
+        "timeout: GeneratorSocket sets SNDTIMEO 30 s (common/transport.py): a send that cannot queue raises zmq.Again",
+    ("actors/weights.py", "WeightReceiver.run", "ch.receive_header(self.lay)"): GLOO_PAIR,
+    ("actors/weights.py", "WeightReceiver._receive", "self.engine.receive_weights(..."): ENGINE,
+    ("actors/weights.py", "WeightReceiver.apply", "self.engine.load_flat(staged[1], staged[0])"): ENGINE,
     ("actors/actor.py", "*", "engine.generate(..."): ENGINE,
     ("actors/actor.py", "*", "pool.score_batch(..."):
         "timeout: RewardPool kills an answer after reward.timeout_s, so a batch takes at most ceil(n / workers) x that",
@@ -207,8 +220,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
            ("WeightChannel._bcast", "self._start(t).wait()"),
            ("WeightChannel.send_header", "self.start_header(version, lay, flags).wait()"),
            ("WeightChannel.stop", "self.start_stop().wait()"))},
-    ("common/weights.py", "WeightChannel.receive", "self.receive_header(lay)"): GLOO_PAIR,
-    ("common/weights.py", "WeightChannel.receive", "self.receive_buckets(lay, out)"): GLOO_PAIR + ", per bucket",
     ("common/transport.py", "*", "self.sock.recv_multipart(..."):
         "non-blocking: only after poll() reported a message (ZeroMQ delivers a multipart message whole)",
     ("common/transport.py", "GeneratorSocket.send", "self.sock.send_multipart(self._frames(msg))"):

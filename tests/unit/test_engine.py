@@ -7,9 +7,9 @@ import torch
 from torch.testing import assert_close
 
 from actors.engine import CpuEngine, Engine, TorchEngine, gumbel_noise, row_seeds, sampling_logprobs
-from common import messages as M
-from common import vllm_weights as VW
-from common import weights as W
+from common import messages
+from common import vllm_weights
+from common import weights
 from common.messages import SamplingParams
 from common.transport import free_port
 from common.weights import flatten
@@ -150,13 +150,13 @@ def test_any_stop_token_ends_a_response(tiny_model_dir, tmp_path):
 def test_fast_decode_path_equals_the_transformers_cache_path(engine, monkeypatch, temperature):
     """The preallocated-KV decode path (_StaticKV) and the generic transformers-cache path (_HfCache) give the
     same tokens and logprobs, prompts of different lengths left-padded together, n samples per prompt."""
-    import actors.engine as E
+    from actors.engine import _StaticKV
 
-    assert E._StaticKV.supports(engine.model), "the tiny model should take the fast path"
+    assert _StaticKV.supports(engine.model), "the tiny model should take the fast path"
     prompts = [[5, 6, 7], [8], list(range(3, 30))]
     sp = SamplingParams(temperature=temperature, top_p=0.9 if temperature else 1.0, max_new_tokens=12)
     fast = engine.generate(prompts, 3, sp, [11, 12, 13])
-    monkeypatch.setattr(E._StaticKV, "supports", classmethod(lambda cls, model: False))
+    monkeypatch.setattr(_StaticKV, "supports", classmethod(lambda cls, model: False))
     slow = engine.generate(prompts, 3, sp, [11, 12, 13])
     for gf, gs in zip(fast, slow):
         for a, b in zip(gf, gs):
@@ -218,10 +218,10 @@ def test_generation_makes_every_tensor_on_the_engine_device(engine, monkeypatch,
     """With torch's default device set to "meta", a tensor made without naming its device would be a meta tensor
     and fail to mix with the CPU model's: this is how a CPU run catches what would put a tensor on the host
     while the model is on a GPU (both decode paths; greedy, and tempered with top-p)."""
-    import actors.engine as E
+    from actors.engine import _StaticKV
 
     if not fast:
-        monkeypatch.setattr(E._StaticKV, "supports", classmethod(lambda cls, model: False))
+        monkeypatch.setattr(_StaticKV, "supports", classmethod(lambda cls, model: False))
     for sp in (SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=5),
                SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=5)):
         expected = engine.generate([[5, 6, 7], [8]], 2, sp, [3, 4])
@@ -240,25 +240,25 @@ def test_load_engine_picks_cuda_when_visible_and_caps_memory_before_loading(tiny
 
     import msgspec
 
-    import actors.factory as E
+    from actors import factory
     from common.config import Config
 
     cfg = Config()
     cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, dtype="bfloat16"),
                                   generator=msgspec.structs.replace(cfg.generator, engine="torch"))
     with caplog.at_level(logging.INFO, logger="covrl.engine"):  # this machine: no CUDA -> today's CPU engine, bf16
-        engine, _ = E.load_engine(cfg, tiny_model_dir)
+        engine, _ = factory.load_engine(cfg, tiny_model_dir)
     assert engine.device == torch.device("cpu") and engine.model.dtype == torch.bfloat16
     assert "generator engine: torch on cpu, bfloat16" in caplog.text
     assert len(engine.generate([[5, 6]], 1, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=3), [1])[0]) == 1
 
     events = []  # a GPU process (faked): device "cuda", the allocator capped before the model is built
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(E, "apply_memory_fraction", lambda device: events.append(("cap", device)) or 0.35)
-    monkeypatch.setattr(E, "TorchEngine", lambda path, **kw: events.append(("engine", kw["device"], kw["dtype"])))
+    monkeypatch.setattr(factory, "apply_memory_fraction", lambda device: events.append(("cap", device)) or 0.35)
+    monkeypatch.setattr(factory, "TorchEngine", lambda path, **kw: events.append(("engine", kw["device"], kw["dtype"])))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="covrl.engine"):
-        E.load_engine(cfg, tiny_model_dir)
+        factory.load_engine(cfg, tiny_model_dir)
     assert events == [("cap", "cuda"), ("engine", "cuda", torch.bfloat16)]
     assert "generator engine: torch on cuda, bfloat16, allocator capped at 0.35 of the GPU" in caplog.text
 
@@ -281,7 +281,7 @@ class _Recorder(Engine):
 
     def load_flat(self, flat, version):
         self.loads.append((version, flat.clone()))
-        W.load_flat(self.model, flat)
+        weights.load_flat(self.model, flat)
         self.version = version
 
 
@@ -294,64 +294,63 @@ class _Direct(_Recorder):
         self.address = None
 
     def _before_weight_rendezvous(self, store):
-        VW.announce(store, tp=1, dtype=torch.bfloat16)
+        vllm_weights.announce(store, tp=1, dtype=torch.bfloat16)
 
     def _after_weight_rendezvous(self, store, timeout_s):
-        self.address = VW.read_address(store, timeout_s)
+        self.address = vllm_weights.read_address(store, timeout_s)
 
     def receive_weights(self, ch, lay, version, flags, out=None):
-        if not flags & W.FLAG_DIRECT:
+        if not flags & weights.FLAG_DIRECT:
             return super().receive_weights(ch, lay, version, flags, out)
         self.version = version  # a real engine receives over its NCCL group here
         return None
 
 
 def _welcome(port):
-    return M.Welcome(protocol_version=M.PROTOCOL_VERSION, run_id="r", weight_version=0,
-                     weight_addr=f"127.0.0.1:{port}", weight_rank=1, weight_world=2)
+    return messages.Welcome(protocol_version=messages.PROTOCOL_VERSION, run_id="r", weight_addr=f"127.0.0.1:{port}")
 
 
 def _publish(pub, engine, version):
     with torch.no_grad():
         for p in engine.model.parameters():
             p.add_(float(version))  # distinct weights per version, from the receiver's own model
-    lay = W.layout(engine.model)
-    flat = W.flatten(engine.model)
-    pub.publish(version, lay, (flat[s:e].clone() for _, _, s, e in W.bucket_plan(lay)))
+    lay = weights.layout(engine.model)
+    flat = weights.flatten(engine.model)
+    pub.publish(version, lay, (flat[s:e].clone() for _, _, s, e in weights.bucket_plan(lay)))
     return flat
 
 
 def test_the_receiver_stages_host_vectors_that_the_main_thread_loads(tmp_path):
     """The default path (torch engine, vLLM over rpc): each version arrives in a host vector; `wait_for` applies
     the newest; a version staged and never applied is skipped, its vector reused; the log has the checksum."""
-    from actors.actor import WeightReceiver
+    from actors.weights import WeightReceiver
     from learner.publisher import WeightPublisher
 
     engine, sender = _Recorder(), _Recorder()
     port = free_port()
     pub = WeightPublisher("127.0.0.1", port, 30)
-    receiver = WeightReceiver(_welcome(port), engine, 30, str(tmp_path / "gen0.jsonl"), W.pair_prefix(0, "a"))
+    receiver = WeightReceiver(_welcome(port), engine, 30, str(tmp_path / "gen0.jsonl"), weights.pair_prefix(0, "a"))
     receiver.start()
     pub.join(0, "a")
     assert wait_until(lambda: pub.channels, 30, 0.01)
     flats = {v: _publish(pub, sender, v) for v in (1, 2)}
     receiver.wait_for(2, 30)
     assert [v for v, _ in engine.loads] == [2] and torch.equal(engine.loads[0][1], flats[2])
-    assert engine.version == 2 and torch.equal(W.flatten(engine.model), flats[2])
+    assert engine.version == 2 and torch.equal(weights.flatten(engine.model), flats[2])
     pub.stop()
     receiver.join(30)
     logged = [json.loads(line) for line in open(tmp_path / "gen0.jsonl")]
-    lay = W.layout(engine.model)
+    lay = weights.layout(engine.model)
     assert [(r["version"], r["checksum"], r["direct"]) for r in logged] == [
-        (v, W.checksum(flats[v], lay), False) for v in (1, 2)]
+        (v, weights.checksum(flats[v], lay), False) for v in (1, 2)]
     assert receiver.error is None and receiver.finished
 
 
 def test_an_engine_that_receives_directly_joins_and_loads_through_the_same_interface(monkeypatch):
     """A direct engine's announcement makes the learner flag its versions FLAG_DIRECT; the receiver hands each
     to the engine (no host vector, nothing staged) and the version is the engine's at once."""
-    from actors.actor import WeightReceiver
-    from learner import nccl as N
+    from actors.weights import WeightReceiver
+    from learner import nccl
     from learner.publisher import WeightPublisher
 
     class Sender:  # learner/nccl.NcclSender needs GPUs: this one sends nothing
@@ -364,11 +363,11 @@ def test_an_engine_that_receives_directly_joins_and_loads_through_the_same_inter
         def close(self):
             pass
 
-    monkeypatch.setattr(N, "NcclSender", Sender)
+    monkeypatch.setattr(nccl, "NcclSender", Sender)
     engine = _Direct()
     port = free_port()
     pub = WeightPublisher("127.0.0.1", port, 30)
-    receiver = WeightReceiver(_welcome(port), engine, 30, None, W.pair_prefix(0, "d"))
+    receiver = WeightReceiver(_welcome(port), engine, 30, None, weights.pair_prefix(0, "d"))
     receiver.start()
     pub.join(0, "d")
     assert wait_until(lambda: pub.pending_direct, 30, 0.01)
@@ -384,15 +383,15 @@ def test_an_engine_that_receives_directly_joins_and_loads_through_the_same_inter
 def test_a_direct_version_for_an_engine_without_a_direct_receiver_is_a_clear_error():
     port = free_port()
     engine = _Recorder()
-    lay = W.layout(engine.model)
+    lay = weights.layout(engine.model)
 
     def learner():
-        ch = W.WeightChannel("127.0.0.1", port, 0, 2, 30)
-        ch.send_header(1, lay, W.FLAG_DIRECT)
+        ch = weights.WeightChannel("127.0.0.1", port, 0, 2, 30)
+        ch.send_header(1, lay, weights.FLAG_DIRECT)
 
     t = threading.Thread(target=learner)
     t.start()
-    ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30)
+    ch = weights.WeightChannel("127.0.0.1", port, 1, 2, 30)
     version, flags = ch.receive_header(lay)
     with pytest.raises(RuntimeError, match="_Recorder announced no NCCL receiver"):
         engine.receive_weights(ch, lay, version, flags)
@@ -401,9 +400,10 @@ def test_a_direct_version_for_an_engine_without_a_direct_receiver_is_a_clear_err
 
 def test_the_engine_owns_the_version_and_the_receiver_reports_what_has_arrived():
     """One owner: `engine.version` is the version of the weights held (tokens, eval). What has arrived (the
-    heartbeat's weight_version, what wait_for waits for) is a staged vector's version, or the one being swapped
+    heartbeat's policy_version, what wait_for waits for) is a staged vector's version, or the one being swapped
     in, else the engine's: never behind the engine, never ahead of what was received."""
-    from actors.actor import Heartbeat, WeightReceiver
+    from actors.actor import Heartbeat
+    from actors.weights import WeightReceiver
     from common.transport import HubSocket
     from learner.publisher import WeightPublisher
 
@@ -419,7 +419,7 @@ def test_the_engine_owns_the_version_and_the_receiver_reports_what_has_arrived()
 
     engine, port, key = Gated(), free_port(), b"k" * 32
     pub = WeightPublisher("127.0.0.1", port, 30)
-    receiver = WeightReceiver(_welcome(port), engine, 30, None, W.pair_prefix(0, "v"))
+    receiver = WeightReceiver(_welcome(port), engine, 30, None, weights.pair_prefix(0, "v"))
     hub = HubSocket("127.0.0.1", 0, key)
     beat = Heartbeat(hub.address, key, 0, "v", 0.02, receiver)
     try:
@@ -440,7 +440,7 @@ def test_the_engine_owns_the_version_and_the_receiver_reports_what_has_arrived()
             while True:
                 got = hub.recv(5)
                 assert got is not None, "no heartbeat within 5 s"
-                yield got[1].weight_version
+                yield got[1].policy_version
 
         stream = beats()
         assert 1 in stream  # beats sent before version 1 arrived report 0; then 1, and never back while it loads

@@ -4,16 +4,39 @@ import contextlib
 import logging
 import time
 
+import numpy as np
 import pytest
 import zmq
 
-from common import messages as M
+from common import messages
 from common.config import load_config
 from common.data import PromptSource
 from common.transport import GeneratorSocket
+from broker.hooks import GeneratorHooks
 from broker.hub import Hub
+from broker.rules import GroupRules
 
 KEY = b"k" * 32
+
+
+class Hooks(GeneratorHooks):
+    """A stand-in for learner rank 0's `GeneratorHooks`: each event is handed to its callable, if one is given."""
+
+    def __init__(self, join=None, leave=None, lost=None):
+        self.on = {"join": join, "leave": leave, "lost": lost}
+
+    def join(self, gen_id, incarnation):
+        self._tell("join", gen_id, incarnation)
+
+    def leave(self, gen_id, incarnation):
+        self._tell("leave", gen_id, incarnation)
+
+    def lost(self, gen_id, incarnation, pid, why, detail):
+        self._tell("lost", gen_id, incarnation, pid, why, detail)
+
+    def _tell(self, event, *args):
+        if self.on[event] is not None:
+            self.on[event](*args)
 
 
 @pytest.fixture
@@ -30,31 +53,31 @@ def hub(tiny_model_dir):
     h.stop()
 
 
-def _hello(sock, gen_id=0, version=M.PROTOCOL_VERSION, run_id="run1", inc="a"):
-    sock.send(M.Hello(protocol_version=version, run_id=run_id, gen_id=gen_id, incarnation=inc, pid=1))
+def _hello(sock, gen_id=0, version=messages.PROTOCOL_VERSION, run_id="run1", inc="a"):
+    sock.send(messages.Hello(protocol_version=version, run_id=run_id, gen_id=gen_id, incarnation=inc, pid=1))
     return sock.recv(5.0)
 
 
-def _result(item: M.WorkItem, gen_id=0, inc="a", version=0, n=2):
-    s = M.Sample(token_ids=M.to_bytes([3, 4], M.TOKEN_DTYPE), logprobs=M.to_bytes([-0.1, -0.2], M.LOGPROB_DTYPE),
-                 versions=M.to_bytes([version, version], M.VERSION_DTYPE), reward=1.0, finish_reason="stop", score_status="ok")
-    return M.RolloutGroup(gen_id=gen_id, incarnation=inc, ticket=item.ticket, prompt_id=item.prompt_id, epoch=item.epoch,
+def _result(item: messages.WorkItem, gen_id=0, inc="a", version=0, n=2):
+    s = messages.Sample(token_ids=messages.to_bytes([3, 4], messages.TOKEN_DTYPE), logprobs=messages.to_bytes([-0.1, -0.2], messages.LOGPROB_DTYPE),
+                 versions=messages.to_bytes([version, version], messages.VERSION_DTYPE), reward=1.0, finish_reason="stop", score_status="ok")
+    return messages.RolloutGroup(gen_id=gen_id, incarnation=inc, ticket=item.ticket, prompt_id=item.prompt_id, epoch=item.epoch,
                           prompt_ids=item.prompt_ids, samples=[s] * n, gen_time_s=0.1)
 
 
 def test_wrong_protocol_version_and_garbage_are_rejected_and_hub_survives(hub, caplog):
     caplog.set_level(logging.WARNING, logger="covrl.hub")
     gen = GeneratorSocket(hub.sock.address, KEY)
-    reply = _hello(gen, version=M.PROTOCOL_VERSION + 1)
-    assert isinstance(reply, M.Refused) and "protocol version" in reply.reason
+    reply = _hello(gen, version=messages.PROTOCOL_VERSION + 1)
+    assert isinstance(reply, messages.Refused) and "protocol version" in reply.reason
     assert "protocol version" in caplog.text  # logged with its reason
-    assert isinstance(_hello(gen, run_id="other"), M.Refused)
+    assert isinstance(_hello(gen, run_id="other"), messages.Refused)
     # Raw hostile frames: bad MAC, wrong frame count, valid MAC over a body that is not a message.
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.connect(f"tcp://{hub.sock.address}")
     raw.send_multipart([b"x" * 32, b"garbage"])
     raw.send_multipart([b"only-one-frame"])
-    gen.sock.send_multipart(gen._frames(M.Stop(reason="a hub never accepts this type")))
+    gen.sock.send_multipart(gen._frames(messages.Stop(reason="a hub never accepts this type")))
     import hashlib, hmac
     body = b"\x93\xa5hello\x01\x02"  # msgpack-ish but not a Hello
     raw.send_multipart([hmac.new(KEY, body, hashlib.sha256).digest(), body])
@@ -63,32 +86,50 @@ def test_wrong_protocol_version_and_garbage_are_rejected_and_hub_survives(hub, c
     assert c["hub/rejected/auth"] >= 1 and c["hub/rejected/frames"] >= 1 and c["hub/rejected/malformed"] >= 2
     assert c["hub/rejected/handshake"] == 2
     # ... and the hub still serves a well-behaved generator.
-    assert isinstance(_hello(gen), M.Welcome)
-    gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=8))
+    assert isinstance(_hello(gen), messages.Welcome)
+    gen.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=8))
     work = gen.recv(5.0)
-    assert isinstance(work, M.Work) and len(work.items) == 2  # staleness 0: one step's worth only
+    assert isinstance(work, messages.Work) and len(work.items) == 2  # staleness 0: one step's worth only
     raw.close(0)
     gen.close()
 
 
+def _until_counter(hub, key, value, timeout_s=5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while hub.stats().counters.get(key) != value:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_admission_control_and_staleness_zero_batches(hub):
     gen = GeneratorSocket(hub.sock.address, KEY)
-    assert isinstance(_hello(gen), M.Welcome)
-    gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=8))
+    assert isinstance(_hello(gen), messages.Welcome)
+    gen.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=8))
     work = gen.recv(5.0)
     assert [it.ticket for it in work.items] == [0, 1]
-    gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=8))
+    gen.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=8))
     assert gen.recv(0.5) is None  # admission: slots 2.. wait for version 1
     for it in work.items:
         gen.send(_result(it))
     batch = hub.take_batch(0, timeout_s=5)
     assert [r.slot for r in batch] == [0, 1]
+    # Each group comes with the rewards the rules shaped (the learner never shapes them again).
+    shaped = GroupRules.of(hub.cfg).rewards([r.group for r in batch])
+    assert all(np.array_equal(r.rewards, row) for r, row in zip(batch, shaped, strict=True))
     assert hub.stats().gen_busy_s == pytest.approx(0.2)  # each valid group's gen_time_s (timing_s/gen_idle)
+    assert {k: v for k, v in hub.stats().counters.items() if "weight_lag" in k} == {
+        "perf/weight_lag/gen0": 0.0, "perf/weight_lag/max": 0.0}
     hub.set_version(1)
     more = gen.recv(5.0)  # the pending request is served once the version moves
-    assert isinstance(more, M.Work) and more.policy_version == 1 and len(more.items) == 2
+    assert isinstance(more, messages.Work) and more.policy_version == 1 and len(more.items) == 2
+    # The weight lag: versions behind the learner by the generator's last heartbeat.
+    assert hub.stats().counters["perf/weight_lag/max"] == 1.0
+    gen.send(messages.Heartbeat(gen_id=0, incarnation="a", policy_version=1))
+    assert _until_counter(hub, "perf/weight_lag/gen0", 0.0)
     # A result for an unknown ticket, or with a version from the future, is rejected, not trained.
-    gen.send(_result(M.WorkItem(ticket=999, prompt_id=0, epoch=0, prompt_ids=more.items[0].prompt_ids, answer="",
+    gen.send(_result(messages.WorkItem(ticket=999, prompt_id=0, epoch=0, prompt_ids=more.items[0].prompt_ids, answer="",
                                 data_source="", seed=0)))
     gen.send(_result(more.items[0], version=5))
     time.sleep(0.3)
@@ -99,17 +140,17 @@ def test_admission_control_and_staleness_zero_batches(hub):
 
 def test_dead_generator_work_is_reissued_with_same_slot(hub):
     a = GeneratorSocket(hub.sock.address, KEY)
-    assert isinstance(_hello(a, gen_id=0, inc="a"), M.Welcome)
-    a.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
+    assert isinstance(_hello(a, gen_id=0, inc="a"), messages.Welcome)
+    a.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
     lost = a.recv(5.0)
     a.close()  # dies holding both prompts; no heartbeats follow
     b = GeneratorSocket(hub.sock.address, KEY)
-    assert isinstance(_hello(b, gen_id=1, inc="b"), M.Welcome)
+    assert isinstance(_hello(b, gen_id=1, inc="b"), messages.Welcome)
     deadline = time.time() + 10
     got = None
     while got is None and time.time() < deadline:
-        b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
-        b.send(M.Heartbeat(gen_id=1, incarnation="b", weight_version=0))
+        b.send(messages.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
+        b.send(messages.Heartbeat(gen_id=1, incarnation="b", policy_version=0))
         got = b.recv(0.5)
     assert got is not None, "the dead generator's prompts were never re-issued"
     assert sorted(it.prompt_id for it in got.items) == sorted(it.prompt_id for it in lost.items)
@@ -135,11 +176,11 @@ def _eval_hub(tiny_model_dir, *extra, target=lambda: 1, on_leave=None):
     prompts = {"sampled_set": [Prompt(f"Question: {i} + 1?", str(i + 1), "sampled_set", (5, 6, i)) for i in range(3)],
                "greedy_set": [Prompt("Question: 2 + 2?", "4", "greedy_set", (5, 7))]}
     h = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)),
-            eval_prompts=prompts, weight_addr="127.0.0.1:1", generators=target, on_leave=on_leave, target_poll_s=0.05)
+            eval_prompts=prompts, weight_addr="127.0.0.1:1", generators=target, hooks=Hooks(leave=on_leave), target_poll_s=0.05)
     h.start()
     gen = GeneratorSocket(h.sock.address, KEY)
     try:
-        assert isinstance(_hello(gen), M.Welcome)
+        assert isinstance(_hello(gen), messages.Welcome)
         yield h, gen
     finally:
         gen.close()
@@ -147,23 +188,23 @@ def _eval_hub(tiny_model_dir, *extra, target=lambda: 1, on_leave=None):
 
 
 def _eval_result(item, k, rewards, version=0, inc="a", texts=()):
-    return M.EvalResult(gen_id=0, incarnation=inc, ticket=item.ticket, weight_version=version, rewards=rewards,
+    return messages.EvalResult(gen_id=0, incarnation=inc, ticket=item.ticket, policy_version=version, rewards=rewards,
                         lengths=[5] * k, score_status=["ok"] * k, texts=list(texts))
 
 
 def test_eval_is_served_first_per_source_temperature_and_holds_the_next_version(tiny_model_dir):
     with _eval_hub(tiny_model_dir, "run.deterministic=false") as (hub, gen):
-        gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
+        gen.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
         sampled = gen.recv(5.0)
         # Eval of the base model (version 0) goes out before any training work, one source per message.
-        assert isinstance(sampled, M.EvalWork) and sampled.policy_version == 0
+        assert isinstance(sampled, messages.EvalWork) and sampled.policy_version == 0
         assert sampled.k == 2 and sampled.sampling.temperature == 0.6 and len(sampled.items) == 3
         assert sampled.keep_texts == 2  # logging.eval_samples: the first 2 prompts' responses come back as text
-        gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
+        gen.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
         greedy = gen.recv(5.0)
-        assert isinstance(greedy, M.EvalWork) and greedy.k == 1 and greedy.sampling.temperature == 0.0
-        gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
-        assert isinstance(gen.recv(5.0), M.Work)  # then training work
+        assert isinstance(greedy, messages.EvalWork) and greedy.k == 1 and greedy.sampling.temperature == 0.0
+        gen.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
+        assert isinstance(gen.recv(5.0), messages.Work)  # then training work
         with pytest.raises(TimeoutError, match="eval prompts"):
             hub.wait_version_done(0, timeout_s=0.3)  # version 1 may not be published yet
         # A malformed result (wrong k, wrong version) is rejected, counted and its prompt queued again.
@@ -172,15 +213,15 @@ def test_eval_is_served_first_per_source_temperature_and_holds_the_next_version(
         time.sleep(0.3)
         c = hub.stats().counters
         assert c["hub/rejected/eval_shape"] == 1 and c["hub/rejected/eval_version"] == 1
-        gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
+        gen.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
         again = gen.recv(5.0)
-        assert isinstance(again, M.EvalWork) and sorted(it.prompt_id for it in again.items) == [0, 1]
+        assert isinstance(again, messages.EvalWork) and sorted(it.prompt_id for it in again.items) == [0, 1]
         assert {it.prompt_id: it.seed for it in again.items} == {it.prompt_id: it.seed for it in sampled.items[:2]}  # same samples
         gen.send(_eval_result(again.items[0], 2, [1.0, 0.0], texts=["\\boxed{3}", "4"]))
         gen.send(_eval_result(again.items[1], 2, [0.0, 0.0], texts=["x"]))  # 1 text for k = 2: rejected, queued again
         time.sleep(0.3)
         assert hub.stats().counters["hub/rejected/eval_shape"] == 2
-        gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
+        gen.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
         third = gen.recv(5.0)
         assert [it.prompt_id for it in third.items] == [again.items[1].prompt_id]
         gen.send(_eval_result(third.items[0], 2, [0.0, 0.0]))
@@ -196,23 +237,23 @@ def test_eval_is_served_first_per_source_temperature_and_holds_the_next_version(
         assert hub.take_eval(1) == ({}, [])  # version 1 is not evaluated (every 2, and the last: 3)
         hub.set_version(1)
         hub.set_version(2)  # evaluated: queued again, for version 2
-        gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
+        gen.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
         nxt = gen.recv(5.0)
-        assert isinstance(nxt, M.EvalWork) and nxt.policy_version == 2
+        assert isinstance(nxt, messages.EvalWork) and nxt.policy_version == 2
 
 
 def test_deterministic_barrier_waits_for_all_training_work_of_the_version(tiny_model_dir):
     with _eval_hub(tiny_model_dir, "eval.every_steps=0") as (hub, gen):
-        gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=3))
+        gen.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=3))
         first = gen.recv(5.0)
-        assert isinstance(first, M.Work) and len(first.items) == 3
+        assert isinstance(first, messages.Work) and len(first.items) == 3
         for it in first.items:
             gen.send(_result(it))
         batch = hub.take_batch(0, timeout_s=5)
         # Staleness 1: version 0 may issue 2 steps' worth (4 groups); one is not issued yet.
         with pytest.raises(TimeoutError):
             hub.wait_version_done(0, timeout_s=0.3)
-        gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=3))
+        gen.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=3))
         last = gen.recv(5.0)
         assert len(last.items) == 1 and last.policy_version == 0
         with pytest.raises(TimeoutError):
@@ -228,8 +269,8 @@ def test_snapshot_and_restore_keep_the_ledger_and_the_stream(hub, tiny_model_dir
     from transformers import AutoTokenizer
 
     gen = GeneratorSocket(hub.sock.address, KEY)
-    assert isinstance(_hello(gen), M.Welcome)
-    gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=8))
+    assert isinstance(_hello(gen), messages.Welcome)
+    gen.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=8))
     first = gen.recv(5.0).items
     gen.send(_result(first[0]))  # slot 0 ready; slot 1 still in flight at the snapshot
     time.sleep(0.3)
@@ -243,8 +284,8 @@ def test_snapshot_and_restore_keep_the_ledger_and_the_stream(hub, tiny_model_dir
     h.start()
     g = GeneratorSocket(h.sock.address, KEY)
     try:
-        assert isinstance(_hello(g), M.Welcome)
-        g.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=8))
+        assert isinstance(_hello(g), messages.Welcome)
+        g.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=8))
         again = g.recv(5.0).items
         assert [(it.prompt_id, it.seed) for it in again] == [(first[1].prompt_id, first[1].seed)]  # only the lost one
         g.send(_result(again[0]))
@@ -252,7 +293,7 @@ def test_snapshot_and_restore_keep_the_ledger_and_the_stream(hub, tiny_model_dir
         assert [r.slot for r in batch] == [0, 1] and batch[0].group.prompt_id == first[0].prompt_id
         assert h.stats().counters["hub/reissued_prompts"] == 1 and h.stats().counters["hub/lost_prompts"] == 0
         h.set_version(1)
-        g.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=8))
+        g.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=8))
         nxt = g.recv(5.0).items
         assert [it.prompt_id for it in nxt] == [h.source.order(0)[2], h.source.order(0)[3]]  # the stream goes on
     finally:
@@ -273,7 +314,7 @@ def _elastic_hub(tiny_model_dir, target: list[int], *extra):
     left = []
     h = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, weight_addr="127.0.0.1:1",
             source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)),
-            generators=lambda: target[0], on_leave=lambda *gen: left.append(gen), target_poll_s=0.05)
+            generators=lambda: target[0], hooks=Hooks(leave=lambda *gen: left.append(gen)), target_poll_s=0.05)
     h.start()
     try:
         yield h, left
@@ -298,32 +339,32 @@ def test_scale_down_drains_a_generator_after_its_groups_are_in_and_trains_them_o
     with _elastic_hub(tiny_model_dir, target, "transport.generator_timeout_s=30") as (hub, left):
         a, b = GeneratorSocket(hub.sock.address, KEY), GeneratorSocket(hub.sock.address, KEY)
         try:
-            assert isinstance(_hello(a, gen_id=0, inc="a"), M.Welcome)
-            assert isinstance(_hello(b, gen_id=1, inc="b"), M.Welcome)
+            assert isinstance(_hello(a, gen_id=0, inc="a"), messages.Welcome)
+            assert isinstance(_hello(b, gen_id=1, inc="b"), messages.Welcome)
             _until(hub, cluster__generators=2.0, cluster__generators_target=2.0)
-            b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
+            b.send(messages.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
             held = b.recv(5.0).items  # slots 0, 1
-            a.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
+            a.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
             first = a.recv(5.0).items  # slots 2, 3
             target[0] = 1  # covrl-scale RUN_DIR --gens 1: generator 1 drains
             _until(hub, cluster__generators=1.0, cluster__generators_target=1.0)
-            b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
+            b.send(messages.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
             assert b.recv(0.5) is None  # no new work for a draining generator, and no Stop while it holds two groups
-            a.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
+            a.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
             second = a.recv(5.0).items  # ... though there was work: admission (staleness 2) allows slots 4, 5
             assert len(second) == 2
             b.send(_result(held[0], gen_id=1, inc="b"))
             assert b.recv(0.5) is None and left == []  # still holds one
             b.send(_result(held[1], gen_id=1, inc="b"))
             stop = b.recv(5.0)
-            assert isinstance(stop, M.Stop) and stop.reason == "drained"
+            assert isinstance(stop, messages.Stop) and stop.reason == "drained"
             assert left == [(1, "b")]
             c = _until(hub, cluster__generators=1.0)
             assert c["hub/generators_drained"] == 1
             # Its late frames are expected, not hostile: a request is answered with Stop again, a heartbeat ignored.
-            b.send(M.Heartbeat(gen_id=1, incarnation="b", weight_version=0))
-            b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
-            assert isinstance(b.recv(5.0), M.Stop)
+            b.send(messages.Heartbeat(gen_id=1, incarnation="b", policy_version=0))
+            b.send(messages.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
+            assert isinstance(b.recv(5.0), messages.Stop)
             for it in [*first, *second]:
                 a.send(_result(it))
             trained = []
@@ -338,7 +379,7 @@ def test_scale_down_drains_a_generator_after_its_groups_are_in_and_trains_them_o
             assert c.get("hub/rejected/unknown_generator", 0) == 0 and c.get("hub/reissued_prompts", 0) == 0
             # It may not come back while the target excludes it; the reason says how to allow it.
             refused = _hello(b, gen_id=1, inc="b2")
-            assert isinstance(refused, M.Refused)
+            assert isinstance(refused, messages.Refused)
             assert "target is 1" in refused.reason and "covrl-scale RUN_DIR --gens 2" in refused.reason
         finally:
             a.close()
@@ -352,17 +393,17 @@ def test_a_draining_generator_that_dies_has_its_work_reissued_and_is_not_drained
                       "rollout.max_staleness_steps=0") as (hub, left):
         a, b = GeneratorSocket(hub.sock.address, KEY), GeneratorSocket(hub.sock.address, KEY)
         try:
-            assert isinstance(_hello(a, gen_id=0, inc="a"), M.Welcome)
-            assert isinstance(_hello(b, gen_id=1, inc="b"), M.Welcome)
-            b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
+            assert isinstance(_hello(a, gen_id=0, inc="a"), messages.Welcome)
+            assert isinstance(_hello(b, gen_id=1, inc="b"), messages.Welcome)
+            b.send(messages.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
             lost = b.recv(5.0).items
             target[0] = 1
             _until(hub, cluster__generators=1.0, cluster__generators_target=1.0)
             b.close()  # dies while draining, holding two groups
             got, deadline = [], time.time() + 10
             while len(got) < 2 and time.time() < deadline:
-                a.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
-                a.send(M.Heartbeat(gen_id=0, incarnation="a", weight_version=0))
+                a.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
+                a.send(messages.Heartbeat(gen_id=0, incarnation="a", policy_version=0))
                 if (w := a.recv(0.5)) is not None:
                     got += w.items
             assert [it.prompt_id for it in got] == [it.prompt_id for it in lost]  # re-issued, same prompts
@@ -382,25 +423,25 @@ def test_scale_up_welcomes_new_ids_and_a_draining_generator_stays_if_the_target_
     with _elastic_hub(tiny_model_dir, target, "transport.generator_timeout_s=30") as (hub, left):
         a, b = GeneratorSocket(hub.sock.address, KEY), GeneratorSocket(hub.sock.address, KEY)
         try:
-            assert isinstance(_hello(a, gen_id=0, inc="a"), M.Welcome)
+            assert isinstance(_hello(a, gen_id=0, inc="a"), messages.Welcome)
             refused = _hello(b, gen_id=1, inc="b")
-            assert isinstance(refused, M.Refused) and "outside 0..0" in refused.reason
+            assert isinstance(refused, messages.Refused) and "outside 0..0" in refused.reason
             assert "covrl-scale RUN_DIR --gens 2" in refused.reason
             assert _until(hub, cluster__generators=1.0, cluster__generators_target=1.0)["hub/rejected/handshake"] == 1
             target[0] = 3
             _until(hub, cluster__generators_target=3.0)
-            assert isinstance(_hello(b, gen_id=1, inc="b"), M.Welcome)
+            assert isinstance(_hello(b, gen_id=1, inc="b"), messages.Welcome)
             _until(hub, cluster__generators=2.0)
-            b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=1))
+            b.send(messages.WorkRequest(gen_id=1, incarnation="b", max_groups=1))
             held = b.recv(5.0).items
             assert len(held) == 1
             target[0] = 1  # generator 1 starts draining ...
             _until(hub, cluster__generators=1.0, cluster__generators_target=1.0)
-            b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=1))
+            b.send(messages.WorkRequest(gen_id=1, incarnation="b", max_groups=1))
             assert b.recv(0.5) is None
             target[0] = 2  # ... and is wanted again before it is done: its pending request is served
             more = b.recv(5.0)
-            assert isinstance(more, M.Work) and len(more.items) == 1
+            assert isinstance(more, messages.Work) and len(more.items) == 1
             b.send(_result(held[0], gen_id=1, inc="b"))
             b.send(_result(more.items[0], gen_id=1, inc="b"))
             assert b.recv(0.5) is None and left == []
@@ -417,22 +458,22 @@ def test_a_draining_generator_finishes_its_eval_prompts_before_it_is_stopped(tin
                    on_leave=lambda *gen: left.append(gen)) as (hub, a):
         b = GeneratorSocket(hub.sock.address, KEY)
         try:
-            assert isinstance(_hello(b, gen_id=1, inc="b"), M.Welcome)
-            b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=4))
+            assert isinstance(_hello(b, gen_id=1, inc="b"), messages.Welcome)
+            b.send(messages.WorkRequest(gen_id=1, incarnation="b", max_groups=4))
             sampled = b.recv(5.0)
-            assert isinstance(sampled, M.EvalWork) and sampled.policy_version == 0 and len(sampled.items) == 3
+            assert isinstance(sampled, messages.EvalWork) and sampled.policy_version == 0 and len(sampled.items) == 3
             target[0] = 1
             _until(hub, cluster__generators=1.0, cluster__generators_target=1.0)
-            b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=4))
+            b.send(messages.WorkRequest(gen_id=1, incarnation="b", max_groups=4))
             assert b.recv(0.5) is None  # the greedy set's eval is queued, but not for a draining generator
-            a.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
+            a.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=4))
             greedy = a.recv(5.0)
-            assert isinstance(greedy, M.EvalWork) and greedy.k == 1
+            assert isinstance(greedy, messages.EvalWork) and greedy.k == 1
             for it in sampled.items:
-                b.send(M.EvalResult(gen_id=1, incarnation="b", ticket=it.ticket, weight_version=0, rewards=[1.0, 0.0],
+                b.send(messages.EvalResult(gen_id=1, incarnation="b", ticket=it.ticket, policy_version=0, rewards=[1.0, 0.0],
                                     lengths=[5, 5], score_status=["ok", "ok"]))
             stop = b.recv(5.0)
-            assert isinstance(stop, M.Stop) and stop.reason == "drained" and left == [(1, "b")]
+            assert isinstance(stop, messages.Stop) and stop.reason == "drained" and left == [(1, "b")]
             a.send(_eval_result(greedy.items[0], 1, [1.0]))
             hub.wait_version_done(0, timeout_s=5)
             m, _ = hub.take_eval(0)
@@ -468,7 +509,7 @@ def _verdict_hub(tiny_model_dir, *extra):
     lost = []
     h = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, weight_addr="127.0.0.1:1",
             source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)), generators=lambda: 2,
-            on_lost=lambda *v: lost.append(v))
+            hooks=Hooks(lost=lambda *v: lost.append(v)))
     h.start()
     try:
         yield h, lost
@@ -490,7 +531,7 @@ class _Heartbeat:
 
     def _run(self, gen_id, inc):
         while not self.stop.wait(0.1):
-            self.sock.send(M.Heartbeat(gen_id=gen_id, incarnation=inc, weight_version=self.version))
+            self.sock.send(messages.Heartbeat(gen_id=gen_id, incarnation=inc, policy_version=self.version))
 
     def close(self):
         self.stop.set()
@@ -513,9 +554,9 @@ def test_a_generator_holding_work_that_returns_nothing_is_stuck_whatever_its_hea
         a = GeneratorSocket(hub.sock.address, KEY)
         beat = _Heartbeat(hub.sock.address)
         try:
-            assert isinstance(_hello(a), M.Welcome)
+            assert isinstance(_hello(a), messages.Welcome)
             hub.set_version(1)  # the learner moved on: work is now issued at version 1
-            a.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
+            a.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
             held = a.recv(5.0)
             assert [it.ticket for it in held.items] == [0, 1] and held.policy_version == 1
             time.sleep(2.5)  # 2.5 x the limit, but its heartbeat says it has version 0 only: waiting for weights
@@ -529,12 +570,12 @@ def test_a_generator_holding_work_that_returns_nothing_is_stuck_whatever_its_hea
             assert (gen_id, inc, pid, why) == (0, "a", 1, "stuck") and "held 2 groups (slots 0..1)" in detail
             c = hub.stats().counters
             assert c["hub/generator_lost/stuck"] == 1 and c["hub/reissued_prompts"] == 2
-            a.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=2))  # unwedged: it must not go on
+            a.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=2))  # unwedged: it must not go on
             stop = a.recv(5.0)
-            assert isinstance(stop, M.Stop) and stop.reason == "lost: stuck"
+            assert isinstance(stop, messages.Stop) and stop.reason == "lost: stuck"
             b = GeneratorSocket(hub.sock.address, KEY)
-            assert isinstance(_hello(b, gen_id=1, inc="b"), M.Welcome)
-            b.send(M.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
+            assert isinstance(_hello(b, gen_id=1, inc="b"), messages.Welcome)
+            b.send(messages.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
             again = b.recv(5.0)
             assert sorted(it.prompt_id for it in again.items) == sorted(it.prompt_id for it in held.items)
             for it in held.items:  # the lost incarnation's late results are refused, never trained
@@ -557,8 +598,8 @@ def test_the_derived_progress_limit_follows_the_slowest_reply_above_its_floor(ti
                       "transport.generator_progress_factor=4") as (hub, lost):
         assert hub.progress_limit_s() == 0.5  # nothing measured yet: the floor
         a = GeneratorSocket(hub.sock.address, KEY)
-        assert isinstance(_hello(a), M.Welcome)
-        a.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
+        assert isinstance(_hello(a), messages.Welcome)
+        a.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
         work = a.recv(5.0)
         time.sleep(0.3)
         for it in work.items:
@@ -571,9 +612,9 @@ def test_the_derived_progress_limit_follows_the_slowest_reply_above_its_floor(ti
 def test_a_failed_weight_channel_is_the_hubs_verdict_and_a_stale_report_is_ignored(tiny_model_dir):
     with _verdict_hub(tiny_model_dir) as (hub, lost):
         a = GeneratorSocket(hub.sock.address, KEY)
-        assert isinstance(_hello(a), M.Welcome)
-        a.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
-        assert isinstance(a.recv(5.0), M.Work)
+        assert isinstance(_hello(a), messages.Welcome)
+        a.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
+        assert isinstance(a.recv(5.0), messages.Work)
         hub.lose(0, "older", "a report about an incarnation already replaced")
         assert lost == []
         hub.lose(0, "a", "a weight send was not taken within 60s")

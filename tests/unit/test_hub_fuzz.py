@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zmq
 
-from common import messages as M
+from common import messages
 from common.config import load_config
 from common.data import PromptSource
 from common.transport import GeneratorSocket, _mac
@@ -34,9 +34,9 @@ def hub(tiny_model_dir):
 
 
 def _group(item, n=2, tokens=(3, 4), logprobs=(-0.1, -0.2), versions=(0, 0), inc="a"):
-    s = M.Sample(token_ids=M.to_bytes(list(tokens), M.TOKEN_DTYPE), logprobs=M.to_bytes(list(logprobs), M.LOGPROB_DTYPE),
-                 versions=M.to_bytes(list(versions), M.VERSION_DTYPE), reward=1.0, finish_reason="stop", score_status="ok")
-    return M.RolloutGroup(gen_id=0, incarnation=inc, ticket=item.ticket, prompt_id=item.prompt_id, epoch=item.epoch,
+    s = messages.Sample(token_ids=messages.to_bytes(list(tokens), messages.TOKEN_DTYPE), logprobs=messages.to_bytes(list(logprobs), messages.LOGPROB_DTYPE),
+                 versions=messages.to_bytes(list(versions), messages.VERSION_DTYPE), reward=1.0, finish_reason="stop", score_status="ok")
+    return messages.RolloutGroup(gen_id=0, incarnation=inc, ticket=item.ticket, prompt_id=item.prompt_id, epoch=item.epoch,
                           prompt_ids=item.prompt_ids, samples=[s] * n, gen_time_s=0.1)
 
 
@@ -53,15 +53,15 @@ def _wait(hub, expected: dict[str, int], timeout_s=60.0) -> dict:
 def test_ten_thousand_hostile_frames(hub):
     rng = random.Random(1234)
     gen = GeneratorSocket(hub.sock.address, KEY)
-    gen.send(M.Hello(protocol_version=M.PROTOCOL_VERSION, run_id="run1", gen_id=0, incarnation="a", pid=1))
-    assert isinstance(gen.recv(5), M.Welcome)
+    gen.send(messages.Hello(protocol_version=messages.PROTOCOL_VERSION, run_id="run1", gen_id=0, incarnation="a", pid=1))
+    assert isinstance(gen.recv(5), messages.Welcome)
     insider = GeneratorSocket(hub.sock.address, KEY)  # holds the key, speaks garbage
     outsider = zmq.Context.instance().socket(zmq.DEALER)  # no key at all
     outsider.setsockopt(zmq.LINGER, 0)
     outsider.connect(f"tcp://{hub.sock.address}")
     enc = msgspec.msgpack.Encoder()
     signed = lambda body: insider.sock.send_multipart([_mac(KEY, body), body])  # noqa: E731
-    fake_item = M.WorkItem(ticket=10**6, prompt_id=0, epoch=0, prompt_ids=M.to_bytes([1, 2], M.TOKEN_DTYPE),
+    fake_item = messages.WorkItem(ticket=10**6, prompt_id=0, epoch=0, prompt_ids=messages.to_bytes([1, 2], messages.TOKEN_DTYPE),
                            answer="", data_source="", seed=0)
     kinds = ["random", "truncated", "bad_mac", "garbage_body", "wrong_tag", "old_protocol", "future_protocol",
              "stranger", "unknown_ticket"]
@@ -75,16 +75,16 @@ def test_ten_thousand_hostile_frames(hub):
         elif kind == "truncated":  # a multipart message cut short or padded
             outsider.send_multipart([blob] * rng.choice([1, 3, 4]))
         elif kind == "bad_mac":  # a real message under the wrong key
-            outsider.send_multipart([_mac(b"x" * 32, b"hi"), enc.encode(M.WorkRequest(gen_id=0, incarnation="a", max_groups=9))])
+            outsider.send_multipart([_mac(b"x" * 32, b"hi"), enc.encode(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=9))])
         elif kind == "garbage_body":
             signed(blob)
         elif kind == "wrong_tag":  # a message the hub never receives (hub -> generator types)
-            signed(enc.encode(rng.choice([M.Stop(reason="x"), M.Refused(reason="y")])))
+            signed(enc.encode(rng.choice([messages.Stop(reason="x"), messages.Refused(reason="y")])))
         elif kind in ("old_protocol", "future_protocol"):
-            v = M.PROTOCOL_VERSION + (-1 if kind == "old_protocol" else rng.randint(1, 10**6))
-            signed(enc.encode(M.Hello(protocol_version=v, run_id="run1", gen_id=1, incarnation="z", pid=2)))
+            v = messages.PROTOCOL_VERSION + (-1 if kind == "old_protocol" else rng.randint(1, 10**6))
+            signed(enc.encode(messages.Hello(protocol_version=v, run_id="run1", gen_id=1, incarnation="z", pid=2)))
         elif kind == "stranger":  # a generator that never said hello
-            signed(enc.encode(M.Heartbeat(gen_id=1, incarnation="nobody", weight_version=-5)))
+            signed(enc.encode(messages.Heartbeat(gen_id=1, incarnation="nobody", policy_version=-5)))
         elif kind == "unknown_ticket":  # right generator, a ticket the hub never issued
             signed(enc.encode(_group(fake_item)))
     expected = {"hub/rejected/frames": sent["truncated"], "hub/rejected/auth": sent["random"] + sent["bad_mac"],
@@ -101,12 +101,12 @@ def test_ten_thousand_hostile_frames(hub):
                "token_ids": dict(tokens=tuple(range(3, 12)), logprobs=(-0.1,) * 9, versions=(0,) * 9),
                "logprobs": dict(logprobs=(-0.1, float("nan"))), "group_size": dict(n=3)}
     for reason, bad in defects.items():
-        gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=1))
+        gen.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=1))
         work = gen.recv(5)
-        assert isinstance(work, M.Work), reason
+        assert isinstance(work, messages.Work), reason
         gen.send(_group(work.items[0], **bad))
         assert _wait(hub, {f"hub/rejected/{reason}": 1}, 10).get(f"hub/rejected/{reason}") == 1, reason
-    gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=1))
+    gen.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=1))
     future = gen.recv(5)
     gen.send(_group(future.items[0], versions=(0, 7)))  # a version the learner has not published
     assert _wait(hub, {"hub/rejected/version": 2}, 10)["hub/rejected/version"] == 2
@@ -115,15 +115,15 @@ def test_ten_thousand_hostile_frames(hub):
     got = []
     deadline = time.time() + 20
     while len(got) < 2 and time.time() < deadline:
-        gen.send(M.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
+        gen.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
         w = gen.recv(2)
-        if isinstance(w, M.Work):
+        if isinstance(w, messages.Work):
             for it in w.items:
                 gen.send(_group(it))
                 got.append(it)
     batch = hub.take_batch(0, timeout_s=10)
     assert [r.slot for r in batch] == [0, 1] and hub.error is None
-    assert all(np.array_equal(M.as_array(s.token_ids, M.TOKEN_DTYPE), [3, 4]) for r in batch for s in r.group.samples)
+    assert all(np.array_equal(messages.as_array(s.token_ids, messages.TOKEN_DTYPE), [3, 4]) for r in batch for s in r.group.samples)
     outsider.close(0)
     insider.close()
     gen.close()

@@ -5,35 +5,43 @@ the generation pinned to v, the hub moves to v + 1 before the weights leave, an 
 its eval results, checkpoints fall when due, a stop or a run of skipped steps ends the run with the right code.
 """
 
+import inspect
 import threading
 
 import numpy as np
 import pytest
 import torch
 
+from broker.hooks import GeneratorHooks
 from broker.hub import BrokerStats
-from common import messages as M
+from broker.hub import Hub as RealHub
+from broker.rules import GroupRules
+from common import messages
 from common.config import eval_versions, from_dict
-from learner import batch as B
+from learner.__main__ import GeneratorEvents
+from learner.batch import batch_from_config, decode, encode
 from learner.loop import Follower, Lead, Learner
+from learner.ports import HubPort
 from learner.par import ParSchedule
 from learner.trainer import SUM_KEYS, StepStats
+from tests.unit.test_hub import Hooks
 
 CFG = {"run": {"steps": 4, "checkpoint_every_steps": 3}, "rollout": {"groups_per_step": 2, "group_size": 2},
        "eval": {"every_steps": 2}, "learner": {"max_consecutive_skipped_steps": 2}}
 
 
 def _group(rewards):
-    samples = [M.Sample(token_ids=M.to_bytes([5, 6, 7], M.TOKEN_DTYPE), logprobs=M.to_bytes(np.full(3, -0.5), M.LOGPROB_DTYPE),
-                        versions=M.to_bytes([0, 0, 0], M.VERSION_DTYPE), reward=float(r), finish_reason="stop",
+    samples = [messages.Sample(token_ids=messages.to_bytes([5, 6, 7], messages.TOKEN_DTYPE), logprobs=messages.to_bytes(np.full(3, -0.5), messages.LOGPROB_DTYPE),
+                        versions=messages.to_bytes([0, 0, 0], messages.VERSION_DTYPE), reward=float(r), finish_reason="stop",
                         score_status="ok") for r in rewards]
-    return M.RolloutGroup(gen_id=0, incarnation="x", ticket=0, prompt_id=0, epoch=0,
-                          prompt_ids=M.to_bytes([1, 2], M.TOKEN_DTYPE), samples=samples, gen_time_s=0.0)
+    return messages.RolloutGroup(gen_id=0, incarnation="x", ticket=0, prompt_id=0, epoch=0,
+                          prompt_ids=messages.to_bytes([1, 2], messages.TOKEN_DTYPE), samples=samples, gen_time_s=0.0)
 
 
 class Ready:
     def __init__(self, group):
         self.group = group
+        self.rewards = np.array([s.reward for s in group.samples])
 
 
 class Hub:
@@ -62,6 +70,15 @@ class Hub:
 
     def snapshot(self):
         return b"hub"
+
+    def restore(self, blob):
+        self.events.append(("hub.restore", blob))
+
+    def lose(self, gen_id, incarnation, detail):
+        self.events.append(("hub.lose", gen_id))
+
+    def start(self):
+        self.events.append(("hub.start",))
 
     def stop(self):
         self.events.append(("hub.stop",))
@@ -116,7 +133,7 @@ class Ranks:
         self.stop_at, self.asked = stop_at, 0
 
     def share(self, batch):
-        return B.decode(B.encode(batch))
+        return decode(encode(batch))
 
     def agree(self, flag):
         self.asked += 1
@@ -181,7 +198,8 @@ def test_a_follower_trains_and_publishes_every_step_and_writes_nothing():
     class Broadcast(Ranks):
         def share(self, batch):
             assert batch is None, "a follower has no batch of its own"
-            b = B.batch_from_config([_group([1, 0]), _group([0, 1])], cfg, version=len(lead_batches), ranks=1)
+            groups = [_group([1, 0]), _group([0, 1])]
+            b = batch_from_config(groups, GroupRules.of(cfg).rewards(groups), cfg, version=len(lead_batches), ranks=1)
             lead_batches.append(b)
             return b
 
@@ -204,3 +222,24 @@ def test_progress_shows_each_trained_step_and_the_versions_still_evaluating():
     for s in evaluated - {0}:  # a step whose version is evaluated shows it until its row is written
         assert (s, [s]) in shown
     assert shown[-1] == (cfg.run.steps, [])
+
+
+def _methods(cls) -> dict[str, list[str]]:
+    """Public method -> its parameter names (self left out)."""
+    return {name: list(inspect.signature(fn).parameters)[1:] for name, fn in inspect.getmembers(cls, inspect.isfunction)
+            if not name.startswith("_")}
+
+
+@pytest.mark.parametrize("port, implementations", [
+    (HubPort, [RealHub, Hub]),
+    (GeneratorHooks, [GeneratorEvents, Hooks]),
+])
+def test_the_hub_its_hooks_and_their_stand_ins_follow_the_declared_protocols(port, implementations):
+    """The port the learner declares (learner/ports.py) and the hooks the hub calls (broker/hooks.py): the real
+    classes and the test stand-ins have every method of the protocol, with the same parameter names, so a drift on
+    either side fails here."""
+    declared = _methods(port)
+    assert declared, "the protocol declares no methods"
+    for impl in implementations:
+        have = _methods(impl)
+        assert {name: have.get(name) for name in declared} == declared, impl.__qualname__

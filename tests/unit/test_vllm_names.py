@@ -20,10 +20,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from actors import factory as F
-from actors import vllm_engine as VE
-from common import vllm_weights as VW
-from common import weights as W
+from actors import factory
+from actors import vllm_engine
+from common import vllm_weights
+from common import weights
 from common.messages import SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,17 +33,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_vllm_name_strips_wrapper_prefixes_only():
-    assert VW.vllm_name("module.model.layers.0._checkpoint_wrapped_module.self_attn.q_proj.weight") == \
+    assert vllm_weights.vllm_name("module.model.layers.0._checkpoint_wrapped_module.self_attn.q_proj.weight") == \
         "model.layers.0.self_attn.q_proj.weight"
-    assert VW.vllm_name("_orig_mod.model.norm.weight") == "model.norm.weight"
-    assert VW.vllm_name("module._orig_mod.lm_head.weight") == "lm_head.weight"
-    assert VW.vllm_name("model.embed_tokens.weight") == "model.embed_tokens.weight"
+    assert vllm_weights.vllm_name("_orig_mod.model.norm.weight") == "model.norm.weight"
+    assert vllm_weights.vllm_name("module._orig_mod.lm_head.weight") == "lm_head.weight"
+    assert vllm_weights.vllm_name("model.embed_tokens.weight") == "model.embed_tokens.weight"
 
 
 def test_names_of_a_qwen2_are_identity_and_land_where_vllm_fuses_them(tiny_model_dir):
-    lay = W.layout(VE.meta_model(tiny_model_dir))
-    assert [VW.vllm_name(n) for n in lay.names] == list(lay.names)  # HF checkpoint names, as vLLM loads them
-    targets = {n: VW.vllm_target(n) for n in lay.names if n.startswith("model.layers.0.")}
+    lay = weights.layout(vllm_engine.meta_model(tiny_model_dir))
+    assert [vllm_weights.vllm_name(n) for n in lay.names] == list(lay.names)  # HF checkpoint names, as vLLM loads them
+    targets = {n: vllm_weights.vllm_target(n) for n in lay.names if n.startswith("model.layers.0.")}
     p = "model.layers.0."
     # Worked out from vLLM's Qwen2 mapper: q/k/v -> qkv_proj shards q/k/v; gate/up -> gate_up_proj shards 0/1.
     assert targets == {
@@ -60,23 +60,23 @@ def test_names_of_a_qwen2_are_identity_and_land_where_vllm_fuses_them(tiny_model
         p + "input_layernorm.weight": (p + "input_layernorm.weight", None),
         p + "post_attention_layernorm.weight": (p + "post_attention_layernorm.weight", None),
     }
-    assert VW.vllm_target(VW.FINGERPRINT_PARAM) == (VW.FINGERPRINT_PARAM, None)
-    assert VW.FINGERPRINT_PARAM in lay.names
+    assert vllm_weights.vllm_target(vllm_weights.FINGERPRINT_PARAM) == (vllm_weights.FINGERPRINT_PARAM, None)
+    assert vllm_weights.FINGERPRINT_PARAM in lay.names
     assert "lm_head.weight" not in lay.names  # tied: sent once, as the embedding
 
 
 def test_bucket_meta_and_tensors_follow_the_bucket_plan(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(W, "BUCKET_NUMEL", 3000)  # several buckets on the tiny model
-    model = VE.meta_model(tiny_model_dir)
-    lay = W.layout(model)
+    monkeypatch.setattr(weights, "BUCKET_NUMEL", 3000)  # several buckets on the tiny model
+    model = vllm_engine.meta_model(tiny_model_dir)
+    lay = weights.layout(model)
     flat = torch.randn(lay.numel, generator=torch.Generator().manual_seed(0))
-    plan = W.bucket_plan(lay)
+    plan = weights.bucket_plan(lay)
     assert len(plan) > 2
     names, shapes = [], []
     for first, end, start, stop in plan:
-        meta = VW.bucket_meta(lay, first, end, torch.bfloat16)
+        meta = vllm_weights.bucket_meta(lay, first, end, torch.bfloat16)
         assert meta["dtype_names"] == ["bfloat16"] * (end - first)
-        pairs = VW.bucket_tensors(lay, first, end, flat[start:stop])
+        pairs = vllm_weights.bucket_tensors(lay, first, end, flat[start:stop])
         assert [n for n, _ in pairs] == meta["names"] and [list(t.shape) for _, t in pairs] == meta["shapes"]
         assert_close(torch.cat([t.reshape(-1) for _, t in pairs]), flat[start:stop])
         names += meta["names"]
@@ -86,69 +86,69 @@ def test_bucket_meta_and_tensors_follow_the_bucket_plan(tiny_model_dir, monkeypa
 
 def test_fingerprint_matches_after_rounding_to_the_generators_dtype():
     t = torch.linspace(-1, 1, 1001) + 1e-4  # most values are not representable in bf16
-    assert VW.fingerprint(t, torch.bfloat16) == VW.fingerprint(t.to(torch.bfloat16))
-    assert VW.fingerprint(t, torch.bfloat16) != VW.fingerprint(t)
+    assert vllm_weights.fingerprint(t, torch.bfloat16) == vllm_weights.fingerprint(t.to(torch.bfloat16))
+    assert vllm_weights.fingerprint(t, torch.bfloat16) != vllm_weights.fingerprint(t)
     u = t.clone()
     u[500] += 0.5
-    assert VW.fingerprint(u, torch.bfloat16) != VW.fingerprint(t, torch.bfloat16)
+    assert vllm_weights.fingerprint(u, torch.bfloat16) != vllm_weights.fingerprint(t, torch.bfloat16)
     with pytest.raises(ValueError, match="float16"):
-        VW.torch_dtype("int8")
+        vllm_weights.torch_dtype("int8")
 
 
 # ---- pure helpers of the engine ------------------------------------------------------------------
 
 
 def test_choose_engine_follows_the_devices_the_launcher_gave():
-    assert F.choose_engine("auto", {"CUDA_VISIBLE_DEVICES": ""}) == "torch"  # the launcher's CPU-only roles
-    assert F.choose_engine("auto", {"CUDA_VISIBLE_DEVICES": "2,3"}) == "vllm"
-    assert F.choose_engine("torch", {"CUDA_VISIBLE_DEVICES": "0"}) == "torch"
-    assert F.choose_engine("vllm", {"CUDA_VISIBLE_DEVICES": ""}) == "vllm"
+    assert factory.choose_engine("auto", {"CUDA_VISIBLE_DEVICES": ""}) == "torch"  # the launcher's CPU-only roles
+    assert factory.choose_engine("auto", {"CUDA_VISIBLE_DEVICES": "2,3"}) == "vllm"
+    assert factory.choose_engine("torch", {"CUDA_VISIBLE_DEVICES": "0"}) == "torch"
+    assert factory.choose_engine("vllm", {"CUDA_VISIBLE_DEVICES": ""}) == "vllm"
     with pytest.raises(ValueError, match="auto"):
-        F.choose_engine("gpu", {})
-    assert VE.visible_device_count({"CUDA_VISIBLE_DEVICES": "4,5"}) == 2
-    assert VE.visible_device_count({"CUDA_VISIBLE_DEVICES": ""}) == 0
+        factory.choose_engine("gpu", {})
+    assert vllm_engine.visible_device_count({"CUDA_VISIBLE_DEVICES": "4,5"}) == 2
+    assert vllm_engine.visible_device_count({"CUDA_VISIBLE_DEVICES": ""}) == 0
 
 
 def test_request_seeds_leave_room_for_vllms_child_seeds():
-    seeds = [VE.request_seed(s) for s in range(2000)]
-    assert len(set(seeds)) == 2000 and all(s % VE.MAX_N == 0 for s in seeds)
-    assert VE.request_seed(7) == VE.request_seed(7)
+    seeds = [vllm_engine.request_seed(s) for s in range(2000)]
+    assert len(set(seeds)) == 2000 and all(s % vllm_engine.MAX_N == 0 for s in seeds)
+    assert vllm_engine.request_seed(7) == vllm_engine.request_seed(7)
     # vLLM gives child j the seed s + j: prompts' child ranges [s, s + MAX_N) never overlap
     ranges = sorted(seeds)
-    assert all(b - a >= VE.MAX_N for a, b in zip(ranges, ranges[1:]))
+    assert all(b - a >= vllm_engine.MAX_N for a, b in zip(ranges, ranges[1:]))
 
 
 def test_sampling_kwargs_ask_for_the_sampled_tokens_logprob():
-    kw = VE.sampling_kwargs(8, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=64), 5, [0, 3])
+    kw = vllm_engine.sampling_kwargs(8, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=64), 5, [0, 3])
     assert kw == dict(n=8, temperature=0.7, top_p=0.9, max_tokens=64, logprobs=0,
                       stop_token_ids=[0, 3], detokenize=False, flat_logprobs=True)  # unseeded
-    seeded = VE.sampling_kwargs(8, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=64), 5, [0, 3], True)
-    assert seeded == {**kw, "seed": VE.request_seed(5)}
-    greedy = VE.sampling_kwargs(1, SamplingParams(temperature=0.0, top_p=0.5, max_new_tokens=4), 0, [0])
+    seeded = vllm_engine.sampling_kwargs(8, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=64), 5, [0, 3], True)
+    assert seeded == {**kw, "seed": vllm_engine.request_seed(5)}
+    greedy = vllm_engine.sampling_kwargs(1, SamplingParams(temperature=0.0, top_p=0.5, max_new_tokens=4), 0, [0])
     assert greedy["temperature"] == 0.0 and greedy["top_p"] == 1.0
     with pytest.raises(ValueError, match="samples per prompt"):
-        VE.sampling_kwargs(0, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4), 0, [0])
+        vllm_engine.sampling_kwargs(0, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4), 0, [0])
 
 
 def test_engine_kwargs_select_processed_logprobs_and_the_transport():
-    s = VE.VllmSettings(transport="nccl")
-    kw = VE.engine_kwargs("/m", s, 2, native_nccl=True)
+    s = vllm_engine.VllmSettings(transport="nccl")
+    kw = vllm_engine.engine_kwargs("/m", s, 2, native_nccl=True)
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["generation_config"] == "vllm"
-    assert kw["tensor_parallel_size"] == 2 and kw["worker_extension_cls"] == VE.EXTENSION
+    assert kw["tensor_parallel_size"] == 2 and kw["worker_extension_cls"] == vllm_engine.EXTENSION
     assert kw["weight_transfer_config"] == {"backend": "nccl"}
-    assert "weight_transfer_config" not in VE.engine_kwargs("/m", s, 2, native_nccl=False)  # extension fallback
-    assert "weight_transfer_config" not in VE.engine_kwargs("/m", VE.VllmSettings(), 1, native_nccl=True)
+    assert "weight_transfer_config" not in vllm_engine.engine_kwargs("/m", s, 2, native_nccl=False)  # extension fallback
+    assert "weight_transfer_config" not in vllm_engine.engine_kwargs("/m", vllm_engine.VllmSettings(), 1, native_nccl=True)
     assert "max_model_len" not in kw
-    assert VE.engine_kwargs("/m", VE.VllmSettings(max_model_len=512), 1, False)["max_model_len"] == 512
+    assert vllm_engine.engine_kwargs("/m", vllm_engine.VllmSettings(max_model_len=512), 1, False)["max_model_len"] == 512
 
 
 def test_settings_refuse_unknown_modes_with_the_choices():
     with pytest.raises(ValueError, match="finish"):
-        VE.VllmSettings(weight_update="abort")
+        vllm_engine.VllmSettings(weight_update="abort")
     with pytest.raises(ValueError, match="rpc"):
-        VE.VllmSettings(transport="gloo")
+        vllm_engine.VllmSettings(transport="gloo")
     with pytest.raises(ValueError, match="fraction"):
-        VE.VllmSettings(gpu_memory_utilization=1.5)
+        vllm_engine.VllmSettings(gpu_memory_utilization=1.5)
 
 
 @dataclass
@@ -159,15 +159,15 @@ class Span:
 
 
 def test_versions_from_spans():
-    assert VE.versions_from_spans([Span("0", 0, 2), Span("1", 2, 5)], 5).tolist() == [0, 0, 1, 1, 1]
-    assert VE.versions_from_spans([], 0).tolist() == []
-    assert VE.versions_from_spans(None, 3) is None
+    assert vllm_engine.versions_from_spans([Span("0", 0, 2), Span("1", 2, 5)], 5).tolist() == [0, 0, 1, 1, 1]
+    assert vllm_engine.versions_from_spans([], 0).tolist() == []
+    assert vllm_engine.versions_from_spans(None, 3) is None
     with pytest.raises(RuntimeError, match="contiguous"):
-        VE.versions_from_spans([Span("0", 0, 2), Span("1", 3, 5)], 5)
+        vllm_engine.versions_from_spans([Span("0", 0, 2), Span("1", 3, 5)], 5)
     with pytest.raises(RuntimeError, match="cover 4 of 5"):
-        VE.versions_from_spans([Span("0", 0, 4)], 5)
+        vllm_engine.versions_from_spans([Span("0", 0, 4)], 5)
     with pytest.raises(RuntimeError, match="'default'"):
-        VE.versions_from_spans([Span("default", 0, 1)], 1)
+        vllm_engine.versions_from_spans([Span("default", 0, 1)], 1)
 
 
 class FlatLP:
@@ -184,24 +184,24 @@ class FlatLP:
 
 
 def test_sampled_logprobs_from_flat_and_dict_forms():
-    assert_close(VE.sampled_logprobs([4, 2], FlatLP([4, 2], [-0.5, -1.5])), np.array([-0.5, -1.5], dtype=np.float32))
+    assert_close(vllm_engine.sampled_logprobs([4, 2], FlatLP([4, 2], [-0.5, -1.5])), np.array([-0.5, -1.5], dtype=np.float32))
     dicts = [{4: SimpleNamespace(logprob=-0.5)}, {2: SimpleNamespace(logprob=-1.5), 9: SimpleNamespace(logprob=-3.0)}]
-    assert_close(VE.sampled_logprobs([4, 2], dicts), np.array([-0.5, -1.5], dtype=np.float32))
+    assert_close(vllm_engine.sampled_logprobs([4, 2], dicts), np.array([-0.5, -1.5], dtype=np.float32))
     with pytest.raises(RuntimeError, match="logprobs=0"):
-        VE.sampled_logprobs([4, 2], None)
+        vllm_engine.sampled_logprobs([4, 2], None)
 
 
 def test_to_completion_maps_reasons_and_refuses_aborts():
     out = SimpleNamespace(token_ids=[5, 0], logprobs=FlatLP([5, 0], [-0.1, -0.2]), finish_reason="stop",
                           weight_versions=[Span("3", 0, 2)])
-    c = VE.to_completion(out, None)
+    c = vllm_engine.to_completion(out, None)
     assert c.token_ids.dtype == np.int32 and c.versions.tolist() == [3, 3] and c.finish_reason == "stop"
     old_vllm = SimpleNamespace(**{**vars(out), "weight_versions": None})
-    assert VE.to_completion(old_vllm, 2).versions.tolist() == [2, 2]
+    assert vllm_engine.to_completion(old_vllm, 2).versions.tolist() == [2, 2]
     with pytest.raises(RuntimeError, match="per-token weight versions"):
-        VE.to_completion(old_vllm, None)
+        vllm_engine.to_completion(old_vllm, None)
     with pytest.raises(RuntimeError, match="abort"):
-        VE.to_completion(SimpleNamespace(**{**vars(out), "finish_reason": "abort"}), None)
+        vllm_engine.to_completion(SimpleNamespace(**{**vars(out), "finish_reason": "abort"}), None)
 
 
 def test_importing_the_engine_imports_neither_vllm_nor_cuda():
@@ -225,19 +225,19 @@ class FakeModel:
 
     def __init__(self, lay):
         self.loaded: dict[str, torch.Tensor] = {}
-        self.norm = torch.nn.Parameter(torch.zeros(lay.shapes[lay.names.index(VW.FINGERPRINT_PARAM)]))
+        self.norm = torch.nn.Parameter(torch.zeros(lay.shapes[lay.names.index(vllm_weights.FINGERPRINT_PARAM)]))
 
     def load_weights(self, pairs):
         for name, t in pairs:
             self.loaded[name] = t.clone()
-            if name == VW.FINGERPRINT_PARAM:
+            if name == vllm_weights.FINGERPRINT_PARAM:
                 self.norm.data.copy_(t)
 
     def named_parameters(self):
-        return [(VW.FINGERPRINT_PARAM, self.norm)]
+        return [(vllm_weights.FINGERPRINT_PARAM, self.norm)]
 
 
-class FakeWorker(VE.CovrlWorkerExtension):
+class FakeWorker(vllm_engine.CovrlWorkerExtension):
     def __init__(self, model):
         self.device, self.rank = torch.device("cpu"), 0
         self.model_runner = SimpleNamespace(get_model=lambda: model)
@@ -289,7 +289,7 @@ class FakeLLM:
                 while self.paused and self.mode == "keep":
                     await asyncio.sleep(0.001)
                 for j, (toks, lps, labels, epochs) in enumerate(rows):
-                    toks.append((prompt["prompt_token_ids"][-1] + (getattr(params, "seed", None) or 0) // VE.MAX_N + j + t) % 97 + 1)
+                    toks.append((prompt["prompt_token_ids"][-1] + (getattr(params, "seed", None) or 0) // vllm_engine.MAX_N + j + t) % 97 + 1)
                     lps.append(-0.01 * (t + 1))
                     labels.append(self.label)
                     epochs.append(self.epoch)
@@ -361,7 +361,7 @@ NCCL_FIELDS = {"0.33": (NCCL_INIT | {"packed"}, NCCL_UPDATE),
 def fake_api(native=True, shape="0.33"):
     new = shape == "0.33"
     return SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw), FINAL_ONLY="final_only",
-                           Retryable=Retryable if new else VE.NeverRaised, version_spans=new, engine_versions=new,
+                           Retryable=Retryable if new else vllm_engine.NeverRaised, version_spans=new, engine_versions=new,
                            finish_takes_version=new,
                            native_nccl=native, nccl_fields=NCCL_FIELDS[shape], version=f"fake {shape}",
                            InitRequest=lambda init_info: SimpleNamespace(init_info=init_info),
@@ -373,10 +373,10 @@ def make_engine(tiny_model_dir):
     engines = []
 
     def make(weight_update="finish", native=True, shape="0.33", **kw):
-        lay = W.layout(VE.meta_model(tiny_model_dir))
+        lay = weights.layout(vllm_engine.meta_model(tiny_model_dir))
         llm = FakeLLM(FakeWorker(FakeModel(lay)), shape=shape, **kw)
-        eng = VE.VllmEngine(tiny_model_dir, stop_ids=[0], llm=llm, api=fake_api(native, shape),
-                            settings=VE.VllmSettings(weight_update=weight_update, poll_s=0.002))
+        eng = vllm_engine.VllmEngine(tiny_model_dir, stop_ids=[0], llm=llm, api=fake_api(native, shape),
+                            settings=vllm_engine.VllmSettings(weight_update=weight_update, poll_s=0.002))
         engines.append(eng)
         return eng, llm
 
@@ -394,7 +394,7 @@ def test_generate_submits_one_request_per_prompt_and_returns_groups(make_engine)
     groups = eng.generate([[1, 2], [3], [4, 5, 6]], 4, SP, [10, 11, 12])
     assert len(groups) == 3 and all(len(g) == 4 for g in groups)
     assert [p.n for p in llm.seen_params] == [4, 4, 4] and all(p.logprobs == 0 for p in llm.seen_params)
-    assert [p.seed for p in llm.seen_params] == [VE.request_seed(s) for s in (10, 11, 12)]  # seed_requests: on
+    assert [p.seed for p in llm.seen_params] == [vllm_engine.request_seed(s) for s in (10, 11, 12)]  # seed_requests: on
     assert all(p.output_kind == "final_only" for p in llm.seen_params)
     for g in groups:
         for j, c in enumerate(g):
@@ -419,7 +419,7 @@ def test_finish_mode_update_lets_in_flight_requests_end_on_the_old_weights(make_
     assert applied.is_set() and eng.version == 1
     assert all(c.versions.tolist() == [0] * 20 for g in groups for c in g)  # finished on version 0
     kinds = [c[0] if c[0] != "rpc" else c[1] for c in llm.calls[1:]]
-    n_buckets = len(W.bucket_plan(lay))
+    n_buckets = len(weights.bucket_plan(lay))
     assert kinds == ["pause"] + ["covrl_load_weights"] * n_buckets + ["version", "resume"]
     assert llm.calls[1] == ("pause", "wait", True) and ("version", "1") in llm.calls
     # the worker extension loaded every parameter under its vLLM name, rounded to bf16
@@ -430,7 +430,7 @@ def test_finish_mode_update_lets_in_flight_requests_end_on_the_old_weights(make_
         n = int(np.prod(shape))
         assert_close(model.loaded[name], flat[offset:offset + n].view(shape).to(torch.bfloat16))
         offset += n
-    assert eng.fingerprint() == [VW.fingerprint(model.loaded[VW.FINGERPRINT_PARAM])]
+    assert eng.fingerprint() == [vllm_weights.fingerprint(model.loaded[vllm_weights.FINGERPRINT_PARAM])]
     later = eng.generate([[3]], 1, SP, [2])
     assert later[0][0].versions.tolist() == [1] * 20
 
@@ -516,28 +516,28 @@ def test_vllm033_keep_mode_labels_equal_what_each_token_ran_on(make_engine):
 
 
 def test_vllm026_native_nccl_puts_packed_in_the_update_and_finishes_without_a_version(make_engine, monkeypatch):
-    monkeypatch.setattr(W, "BUCKET_NUMEL", 3000)
+    monkeypatch.setattr(weights, "BUCKET_NUMEL", 3000)
     eng, llm = make_engine("finish", native=True, shape="0.26")
     eng.join_nccl("10.0.0.1", 29555, 3)
     assert llm.calls[-1] == ("init", dict(master_address="10.0.0.1", master_port=29555, rank_offset=1, world_size=3))
     eng.receive_nccl(4)
     calls = llm.calls[llm.calls.index(("pause", "wait", True)):]
-    assert [c[0] for c in calls] == ["pause", "start"] + ["update"] * len(W.bucket_plan(eng.lay)) + ["finish", "resume"]
+    assert [c[0] for c in calls] == ["pause", "start"] + ["update"] * len(weights.bucket_plan(eng.lay)) + ["finish", "resume"]
     assert all(c[1]["packed"] is False for c in calls if c[0] == "update")
     assert calls[-2] == ("finish", None) and eng.version == 4 and llm.epoch == 1
 
 
 def test_nccl_infos_refuse_fields_this_vllm_lacks():
-    init = VE.nccl_init_info({"master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 2},
+    init = vllm_engine.nccl_init_info({"master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 2},
                              NCCL_FIELDS["0.33"])
     assert init["packed"] is False
     meta = {"names": ["a"], "dtype_names": ["bfloat16"], "shapes": [[2]]}
-    assert VE.nccl_update_info(meta, NCCL_FIELDS["0.33"]) == meta
-    assert VE.nccl_update_info(meta, NCCL_FIELDS["0.26"]) == {**meta, "packed": False}
+    assert vllm_engine.nccl_update_info(meta, NCCL_FIELDS["0.33"]) == meta
+    assert vllm_engine.nccl_update_info(meta, NCCL_FIELDS["0.26"]) == {**meta, "packed": False}
     with pytest.raises(RuntimeError, match=r"no field\(s\) \['rank_offset'\].*weight_transport = \"rpc\""):
-        VE.nccl_init_info({"rank_offset": 1}, (frozenset({"master_address", "packed"}), NCCL_UPDATE))
+        vllm_engine.nccl_init_info({"rank_offset": 1}, (frozenset({"master_address", "packed"}), NCCL_UPDATE))
     with pytest.raises(RuntimeError, match="no `packed` flag"):  # neither info has it: the protocol is unknown
-        VE.nccl_init_info({"rank_offset": 1}, (frozenset({"rank_offset"}), NCCL_UPDATE))
+        vllm_engine.nccl_init_info({"rank_offset": 1}, (frozenset({"rank_offset"}), NCCL_UPDATE))
 
 
 def test_a_request_rejected_while_paused_is_retried(make_engine):
@@ -549,14 +549,14 @@ def test_a_request_rejected_while_paused_is_retried(make_engine):
 
 
 def test_native_nccl_update_runs_the_four_phases_per_version(make_engine, monkeypatch):
-    monkeypatch.setattr(W, "BUCKET_NUMEL", 3000)
+    monkeypatch.setattr(weights, "BUCKET_NUMEL", 3000)
     eng, llm = make_engine("finish", native=True)
     eng.join_nccl("10.0.0.1", 29555, 3)
     assert llm.calls[-1] == ("init", dict(master_address="10.0.0.1", master_port=29555, rank_offset=1, world_size=3,
                                           packed=False))
     eng.receive_nccl(4)
     calls = llm.calls[llm.calls.index(("pause", "wait", True)):]
-    plan = W.bucket_plan(eng.lay)
+    plan = weights.bucket_plan(eng.lay)
     assert [c[0] for c in calls] == ["pause", "start"] + ["update"] * len(plan) + ["finish", "resume"]
     assert calls[-2] == ("finish", "4") and eng.version == 4
     metas = [c[1] for c in calls if c[0] == "update"]
@@ -606,10 +606,10 @@ def test_nccl_rendezvous_through_the_weight_channels_store():
     client = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=timeout)
     learner, generator = dist.PrefixStore("gen3/abc", master), dist.PrefixStore("gen3/abc", client)
     got = {}
-    t = threading.Thread(target=lambda: got.update(offer=VW.offer_address(learner, "10.1.2.3", 29123, 20)))
+    t = threading.Thread(target=lambda: got.update(offer=vllm_weights.offer_address(learner, "10.1.2.3", 29123, 20)))
     t.start()  # the learner waits for the generator's announcement
-    VW.announce(generator, 2, torch.bfloat16)
-    assert VW.read_address(generator, 20) == {"host": "10.1.2.3", "port": 29123, "world_size": 3}
+    vllm_weights.announce(generator, 2, torch.bfloat16)
+    assert vllm_weights.read_address(generator, 20) == {"host": "10.1.2.3", "port": 29123, "world_size": 3}
     t.join(20)
     assert got["offer"] == (3, torch.bfloat16)  # learner + 2 tensor-parallel workers; send in the generator's dtype
 
@@ -620,8 +620,8 @@ def test_direct_receiver_helpers_announce_and_join(make_engine):
     store = {}
     fake_store = SimpleNamespace(set=store.__setitem__, get=lambda k: store[k].encode(), wait=lambda keys, timeout: None)
     eng.announce_receiver(fake_store)
-    assert store[VW.ANNOUNCE_KEY] == '{"tp": 1, "dtype": "bfloat16"}'
-    store[VW.ADDR_KEY] = '{"host": "h", "port": 7, "world_size": 2}'
+    assert store[vllm_weights.ANNOUNCE_KEY] == '{"tp": 1, "dtype": "bfloat16"}'
+    store[vllm_weights.ADDR_KEY] = '{"host": "h", "port": 7, "world_size": 2}'
     eng.join_via_store(fake_store, 5)
     assert llm.calls[-1][0] == "init" and llm.calls[-1][1]["world_size"] == 2 and eng.nccl == "native"
 
@@ -635,27 +635,27 @@ def test_the_engine_core_is_spawned_not_forked(make_engine, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: (object() if have_flashinfer[0] else None) if name == "flashinfer" else real(name, *a))
     env = {}
-    VE.use_spawn(env)
+    vllm_engine.use_spawn(env)
     assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
     # no FlashInfer here: its sampler is off (vLLM 0.26 imports FlashInfer unguarded when it is on); a user's
     # explicit choice is kept
     assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     env = {"VLLM_USE_FLASHINFER_SAMPLER": "1"}
-    VE.use_spawn(env)
+    vllm_engine.use_spawn(env)
     assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
     have_flashinfer[0] = True  # installed: vLLM's own default stands
     env = {}
-    VE.use_spawn(env)
+    vllm_engine.use_spawn(env)
     assert "VLLM_USE_FLASHINFER_SAMPLER" not in env
     env = {"VLLM_WORKER_MULTIPROC_METHOD": "forkserver"}
-    VE.use_spawn(env)
+    vllm_engine.use_spawn(env)
     assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "forkserver"
 
 
 def test_requests_carry_seeds_unless_turned_off(make_engine):
     eng, llm = make_engine("finish")
     eng.generate([[1, 2]], 2, SP, [9])
-    assert llm.seen_params[-1].seed == VE.request_seed(9)
-    eng.settings = VE.VllmSettings(seed_requests=False, poll_s=0.002)  # vLLM's legacy V1 runner: seeds are slow there
+    assert llm.seen_params[-1].seed == vllm_engine.request_seed(9)
+    eng.settings = vllm_engine.VllmSettings(seed_requests=False, poll_s=0.002)  # vLLM's legacy V1 runner: seeds are slow there
     eng.generate([[1, 2]], 2, SP, [9])
     assert getattr(llm.seen_params[-1], "seed", None) is None

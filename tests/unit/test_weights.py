@@ -5,9 +5,21 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from common import weights as W
+from common import weights
 from common.transport import free_port
 from learner.nccl import wait_until
+
+
+def receive(ch: weights.WeightChannel, lay: weights.Layout, out: torch.Tensor | None = None):
+    """A receiver's whole step, for tests: block for the next version -> (version, flat, checksum); None when the
+    learner says stop. (The generator's weight thread does the same in two calls, `actors/actor.py`.)"""
+    got = ch.receive_header(lay)
+    if got is None:
+        return None
+    version, flags = got
+    weights.refuse_direct(flags, "this test receiver")
+    flat, total = ch.receive_buckets(lay, out)
+    return version, flat, total
 
 
 def _model(seed):
@@ -17,32 +29,32 @@ def _model(seed):
 
 def test_flatten_roundtrip_and_checksum_sensitivity():
     a, b = _model(0), _model(1)
-    flat = W.flatten(a)
-    W.load_flat(b, flat)
-    assert_close(W.flatten(b), flat)
+    flat = weights.flatten(a)
+    weights.load_flat(b, flat)
+    assert_close(weights.flatten(b), flat)
     swapped = flat.clone()
     swapped[[0, 1]] = swapped[[1, 0]]
-    assert W.checksum(swapped) != W.checksum(flat)  # order-sensitive
+    assert weights.checksum(swapped) != weights.checksum(flat)  # order-sensitive
 
 
 def test_bucket_plan_cuts_at_parameter_boundaries():
-    lay = W.Layout(("a", "b", "c", "d"), ((3, 2), (5,), (20,), (4,)))  # 6, 5, 20, 4 elements
-    assert W.bucket_plan(lay, 12) == [(0, 2, 0, 11), (2, 3, 11, 31), (3, 4, 31, 35)]  # c alone exceeds 12
-    assert W.bucket_plan(lay, 1000) == [(0, 4, 0, 35)]
-    assert [(s, e) for _, _, s, e in W.bucket_plan(lay, 1)] == [(0, 6), (6, 11), (11, 31), (31, 35)]
+    lay = weights.Layout(("a", "b", "c", "d"), ((3, 2), (5,), (20,), (4,)))  # 6, 5, 20, 4 elements
+    assert weights.bucket_plan(lay, 12) == [(0, 2, 0, 11), (2, 3, 11, 31), (3, 4, 31, 35)]  # c alone exceeds 12
+    assert weights.bucket_plan(lay, 1000) == [(0, 4, 0, 35)]
+    assert [(s, e) for _, _, s, e in weights.bucket_plan(lay, 1)] == [(0, 6), (6, 11), (11, 31), (31, 35)]
 
 
 def test_checksum_is_the_same_whole_or_by_buckets(monkeypatch):
-    monkeypatch.setattr(W, "CHECKSUM_SAMPLES", 7)  # stride > 1, crossing bucket edges at odd offsets
-    monkeypatch.setattr(W, "BUCKET_NUMEL", 16)
+    monkeypatch.setattr(weights, "CHECKSUM_SAMPLES", 7)  # stride > 1, crossing bucket edges at odd offsets
+    monkeypatch.setattr(weights, "BUCKET_NUMEL", 16)
     src = _model(0)
-    lay, flat = W.layout(src), W.flatten(src)
-    one = W.Checksum(flat.numel())
+    lay, flat = weights.layout(src), weights.flatten(src)
+    one = weights.Checksum(flat.numel())
     one.add(flat, 0)
     strided = flat[:: max(1, flat.numel() // 7)].double()
     expected = float((strided * (torch.arange(1, strided.numel() + 1, dtype=torch.float64) % 1013 + 1)).sum())
     assert one.total == pytest.approx(expected, rel=1e-12)
-    assert W.checksum(flat, lay) == pytest.approx(one.total, rel=1e-12)
+    assert weights.checksum(flat, lay) == pytest.approx(one.total, rel=1e-12)
 
 
 def test_publisher_broadcasts_to_two_generators_then_stops(monkeypatch):
@@ -50,18 +62,18 @@ def test_publisher_broadcasts_to_two_generators_then_stops(monkeypatch):
     checksum; a receiver may take each version into the vector of the one before."""
     from learner.publisher import WeightPublisher
 
-    monkeypatch.setattr(W, "BUCKET_NUMEL", 16)  # force several buckets
+    monkeypatch.setattr(weights, "BUCKET_NUMEL", 16)  # force several buckets
     port = free_port()
     src = _model(0)
-    lay = W.layout(src)
+    lay = weights.layout(src)
     pub = WeightPublisher("127.0.0.1", port, 30)
     got = {0: [], 1: []}
     reused = []
 
     def receiver(gen_id):
-        ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=W.pair_prefix(gen_id, "x"))
+        ch = weights.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=weights.pair_prefix(gen_id, "x"))
         buf = None  # generator 1 receives each version into the previous one's vector, as the actor does once applied
-        while (r := ch.receive(lay, out=buf)) is not None:
+        while (r := receive(ch, lay, out=buf)) is not None:
             got[gen_id].append((r[0], r[1].clone(), r[2]))
             if gen_id == 1:
                 reused.append(buf is not None and r[1].data_ptr() == buf.data_ptr())
@@ -78,9 +90,9 @@ def test_publisher_broadcasts_to_two_generators_then_stops(monkeypatch):
         with torch.no_grad():
             for p in src.parameters():
                 p.add_(0.5)
-        flat = W.flatten(src)
+        flat = weights.flatten(src)
         sent.append(flat.clone())
-        buckets = [flat[s:e] for _, _, s, e in W.bucket_plan(lay)]
+        buckets = [flat[s:e] for _, _, s, e in weights.bucket_plan(lay)]
         assert len(buckets) > 2
         seconds, nbytes, total = pub.publish(v, lay, iter(buckets))
         assert nbytes == lay.numel * 4 and 0 < seconds < 30  # timed, and not stuck on a receiver
@@ -92,7 +104,7 @@ def test_publisher_broadcasts_to_two_generators_then_stops(monkeypatch):
     for gen_id in (0, 1):
         assert [v for v, _, _ in got[gen_id]] == [1, 2]
         for (_, flat, total), ref, sent_sum in zip(got[gen_id], sent, sums):
-            assert torch.equal(flat, ref) and total == sent_sum == W.checksum(ref, lay)  # to the bit
+            assert torch.equal(flat, ref) and total == sent_sum == weights.checksum(ref, lay)  # to the bit
 
 
 def test_leave_closes_a_drained_generators_channel_without_counting_a_failure():
@@ -102,13 +114,13 @@ def test_leave_closes_a_drained_generators_channel_without_counting_a_failure():
 
     port = free_port()
     src = _model(0)
-    lay = W.layout(src)
+    lay = weights.layout(src)
     pub = WeightPublisher("127.0.0.1", port, 30)
     got = {0: [], 1: []}
 
     def receiver(gen_id, inc):
-        ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=W.pair_prefix(gen_id, inc))
-        while (r := ch.receive(lay)) is not None:
+        ch = weights.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=weights.pair_prefix(gen_id, inc))
+        while (r := receive(ch, lay)) is not None:
             got[gen_id].append(r[0])
 
     incarnations = {0: "x", 1: "y"}
@@ -117,13 +129,13 @@ def test_leave_closes_a_drained_generators_channel_without_counting_a_failure():
         t.start()
         pub.join(g, incarnations[g])
     assert wait_until(lambda: len(pub.channels) == 2, 30, 0.01)
-    flat = W.flatten(src)
-    pub.publish(1, lay, iter([flat[s:e] for _, _, s, e in W.bucket_plan(lay)]))
+    flat = weights.flatten(src)
+    pub.publish(1, lay, iter([flat[s:e] for _, _, s, e in weights.bucket_plan(lay)]))
     pub.leave(1, "y")
     threads[1].join(10)
     assert not threads[1].is_alive()  # its receiver got the stop header: it ends cleanly, as a drained generator does
     assert wait_until(lambda: 1 not in pub.channels, 10, 0.01)
-    pub.publish(2, lay, iter([flat[s:e] for _, _, s, e in W.bucket_plan(lay)]))
+    pub.publish(2, lay, iter([flat[s:e] for _, _, s, e in weights.bucket_plan(lay)]))
     pub.leave(0, "stale")  # another incarnation of generator 0 than the one connected: nothing to close
     pub.stop()
     threads[0].join(10)
@@ -138,15 +150,15 @@ def test_a_generator_drained_before_its_rendezvous_is_never_admitted():
     from learner.publisher import WeightPublisher
 
     port = free_port()
-    lay = W.layout(_model(0))
+    lay = weights.layout(_model(0))
     pub = WeightPublisher("127.0.0.1", port, 30)
     got = []
     pub.join(0, "z")
     pub.leave(0, "z")  # the mark is taken before this returns, so the join thread cannot miss it
 
     def receiver():  # the generator reaches the rendezvous only now
-        ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=W.pair_prefix(0, "z"))
-        got.append(ch.receive(lay))
+        ch = weights.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=weights.pair_prefix(0, "z"))
+        got.append(receive(ch, lay))
 
     t = threading.Thread(target=receiver)
     t.start()
@@ -163,7 +175,7 @@ def test_publish_refuses_a_bucket_off_the_plan():
 
     pub = WeightPublisher("127.0.0.1", free_port(), 30)  # no generators: only the check runs
     with pytest.raises(ValueError, match="the plan says"):
-        pub.publish(1, W.layout(_model(0)), iter([torch.zeros(3)]))
+        pub.publish(1, weights.layout(_model(0)), iter([torch.zeros(3)]))
 
 
 def test_layout_mismatch_is_a_clear_error():
@@ -171,16 +183,16 @@ def test_layout_mismatch_is_a_clear_error():
     errors = []
 
     def receiver():
-        ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30)
+        ch = weights.WeightChannel("127.0.0.1", port, 1, 2, 30)
         try:
-            ch.receive(W.layout(torch.nn.Linear(4, 4)))
+            receive(ch, weights.layout(torch.nn.Linear(4, 4)))
         except RuntimeError as e:
             errors.append(str(e))
 
     t = threading.Thread(target=receiver)
     t.start()
-    root = W.WeightChannel("127.0.0.1", port, 0, 2, 30)
-    lay = W.layout(_model(0))  # 4*8+8 + 8*3+3 = 67 parameters; the receiver holds 20
+    root = weights.WeightChannel("127.0.0.1", port, 0, 2, 30)
+    lay = weights.layout(_model(0))  # 4*8+8 + 8*3+3 = 67 parameters; the receiver holds 20
     root._bcast(torch.tensor([1, lay.numel, lay.digest, 0]))  # the header alone: the receiver must refuse it
     t.join(10)
     assert errors and "sends a model of 67 parameters" in errors[0]
@@ -190,9 +202,9 @@ def test_layout_mismatch_is_a_clear_error():
 def test_param_buckets_into_one_scratch_buffer_equal_fresh_buckets(monkeypatch):
     from learner.params import param_buckets, scratch_for
 
-    monkeypatch.setattr(W, "BUCKET_NUMEL", 16)  # several buckets of different sizes
+    monkeypatch.setattr(weights, "BUCKET_NUMEL", 16)  # several buckets of different sizes
     model = _model(3)
-    lay = W.layout(model)
+    lay = weights.layout(model)
     scratch = scratch_for(model, lay)
     fresh = [b.clone() for b in param_buckets(model, lay, False)]
     pointers = set()
@@ -200,7 +212,7 @@ def test_param_buckets_into_one_scratch_buffer_equal_fresh_buckets(monkeypatch):
         assert torch.equal(got, want)
         pointers.add(got.data_ptr())
     assert pointers == {scratch.data_ptr()} and len(fresh) > 2
-    assert torch.equal(torch.cat(fresh), W.flatten(model))
+    assert torch.equal(torch.cat(fresh), weights.flatten(model))
 
 
 def test_buckets_are_assembled_on_the_parameters_device(monkeypatch):
@@ -209,11 +221,11 @@ def test_buckets_are_assembled_on_the_parameters_device(monkeypatch):
     every bucket must follow the parameters."""
     from learner.params import param_buckets, scratch_for
 
-    monkeypatch.setattr(W, "BUCKET_NUMEL", 16)
+    monkeypatch.setattr(weights, "BUCKET_NUMEL", 16)
     model = _model(3).to("meta")
-    lay = W.layout(model)
+    lay = weights.layout(model)
     scratch = scratch_for(model, lay)
-    assert scratch.device.type == "meta" and scratch.numel() == max(e - s for _, _, s, e in W.bucket_plan(lay))
+    assert scratch.device.type == "meta" and scratch.numel() == max(e - s for _, _, s, e in weights.bucket_plan(lay))
     buckets = list(param_buckets(model, lay, False, scratch))
     assert len(buckets) > 2 and all(b.device.type == "meta" and b.dtype == torch.float32 for b in buckets)
 
@@ -224,24 +236,24 @@ def test_publisher_sends_its_own_host_copy_of_each_bucket():
     from learner.publisher import WeightPublisher
 
     model = _model(5)
-    lay = W.layout(model)
+    lay = weights.layout(model)
     port = free_port()
     pub = WeightPublisher("127.0.0.1", port, 30)
     got = []
 
     def generator():
-        ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=W.pair_prefix(0, "a"))
-        got.append(ch.receive(lay))
+        ch = weights.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=weights.pair_prefix(0, "a"))
+        got.append(receive(ch, lay))
 
     t = threading.Thread(target=generator)
     t.start()
     pub.join(0, "a")
     assert wait_until(lambda: pub.channels, 30, 0.01)
-    flat = W.flatten(model)
+    flat = weights.flatten(model)
     scratch = torch.empty(flat.numel())
 
     def reused():  # one buffer for every bucket, poisoned as soon as the publisher moves on
-        for _, _, start, end in W.bucket_plan(lay):
+        for _, _, start, end in weights.bucket_plan(lay):
             scratch[: end - start].copy_(flat[start:end])
             yield scratch[: end - start]
             scratch.fill_(float("nan"))
@@ -250,8 +262,8 @@ def test_publisher_sends_its_own_host_copy_of_each_bucket():
     t.join(30)
     pub.stop()
     version, received, received_sum = got[0]
-    assert version == 1 and torch.equal(received, flat) and received_sum == total == W.checksum(flat, lay)
-    assert torch.equal(pub.latest, flat)
+    assert version == 1 and torch.equal(received, flat) and received_sum == total == weights.checksum(flat, lay)
+    assert torch.equal(pub.latest.flat, flat)
 
 
 class _RecordingSender:
@@ -279,14 +291,14 @@ def test_nccl_groups_are_built_by_the_publishing_thread_on_the_learners_device(m
     """The join thread only records an NCCL receiver; the trainer thread builds its group at the next publish, on
     the device the learner gave the publisher (a join thread's current device would be cuda:0), and a sender
     that times out mid-transfer drops that generator instead of hanging the publish."""
-    from common import vllm_weights as VW
-    from learner import nccl as N
+    from common import vllm_weights
+    from learner import nccl
     from learner.publisher import WeightPublisher
 
-    monkeypatch.setattr(N, "NcclSender", _RecordingSender)
+    monkeypatch.setattr(nccl, "NcclSender", _RecordingSender)
     _RecordingSender.built = []
     model = _model(7)
-    lay = W.layout(model)
+    lay = weights.layout(model)
     port = free_port()
     pub = WeightPublisher("127.0.0.1", port, 30, device="meta")  # any device the learner names
     headers = []
@@ -297,10 +309,10 @@ def test_nccl_groups_are_built_by_the_publishing_thread_on_the_learners_device(m
         import torch.distributed as dist
 
         store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=datetime.timedelta(seconds=30))
-        pair = dist.PrefixStore(W.pair_prefix(0, "d"), store)
-        VW.announce(pair, tp=1, dtype=torch.bfloat16)
-        ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=W.pair_prefix(0, "d"), store=store)
-        headers.append(VW.read_address(pair, 30))
+        pair = dist.PrefixStore(weights.pair_prefix(0, "d"), store)
+        vllm_weights.announce(pair, tp=1, dtype=torch.bfloat16)
+        ch = weights.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=weights.pair_prefix(0, "d"), store=store)
+        headers.append(vllm_weights.read_address(pair, 30))
         try:
             while (got := ch.receive_header(lay)) is not None:
                 headers.append(got)
@@ -312,21 +324,21 @@ def test_nccl_groups_are_built_by_the_publishing_thread_on_the_learners_device(m
     pub.join(0, "d")
     assert wait_until(lambda: pub.pending_direct, 30, 0.01)
     assert not pub.channels and not _RecordingSender.built  # nothing NCCL in the join thread
-    flat = W.flatten(model)
-    pub.publish(1, lay, (flat[s:e] for _, _, s, e in W.bucket_plan(lay)))
+    flat = weights.flatten(model)
+    pub.publish(1, lay, (flat[s:e] for _, _, s, e in weights.bucket_plan(lay)))
     (sender,) = _RecordingSender.built
     assert sender.thread == threading.current_thread().name and sender.device == torch.device("meta")
     assert torch.equal(torch.cat([b for _, _, b, _ in sender.sent]), flat)
     assert {d for _, _, _, d in sender.sent} == {torch.bfloat16}  # sent in the dtype the generator announced
     _RecordingSender.fail = True
     try:
-        pub.publish(2, lay, (flat[s:e] for _, _, s, e in W.bucket_plan(lay)))
+        pub.publish(2, lay, (flat[s:e] for _, _, s, e in weights.bucket_plan(lay)))
     finally:
         _RecordingSender.fail = False
     assert not pub.channels and pub.counter_values()["weights/dropped_channels"] == 1
     assert getattr(sender, "closed", False)  # the dropped generator's communicator is destroyed, not leaked
     pub.stop()
-    assert headers[0]["world_size"] == 2 and headers[1] == (1, W.FLAG_DIRECT) and headers[2] == (2, W.FLAG_DIRECT)
+    assert headers[0]["world_size"] == 2 and headers[1] == (1, weights.FLAG_DIRECT) and headers[2] == (2, weights.FLAG_DIRECT)
     t.join(30)
 
 
@@ -342,17 +354,17 @@ def test_model_publisher_on_rank_0_sends_the_module_through_its_channel(monkeypa
     and the caller gets (seconds, bytes sent to each generator, checksum) with the receiver's checksum."""
     from learner.publisher import ModelPublisher, WeightPublisher
 
-    monkeypatch.setattr(W, "BUCKET_NUMEL", 16)  # several buckets through the one scratch buffer
+    monkeypatch.setattr(weights, "BUCKET_NUMEL", 16)  # several buckets through the one scratch buffer
     model = _model(9)
     port = free_port()
     pub = ModelPublisher(model, zero3=False, channel=WeightPublisher("127.0.0.1", port, 30))
-    lay = W.layout(model)
-    assert pub.layout == lay and pub.scratch.numel() == max(e - s for _, _, s, e in W.bucket_plan(lay))
+    lay = weights.layout(model)
+    assert pub.layout == lay and pub.scratch.numel() == max(e - s for _, _, s, e in weights.bucket_plan(lay))
     got = []
 
     def generator():
-        ch = W.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=W.pair_prefix(0, "m"))
-        while (r := ch.receive(lay)) is not None:
+        ch = weights.WeightChannel("127.0.0.1", port, 1, 2, 30, prefix=weights.pair_prefix(0, "m"))
+        while (r := receive(ch, lay)) is not None:
             got.append(r)
 
     t = threading.Thread(target=generator, daemon=True)
@@ -360,33 +372,33 @@ def test_model_publisher_on_rank_0_sends_the_module_through_its_channel(monkeypa
     pub.channel.join(0, "m")
     assert wait_until(lambda: pub.channel.channels, 30, 0.01)
     seconds, nbytes, total = pub.publish(3)
-    assert 0 <= seconds < 30 and nbytes == lay.numel * 4 and total == W.checksum(W.flatten(model), lay)
+    assert 0 <= seconds < 30 and nbytes == lay.numel * 4 and total == weights.checksum(weights.flatten(model), lay)
     assert pub.counter_values()["weights/joins"] == 1
     pub.stop()
     t.join(30)
     ((version, flat, received_sum),) = got
-    assert version == 3 and torch.equal(flat, W.flatten(model)) and received_sum == total
+    assert version == 3 and torch.equal(flat, weights.flatten(model)) and received_sum == total
 
 
 @pytest.mark.parametrize("zero3, walked", [(False, 0), (True, 4)])
 def test_model_publisher_elsewhere_sends_nothing_and_gathers_only_under_zero3(monkeypatch, zero3, walked):
     """A rank without a channel returns None; under ZeRO-3 it still walks every bucket (each gather is a collective
     rank 0 waits in), and without ZeRO-3 it reads no parameter at all."""
-    import learner.publisher as P
+    from learner import publisher
 
-    monkeypatch.setattr(W, "BUCKET_NUMEL", 16)
+    monkeypatch.setattr(weights, "BUCKET_NUMEL", 16)
     model = _model(9)
-    assert len(W.bucket_plan(W.layout(model))) == 4  # 32, 8, 24, 3 elements: no two neighbours fit in 16
+    assert len(weights.bucket_plan(weights.layout(model))) == 4  # 32, 8, 24, 3 elements: no two neighbours fit in 16
     seen = []
 
     def recording(module, lay, zero3_arg, scratch):
         assert module is model and zero3_arg == zero3 and scratch is pub.scratch
-        for _, _, start, end in W.bucket_plan(lay):
+        for _, _, start, end in weights.bucket_plan(lay):
             seen.append(start)
             yield scratch[: end - start]
 
-    monkeypatch.setattr(P, "param_buckets", recording)
-    pub = P.ModelPublisher(model, zero3=zero3, channel=None)
+    monkeypatch.setattr(publisher, "param_buckets", recording)
+    pub = publisher.ModelPublisher(model, zero3=zero3, channel=None)
     assert pub.publish(1) is None and len(seen) == walked
 
 
@@ -412,19 +424,19 @@ def test_the_gpu_checks_learner_role_publishes_a_model_directory_through_the_pub
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-        lay, flat = W.layout(model), W.flatten(model)
+        lay, flat = weights.layout(model), weights.flatten(model)
         store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=datetime.timedelta(seconds=60))
-        ch = W.WeightChannel("127.0.0.1", port, 1, 2, 60, prefix=W.pair_prefix(0, "t"), store=store)
-        version, received, received_sum = ch.receive(lay)
+        ch = weights.WeightChannel("127.0.0.1", port, 1, 2, 60, prefix=weights.pair_prefix(0, "t"), store=store)
+        version, received, received_sum = receive(ch, lay)
         assert version == 1 and torch.equal(received, flat)
         assert wait_until(lambda: os.path.exists(out), 60, 0.05)
         with open(out) as f:
             published = json.load(f)
-        assert published["checksum"] == received_sum == W.checksum(flat, lay)
+        assert published["checksum"] == received_sum == weights.checksum(flat, lay)
         assert published["bytes_sent"] == lay.numel * 4 and published["weight_sync_s"] > 0
         assert proc.poll() is None  # the channel stays open until the generator has reported
         open(until, "w").close()
-        assert ch.receive(lay) is None  # then the learner stops it
+        assert receive(ch, lay) is None  # then the learner stops it
         assert proc.wait(60) == 0, proc.stdout.read().decode()
     finally:
         if proc.poll() is None:
@@ -437,12 +449,12 @@ def test_the_gpu_checks_learner_role_publishes_a_model_directory_through_the_pub
 _FROZEN_PEER = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
-from common import weights as W
-ch = W.WeightChannel("127.0.0.1", {port}, 1, 2, 60, prefix=W.pair_prefix(1, "frozen"))
+from common import weights
+ch = weights.WeightChannel("127.0.0.1", {port}, 1, 2, 60, prefix=weights.pair_prefix(1, "frozen"))
 print("joined", flush=True)
 os.kill(os.getpid(), signal.SIGSTOP)
 """
-BIG = W.Layout(("w",), ((8 << 20,),))  # 32 MiB of fp32 per version: more than loopback's socket buffers hold
+BIG = weights.Layout(("w",), ((8 << 20,),))  # 32 MiB of fp32 per version: more than loopback's socket buffers hold
 
 
 def _healthy_and_frozen(port: int, got: list):
@@ -453,8 +465,8 @@ def _healthy_and_frozen(port: int, got: list):
     from tests.conftest import REPO
 
     def receiver():
-        ch = W.WeightChannel("127.0.0.1", port, 1, 2, 60, prefix=W.pair_prefix(0, "ok"))
-        while (r := ch.receive(BIG)) is not None:
+        ch = weights.WeightChannel("127.0.0.1", port, 1, 2, 60, prefix=weights.pair_prefix(0, "ok"))
+        while (r := receive(ch, BIG)) is not None:
             got.append((r[0], r[2]))
 
     t = threading.Thread(target=receiver, daemon=True)
@@ -498,7 +510,7 @@ def test_a_weight_send_to_a_peer_that_stops_reading_returns_within_its_deadline(
         assert time.monotonic() - t0 < 2.5  # the frozen peer is gone from the broadcast list
         pub.stop()
         t.join(30)
-        assert got == [(1, sum1), (2, sum2)] and sum1 == W.checksum(flat, BIG)
+        assert got == [(1, sum1), (2, sum2)] and sum1 == weights.checksum(flat, BIG)
     finally:
         frozen.kill()
         frozen.wait()
