@@ -47,7 +47,7 @@ def load_engine(cfg, model_path: str):
 
         if importlib.util.find_spec("vllm") is None:
             raise ValueError("generator.engine selects vLLM (this generator has GPUs) but vllm is not installed: "
-                             "see README \"GPU install\", or set generator.engine = \"torch\"")
+                             "see docs/gpu.md \"GPU install\", or set generator.engine = \"torch\"")
         engine = VllmEngine.from_config(cfg, model_path, stop_ids=stops)
         st = engine.settings
         log.info("generator engine: vllm %s on cuda, tp %d, %s, weight update %s (%s), weights over %s",

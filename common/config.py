@@ -235,9 +235,10 @@ class LearnerConfig(_Section):
 
 
 class TransportConfig(_Section):
-    """Every wait on another process has one of these deadlines (README, "Which timeout governs what"). A generator
-    the hub declares lost (silent, stuck, or failing its weight channel) is dropped from the weight channels, its
-    work is re-issued, and the launcher stops its process group and restarts it (`broker/hub.py`, `Hub.lose`)."""
+    """Every wait on another process has one of these deadlines (docs/reliability.md, "Which timeout governs
+    what"). A generator the hub declares lost (silent, stuck, or failing its weight channel) is dropped from the
+    weight channels, its work is re-issued, and the launcher stops its process group and restarts it
+    (`broker/hub.py`, `Hub.lose`)."""
 
     host: str = "127.0.0.1"  # single-node runs stay on loopback
     hub_port: NonNegInt = 0  # 0: pick a free port

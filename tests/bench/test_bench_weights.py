@@ -45,6 +45,7 @@ RECEIVER = r"""
 import gc, json, sys
 import torch
 from common import weights as W
+from tests.unit.test_weights import receive
 torch.set_num_threads(1)
 host, port, spec, mode, versions = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 if spec == "demo":
@@ -62,7 +63,7 @@ if mode == "raw":  # the bare collective: the same buckets into one reused buffe
         ch.store.set(f"bench/got/{v}", "0")
 else:
     flat = None  # each version into the last one's vector, as the actor does once a version is applied
-    while (got := ch.receive(lay, out=flat)) is not None:
+    while (got := receive(ch, lay, out=flat)) is not None:
         version, flat, total = got
         ch.store.set(f"bench/got/{version}", repr(total))
 # Destroy the process group before interpreter teardown: left to the exit, ProcessGroupGloo aborts the
