@@ -1,6 +1,6 @@
-"""`covrl`: one command for everything in launch/, as sub-commands.
+"""`covrl`: one command for every tool (launch/, study/, hardware/), as sub-commands.
 
-    covrl run [--gens G --learners L ...]       a training run (covrl-cluster)
+    covrl run [--gens G --learners L ...]       a training run
     covrl resume RUN_DIR [--steps N] [--gens G] [--ray [ADDRESS]]
     covrl scale RUN_DIR --gens N                change a running run's generator count
     covrl eval --model DIR [--data FILE ...]    avg@k / pass@k of a model directory
@@ -23,17 +23,17 @@ import sys
 
 # name -> (module with main(argv), one line for `covrl --help`)
 COMMANDS = {
-    "run": ("launch.cluster", "start a training run: learner ranks and generators, here or on Ray (covrl-cluster)"),
-    "resume": (None, "continue a stopped or crashed run from its newest checkpoint (covrl-cluster --resume)"),
+    "run": ("launch.cluster", "start a training run: learner ranks and generators, here or on Ray"),
+    "resume": (None, "continue a stopped or crashed run from its newest checkpoint"),
     "scale": ("launch.scale", "change the number of generators of a running run"),
     "eval": ("launch.evaluate", "avg@k / pass@k of a model directory on held-out sets"),
-    "study": ("launch.study", "several methods on one preset, then the report"),
-    "fit-law": ("launch.fit_law", "fit R = -a exp(H) + b on a run"),
-    "plots": ("launch.plots", "metrics of one or more runs against step"),
+    "study": ("study.runs", "several methods on one preset, then the report"),
+    "fit-law": ("study.fit_law", "fit R = -a exp(H) + b on a run"),
+    "plots": ("study.plots", "metrics of one or more runs against step"),
     "prepare-data": ("launch.prepare_data", "convert a math dataset to covrl's layout"),
-    "warmstart": ("launch.warmstart", "rebuild the built-in base model (assets/arith-base)"),
-    "gpu-check": ("launch.gpu_check", "the vLLM self-check (GPU)"),
-    "gpu-proof": ("launch.gpu_proof", "the one-command GPU proof"),
+    "warmstart": ("study.warmstart", "rebuild the built-in base model (assets/arith-base)"),
+    "gpu-check": ("hardware.check", "the vLLM self-check (GPU)"),
+    "gpu-proof": ("hardware.proof", "the one-command GPU proof"),
 }
 
 

@@ -47,7 +47,7 @@ def print_plots(run_dir: str) -> None:
     if not read_metrics(run_dir):
         return
     try:
-        from launch.plots import run_plots
+        from study.plots import run_plots
 
         print(f"  plots: {os.path.dirname(run_plots(run_dir)[0])}/ (reward, entropy, response length, "
               f"held-out accuracy vs step; accuracy vs entropy with the law's fit)")

@@ -1,15 +1,21 @@
 """docs/DESIGN.md section 1: actors/ and learner/ never import each other; broker/ (the rollout broker, a thread
 of learner rank 0) is imported by learner/ and imports only common/; common/ imports none of them; launch/ imports
-only common/ (it starts the roles as processes). And no import cycle anywhere."""
+common/ (it starts the roles as processes) and study/ (the end-of-run plots); study/ imports only common/; hardware/
+(the GPU tools) imports the roles' packages but not broker/ or study/, and no role imports the tools. And no import
+cycle anywhere."""
 
 import ast
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PACKAGES = ("actors", "broker", "common", "launch", "learner")
+PACKAGES = ("actors", "broker", "common", "hardware", "launch", "learner", "study")
 FORBIDDEN = {"actors": {"learner", "broker", "launch"}, "learner": {"actors", "launch"},
              "broker": {"actors", "learner", "launch"}, "common": {"actors", "learner", "broker", "launch"},
-             "launch": {"actors", "learner", "broker"}}
+             "launch": {"actors", "learner", "broker", "hardware"},  # study/: the end-of-run plots
+             "study": {"actors", "learner", "broker", "launch", "hardware"},
+             "hardware": {"broker", "study"}}  # learner/, actors/: the proof's workers and the check's learner role
+for _role in ("actors", "broker", "common", "learner"):  # no role and no common/ module imports the tools
+    FORBIDDEN[_role] |= {"study", "hardware"}
 
 
 def _imports(path):
@@ -81,10 +87,10 @@ def test_no_import_cycles():
 
 def test_only_the_engine_and_the_nccl_sender_import_vllm():
     """vLLM is a GPU-only dependency: the vLLM engine imports it, and the learner's NCCL sender (vLLM's NCCL
-    wrapper); nothing in common/ does, so the CPU product never reaches for it."""
+    wrapper), and the GPU proof's vLLM workers; nothing in common/ does, so the CPU product never reaches for it."""
     users = set()
     for pkg in PACKAGES:
         for root, _, files in os.walk(os.path.join(REPO, pkg)):
             users.update(os.path.relpath(os.path.join(root, f), REPO) for f in files
                          if f.endswith(".py") and "vllm" in _imports(os.path.join(root, f)))
-    assert users == {"actors/vllm_engine.py", "learner/nccl.py"}, sorted(users)
+    assert users == {"actors/vllm_engine.py", "learner/nccl.py", "hardware/proof_workers.py"}, sorted(users)

@@ -1,4 +1,4 @@
-"""The launcher without its roles: RUN_DIR/generators.json (revisions, a damaged file: covrl-scale replaces it, the
+"""The launcher without its roles: RUN_DIR/generators.json (revisions, a damaged file: covrl scale replaces it, the
 supervisor keeps its generators, --resume names the fix); the supervisor's scaling against a recording backend;
 the one-node GPU layout; --print-config; --resume of a finished run."""
 
@@ -29,7 +29,7 @@ def test_a_damaged_file_is_named_and_replaced_with_an_unseen_revision(tmp_path):
     run = str(tmp_path)
     write_generator_target(run, 2)
     (tmp_path / "generators.json").write_text('{"generators": 3')  # cut short by hand
-    with pytest.raises(ValueError, match=r"generators.json is not a generator target .*covrl-scale .* --gens N"):
+    with pytest.raises(ValueError, match=r"generators.json is not a generator target .*covrl scale .* --gens N"):
         read_generator_target(run)
     t = write_generator_target(run, 3)
     assert t.revision > 1_000_000  # milliseconds since the epoch: no reader saw it

@@ -1,15 +1,14 @@
-"""The throughput workers of launch/gpu_proof.py, each a child process (one CUDA context, freed when it exits):
+"""The throughput workers of hardware/proof.py, each a child process (one CUDA context, freed when it exits):
 
-    python -m tests.gpu.proof_workers build-model|learner|gen|vllm-gen|vllm-smoke SPEC_JSON   (from the repo root)
+    python -m hardware.proof_workers build-model|learner|gen|vllm-gen|vllm-smoke SPEC_JSON   (from the repo root)
 
 `build-model` writes a random-init model of the shape SPEC names (offline), `learner` times `learner.trainer.Trainer`
 train steps on synthetic batches (tokens/s and model FLOP/s per packing budget), `gen` times the torch engine's
 generation and `vllm-gen` covrl's vLLM engine's. `vllm-smoke` proves the vLLM install itself, without covrl's engine:
 its compiled ops (`_C`) load and compute, FA3 is there, an AsyncLLM builds, seeded sampling repeats, processed
 logprobs come back, pause / collective_rpc / resume work. Each prints result lines, `RESULT_TAG` + JSON (the last
-one is the result; `vllm-smoke` prints one after each phase, so a crash keeps what was proven), which gpu_proof.py
-reads. They live here, not in
-launch/, because they import the learner and the engine (launch/ imports only common/: tests/unit/test_imports.py).
+one is the result; `vllm-smoke` prints one after each phase, so a crash keeps what was proven), which
+hardware/proof.py reads. Each runs as a process of its own so that its CUDA context is freed when it exits.
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ import shutil
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RESULT_TAG = "GPU_PROOF_RESULT "  # the same tag as launch/gpu_proof.py reads
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULT_TAG = "GPU_PROOF_RESULT "  # the same tag as hardware/proof.py reads
 BASE_MODEL = os.path.join(REPO, "assets", "arith-base")
 
 
@@ -57,7 +56,7 @@ def worker_learner(spec: dict) -> int:
     import torch
     import torch.distributed as dist
 
-    from common import messages as M
+    from common import messages
     from common.config import load_config
     from learner.batch import batch_from_config
     from learner.trainer import SUM_KEYS, Trainer, init_distributed, step_metrics, thread_setup
@@ -89,13 +88,13 @@ def worker_learner(spec: dict) -> int:
     groups = []
     for g in range(max(1, spec["samples"] // group)):
         prompt = rng.integers(1, vocab, P)
-        samples = [M.Sample(token_ids=M.to_bytes(rng.integers(1, vocab, R), M.TOKEN_DTYPE),
+        samples = [messages.Sample(token_ids=messages.to_bytes(rng.integers(1, vocab, R), messages.TOKEN_DTYPE),
                             # about a random model's own logprobs, so the importance weights stay near 1
-                            logprobs=M.to_bytes(-math.log(vocab) + 0.01 * rng.standard_normal(R), M.LOGPROB_DTYPE),
-                            versions=M.to_bytes(np.zeros(R), M.VERSION_DTYPE), reward=float(j % 2),
+                            logprobs=messages.to_bytes(-math.log(vocab) + 0.01 * rng.standard_normal(R), messages.LOGPROB_DTYPE),
+                            versions=messages.to_bytes(np.zeros(R), messages.VERSION_DTYPE), reward=float(j % 2),
                             finish_reason="length", score_status="ok") for j in range(group)]
-        groups.append(M.RolloutGroup(gen_id=0, incarnation="tput", ticket=g, prompt_id=g, epoch=0,
-                                     prompt_ids=M.to_bytes(prompt, M.TOKEN_DTYPE), samples=samples, gen_time_s=0.0))
+        groups.append(messages.RolloutGroup(gen_id=0, incarnation="tput", ticket=g, prompt_id=g, epoch=0,
+                                     prompt_ids=messages.to_bytes(prompt, messages.TOKEN_DTYPE), samples=samples, gen_time_s=0.0))
     d_attn = mc.num_attention_heads * mc.head_dim if getattr(mc, "head_dim", None) else mc.hidden_size
     settings = []
     for budget in spec["micro_batch_tokens"]:  # the same trainer and samples, packed into rows of <= budget tokens
@@ -195,12 +194,12 @@ def timed_generation(engine, spec: dict, vocab: int, cuda: bool) -> dict:
 def worker_gen(spec: dict) -> int:
     import torch
 
-    from actors import engine as E
+    from actors.engine import TorchEngine
 
     vocab = model_vocab(spec)
     stop = vocab - 1  # a random model samples any one id with probability ~1/vocab per step
-    engine = E.TorchEngine(spec["model"], eos_token_id=[stop], pad_token_id=0, dtype=getattr(torch, spec["dtype"]),
-                           device=spec["device"])
+    engine = TorchEngine(spec["model"], eos_token_id=[stop], pad_token_id=0, dtype=getattr(torch, spec["dtype"]),
+                         device=spec["device"])
     emit({"engine": type(engine).__name__, "param_device": str(next(engine.model.parameters()).device),
           **timed_generation(engine, spec, vocab, spec["device"] == "cuda")})
     return 0
@@ -319,7 +318,7 @@ WORKERS = {"build-model": worker_build_model, "learner": worker_learner, "gen": 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in WORKERS:
-        print(f"usage: python -m tests.gpu.proof_workers {{{','.join(sorted(WORKERS))}}} SPEC_JSON", file=sys.stderr)
+        print(f"usage: python -m hardware.proof_workers {{{','.join(sorted(WORKERS))}}} SPEC_JSON", file=sys.stderr)
         return 2
     return WORKERS[argv[0]](json.loads(argv[1]))
 

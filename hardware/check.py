@@ -1,10 +1,10 @@
 """GPU self-check: one vLLM generator and one learner, weights across, logprobs compared.
 
-    covrl-gpu-check [--model DIR] [--transport auto|rpc|nccl] [--prompts 16] [--n 4]
+    covrl gpu-check [--model DIR] [--transport auto|rpc|nccl] [--prompts 16] [--n 4]
 
 - This process perturbs every weight of the model (version 1 must differ from the checkpoint the generator
   starts from) and saves version 1 beside the check's logs.
-- The learner role (`python -m learner.gpu_check`, a subprocess on GPU 0: launch/ imports only common/) publishes
+- The learner role (`python -m hardware.check_learner`, a subprocess on GPU 0, the weight store's master) publishes
   version 1 through the learner's own publish path (`learner/publisher.py`): over the generator's gloo weight
   channel then RPC into the vLLM workers (`rpc`: learner and generator share GPU 0; NCCL cannot put two ranks on
   one GPU), or by NCCL broadcast straight into the workers (`nccl`: the generator on GPU 1; `auto` picks it
@@ -196,7 +196,7 @@ def run(model_dir: str, transport: str, *, prompts: int = 16, n: int = 4, temper
         json.dump({"prompts": prompt_ids, "n": n, "temperature": temperature, "top_p": 1.0,
                    "max_new_tokens": max_new_tokens, "dtype": dtype, "max_model_len": max_len}, f)
     port = free_port()
-    learner_argv = [sys.executable, "-m", "learner.gpu_check", "--model", version1, "--weights", f"127.0.0.1:{port}",
+    learner_argv = [sys.executable, "-m", "hardware.check_learner", "--model", version1, "--weights", f"127.0.0.1:{port}",
                     "--out", sync, "--until", out, "--incarnation", CHANNEL, "--timeout-s", str(timeout_s)]
     argv = [sys.executable, "-m", "actors.vllm_engine", "--check", "--model", model_dir, "--weights", f"127.0.0.1:{port}",
             "--incarnation", CHANNEL, "--transport", transport, "--job", job, "--out", out,
@@ -228,7 +228,7 @@ def run(model_dir: str, transport: str, *, prompts: int = 16, n: int = 4, temper
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="covrl-gpu-check", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="covrl gpu-check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="local Hugging Face model directory (default: built-in arith-base)")
     ap.add_argument("--transport", choices=("auto", "rpc", "nccl"), default="auto")
     ap.add_argument("--nccl-impl", choices=("native", "extension"), default="native",

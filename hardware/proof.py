@@ -1,11 +1,11 @@
 """GPU proof: one command that shows, on a machine with one NVIDIA GPU, that covrl's GPU path works end to end,
 and measures it.
 
-    python3 -m launch.gpu_proof [--out DIR] [--work DIR] [--stages vllm-kit,...,z3] [--rehearse-cpu] [--deadline-s S]
-    python3 -m launch.gpu_proof --record DIR/gpu_proof.json [MORE.json ...]   # into tests/bench/results.json
+    python3 -m hardware.proof [--out DIR] [--work DIR] [--stages vllm-kit,...,z3] [--rehearse-cpu] [--deadline-s S]
+    python3 -m hardware.proof --record DIR/gpu_proof.json [MORE.json ...]   # into tests/bench/results.json
 
 Run it from the repository root: a GPU machine without covrl installed finds the packages there (`-m` puts the
-current directory on sys.path); with covrl installed, `covrl-gpu-proof` is the same command. Every child process
+current directory on sys.path); with covrl installed, `covrl gpu-proof` is the same command. Every child process
 (the GPU tests, the cluster runs, the throughput workers) gets the repository root on PYTHONPATH.
 
 Everything a stage needs is checked first (CUDA, the packages, the colocated placement, the engine's device
@@ -13,7 +13,7 @@ argument); a missing piece is one line on stderr and exit 2, before anything run
 order given (default: the order of value, vllm-kit, vllm-tests, vllm-run, tests, z1, throughput, z3, so a time
 limit cuts the ZeRO-3 repeat first), each timed, each with its log in `--out` (`<stage>.log`):
 
-  vllm-kit    vLLM itself, without covrl's engine (a child process, tests/gpu/proof_workers.py vllm-smoke): its
+  vllm-kit    vLLM itself, without covrl's engine (a child process, hardware/proof_workers.py vllm-smoke): its
               compiled ops load (`vllm._C_stable_libtorch`, in the kit pruned to sm_90) and `_C.rms_norm` matches a
               float64 reference; FlashAttention 3 is importable; an AsyncLLM builds on assets/arith-base; two
               requests with one seed give the same samples, another seed others; processed logprobs, one per token;
@@ -23,7 +23,7 @@ limit cuts the ZeRO-3 repeat first), each timed, each with its log in `--out` (`
   vllm-tests  `pytest -m gpu tests/gpu/test_vllm_engine.py`: covrl's VllmEngine on the GPU (stops, logprobs of the
               tempered distribution, seeds, an rpc update, a finish-mode update with 64 sequences in flight whose
               every token scores under the version it is labelled with, keep mode or its refusal on 0.26, and
-              launch/gpu_check.py's learner + generator roles over the rpc weight channel).
+              hardware/check.py's learner + generator roles over the rpc weight channel).
   vllm-run    A colocated 1-GPU cluster run with the vLLM generator (rpc weights, gpu_memory_utilization 0.3, eager)
               and the bf16 DeepSpeed learner (ZeRO-1) on assets/arith-base: 12 steps on-policy
               (rollout.max_staleness_steps = 0) at temperature 0.7. The z1 checks (checksums equal on both sides
@@ -110,10 +110,9 @@ VLLM_STAGES = ("vllm-kit", "vllm-tests", "vllm-run")
 VLLM_TESTS = "tests/gpu/test_vllm_engine.py"
 KIT_FAILED_EXIT = 3  # the kit's compiled ops did not load: rerun with the fallback kit (README "GPU proof")
 DEADLINE_EXIT = 4  # every stage that ran passed, and --deadline-s left some not run: run those in another command
-RESULT_TAG = "GPU_PROOF_RESULT "  # tests/gpu/proof_workers.py prints its result after this tag
-# The throughput workers import the learner and the engine, which launch/ never does (tests/unit/test_imports.py):
-# they live with the GPU tests and run as child processes (one CUDA context each, freed when they exit).
-WORKER_MODULE = "tests.gpu.proof_workers"
+RESULT_TAG = "GPU_PROOF_RESULT "  # hardware/proof_workers.py prints its result after this tag
+# The throughput workers run as child processes (one CUDA context each, freed when they exit).
+WORKER_MODULE = "hardware.proof_workers"
 BASE_MODEL = os.path.join(REPO, "assets", "arith-base")
 RESULTS = os.path.join(REPO, "tests", "bench", "results.json")
 # Peak dense bf16 tensor-core FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name(); first match wins.
@@ -252,7 +251,7 @@ def source_digest(repo: str = REPO) -> str:
     the copy has no .git."""
     h = hashlib.sha256()
     files = [os.path.join(repo, "pyproject.toml")]
-    for d in ("actors", "broker", "common", "learner", "launch"):
+    for d in ("actors", "broker", "common", "hardware", "launch", "learner", "study"):
         files += glob.glob(os.path.join(repo, d, "**", "*.py"), recursive=True)
     for path in sorted(files):
         h.update(os.path.relpath(path, repo).encode() + b"\0")
@@ -262,11 +261,11 @@ def source_digest(repo: str = REPO) -> str:
 
 
 def invocation() -> str:
-    """How this process was started, as one would type it again: `python3 -m launch.gpu_proof`, the console script
+    """How this process was started, as one would type it again: `python3 -m hardware.proof`, the console script
     or the file, relative to the repository root."""
     spec = getattr(sys.modules["__main__"], "__spec__", None)
-    if spec is not None and spec.name == "launch.gpu_proof":
-        return "python3 -m launch.gpu_proof"
+    if spec is not None and spec.name == "hardware.proof":
+        return "python3 -m hardware.proof"
     return os.path.relpath(sys.argv[0], REPO) if os.path.isabs(sys.argv[0]) else sys.argv[0]
 
 
@@ -594,7 +593,7 @@ def vllm_probe(ctx) -> dict:
 
 
 def stage_vllm_kit(ctx) -> dict:
-    """vLLM itself, without covrl's engine (tests/gpu/proof_workers.py vllm-smoke). If its compiled ops do not load,
+    """vLLM itself, without covrl's engine (hardware/proof_workers.py vllm-smoke). If its compiled ops do not load,
     the proof stops here: the next command carries the fallback kit instead (PTX kept)."""
     log, chk, args = ctx.log, ctx.checks, ctx.args
     probe = vllm_probe(ctx)
@@ -1302,7 +1301,7 @@ def record(files: list[str], force: bool, results_path: str = RESULTS) -> int:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python3 -m launch.gpu_proof", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python3 -m hardware.proof", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="results: gpu_proof.json, stage logs, gpu_proof_logs.tar.gz "
                                   "(default runs/gpu-proof-<UTC timestamp>)")
