@@ -119,10 +119,10 @@ def build(args, run: RunDir, gpus: int):
 
 
 def main(argv=None) -> int:
-    return run(parse_args(argv))
+    return start(parse_args(argv))
 
 
-def run(args) -> int:
+def start(args) -> int:
     """One launch from parsed arguments (`covrl run`, `covrl resume`)."""
     try:
         if args.print_config:
@@ -131,8 +131,8 @@ def run(args) -> int:
         from launch.local import visible_gpus
 
         gpus = visible_gpus(args.gpus) if args.ray is None else 0  # under Ray, Ray places the GPUs
-        run_dir = prepare(args, gpus)
-        backend, sup = build(args, run_dir, gpus)
+        prepared = prepare(args, gpus)
+        backend, sup = build(args, prepared, gpus)
     except RunComplete as e:
         print(e)
         return 0
@@ -143,12 +143,12 @@ def run(args) -> int:
         if args.tensorboard:
             from launch.tensorboard import start_tensorboard
 
-            tensorboard = start_tensorboard(run_dir.path)
-        code = supervised(args, sup, backend, run_dir, gpus)
+            tensorboard = start_tensorboard(prepared.path)
+        code = supervised(args, sup, backend, prepared, gpus)
         if tensorboard is not None:
             from launch.tensorboard import keep_serving
 
-            keep_serving(tensorboard, run_dir.path, code)
+            keep_serving(tensorboard, prepared.path, code)
         return code
     finally:
         if tensorboard is not None:  # whatever ended the launcher: its whole group

@@ -55,7 +55,7 @@ def resume(argv: list[str]) -> int:
     ap.add_argument("resume", metavar="RUN_DIR", help="the run directory of the run to continue")
     args = cluster.parse_args([])
     vars(args).update(vars(ap.parse_args(argv)))
-    return cluster.run(args)
+    return cluster.start(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ def test_resume_takes_the_launchers_own_resume_flags(monkeypatch):
     from launch import cluster
 
     got = []
-    monkeypatch.setattr(cluster, "run", lambda args: got.append(args) or 0)  # the launcher's arguments, not a run
+    monkeypatch.setattr(cluster, "start", lambda args: got.append(args) or 0)  # the launcher's arguments, not a run
     assert main(["resume", "R", "--steps", "200", "--gens", "3", "--tp", "2", "--gpus", "4", "--ray", "10.0.0.1:6379",
                  "--ray-learner-resources", '{"t": 1}', "--progress-every", "30", "--quiet"]) == 0
     expected = cluster.parse_args(["--resume", "R", "--ray", "10.0.0.1:6379", "--steps", "200", "--gens", "3",
