@@ -2,7 +2,7 @@
 # Both create and reuse .venv; the CPU build of torch is installed first, pinned,
 # so nothing pulls a CUDA build. covrl itself is installed last, editable and without
 # its dependencies (already there): the packages import from this checkout and the
-# launchers are console scripts (.venv/bin/covrl-cluster, covrl-study, ...; pyproject.toml).
+# commands are console scripts (.venv/bin/covrl: `covrl run`, `covrl study`, ...; pyproject.toml).
 PY      := .venv/bin/python
 STAMP   := .venv/.covrl-deps
 DEPS    := pyproject.toml
@@ -27,7 +27,7 @@ $(STAMP): $(DEPS)
 	touch $(STAMP)
 
 demo: $(STAMP)
-	.venv/bin/covrl-cluster --gens 1 --learners 1 --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
+	.venv/bin/covrl run --gens 1 --learners 1 --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests/unit tests/integration
@@ -61,8 +61,8 @@ $(GSTAMP): $(DEPS)
 	$(GPY) -m pip install -q --upgrade pip packaging
 	$(GPY) -m pip install -q --no-deps "$$($(GPY) -c 'import tomllib; \
 		print(next(d for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["gpu"] if d.startswith("vllm")))')"
-	$(GPY) -c 'import importlib.metadata as m; from packaging.requirements import Requirement as R; \
-		rs = [R(s) for s in m.requires("vllm")]; \
+	$(GPY) -c 'import importlib.metadata as metadata; from packaging.requirements import Requirement; \
+		rs = [Requirement(s) for s in metadata.requires("vllm")]; \
 		print("\n".join("certifi" if r.name == "certifi" else str(r).split(";")[0].strip() \
 		for r in rs if not r.marker or r.marker.evaluate({"extra": ""})))' > .venv-gpu/requirements.txt
 	$(GPY) -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
@@ -109,7 +109,7 @@ venv-vllm: $(VSTAMPS)
 test-gpu-contract: $(VSTAMPS)
 	@status=0; for v in $(VLLM_CONTRACT); do \
 		env=.venv-vllm-$$v; \
-		got=$$($$env/bin/python -c 'import importlib.metadata as m; print(m.version("vllm"))') || exit 1; \
+		got=$$($$env/bin/python -c 'import importlib.metadata as metadata; print(metadata.version("vllm"))') || exit 1; \
 		[ "$$got" = "$$v" ] || { echo "$$env has vLLM $$got, not $$v: rm -rf $$env and rerun"; exit 1; }; \
 		echo "== vLLM $$v ($$env)"; \
 		PYTHONPATH=. $$env/bin/python -m pytest -q -m vllm tests/unit/test_vllm_contract.py -p no:cacheprovider \
@@ -122,20 +122,20 @@ test-gpu-contract: $(VSTAMPS)
 	done; \
 	exit $$status
 
-# On a GPU machine: the real vLLM engine, the NCCL weight path (2+ GPUs), then launch/gpu_check.py.
+# On a GPU machine: the real vLLM engine, the NCCL weight path (2+ GPUs), then hardware/check.py.
 test-gpu: $(GSTAMP)
 	PYTHONPATH=. $(GPY) -m pytest -q -m gpu tests/gpu -p no:cacheprovider
 
 clean-runs:
 	rm -rf runs
 
-# ---- GPU proof (launch/gpu_proof.py) --------------------------------------------------------------------------------
+# ---- GPU proof (hardware/proof.py) --------------------------------------------------------------------------------
 # A GPU machine without a registry (Python 3.12, torch 2.11.0+cu130, transformers 5.17) gets what it lacks to run
-# covrl and vLLM 0.26.0 as the kit in .kit/ (git-ignored; launch/gpu_kit.py says what is in it and why).
+# covrl and vLLM 0.26.0 as the kit in .kit/ (git-ignored; hardware/kit.py says what is in it and why).
 # `make gpu-kit` runs HERE, where pip reaches a registry; a second run reuses the downloads and archives. A command
 # on the GPU machine carries .kit/common and ONE of .kit/bin-sm90 (primary: vLLM's _C pruned to sm_90) or
-# .kit/bin-ptx (fallback: PTX kept); with the tracked tree it stays under 60 MiB (`python3 -m launch.gpu_kit check`,
-# and tests/unit/test_gpu_kit.py from launch/gpu_kit_sizes.json, which the build updates: commit it).
+# .kit/bin-ptx (fallback: PTX kept); with the tracked tree it stays under 60 MiB (`python3 -m hardware.kit check`,
+# and tests/unit/test_gpu_kit.py from hardware/kit_sizes.json, which the build updates: commit it).
 # GPU_KIT_ARGS: e.g. "--wheel-cache DIR" (a folder that already holds wheels), "--with-transformers".
 KIT_PY ?= python3
 GPU_PY ?= python3
@@ -145,12 +145,12 @@ GPU_PROOF_ARGS ?=
 .PHONY: gpu-kit gpu-wheels gpu-proof
 
 gpu-kit:
-	$(KIT_PY) -m launch.gpu_kit build --out .kit $(GPU_KIT_ARGS)
+	$(KIT_PY) -m hardware.kit build --out .kit $(GPU_KIT_ARGS)
 
 gpu-wheels: gpu-kit
 
 # The one command for a machine with one NVIDIA GPU (no registry, no .venv): the carried kit into /tmp/site,
-# then every stage of launch/gpu_proof.py, run as a module from the repo root (covrl is not installed there; `-m`
+# then every stage of hardware/proof.py, run as a module from the repo root (covrl is not installed there; `-m`
 # puts the checkout on sys.path and the script puts it on its children's PYTHONPATH). Results in $OUT (the device
 # tool's folder) or runs/gpu-proof; the runs themselves (checkpoints, the 0.5B model) in /tmp/covrl-gpu-proof.
 # The proof stops starting stages GPU_PROOF_DEADLINE_S seconds in (a lease's command runs at most 9 minutes; the
@@ -161,8 +161,8 @@ gpu-wheels: gpu-kit
 GPU_PROOF_DEADLINE_S ?= 480
 .PHONY: gpu-proof-rehearse
 gpu-proof:
-	@if [ -d .kit ]; then $(GPU_PY) -m launch.gpu_kit unpack --kit .kit --target /tmp/site || exit 1; fi
-	PYTHONPATH=/tmp/site$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PY) -m launch.gpu_proof \
+	@if [ -d .kit ]; then $(GPU_PY) -m hardware.kit unpack --kit .kit --target /tmp/site || exit 1; fi
+	PYTHONPATH=/tmp/site$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PY) -m hardware.proof \
 		--out $${OUT:-runs/gpu-proof} --work $${GPU_PROOF_WORK:-/tmp/covrl-gpu-proof} \
 		--deadline-s $(GPU_PROOF_DEADLINE_S) $(GPU_PROOF_ARGS)
 
@@ -174,5 +174,5 @@ REHEARSE_DIR := /tmp/covrl-kit-rehearse
 gpu-proof-rehearse: .venv-vllm-0.26.0/.covrl-deps
 	rm -rf $(REHEARSE_DIR) && mkdir -p $(REHEARSE_DIR)/site
 	if [ -f .kit/common/vllm-py.tar.xz ]; then tar -xJf .kit/common/vllm-py.tar.xz -C $(REHEARSE_DIR)/site; fi
-	PYTHONPATH=$(REHEARSE_DIR)/site .venv-vllm-0.26.0/bin/python -m launch.gpu_proof --rehearse-cpu \
+	PYTHONPATH=$(REHEARSE_DIR)/site .venv-vllm-0.26.0/bin/python -m hardware.proof --rehearse-cpu \
 		--out $(REHEARSE_DIR)/out --work $(REHEARSE_DIR)/work $(GPU_PROOF_ARGS)

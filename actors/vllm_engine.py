@@ -687,11 +687,11 @@ class CovrlWorkerExtension:
         return vllm_weights.fingerprint(params[name])
 
 
-# ---- the generator role of launch/gpu_check.py -------------------------------------------------
+# ---- the generator role of hardware/check.py -------------------------------------------------
 
 
 def _self_check(argv: list[str] | None = None) -> int:
-    """`python -m actors.vllm_engine --check ...`: one generator for launch/gpu_check.py. Joins the learner role's
+    """`python -m actors.vllm_engine --check ...`: one generator for hardware/check.py. Joins the learner role's
     weight channel as generator 0 of incarnation `--incarnation` (as an actor does), loads the version it is sent,
     generates the prompts it is given, writes what it saw as JSON."""
     import argparse

@@ -112,7 +112,7 @@ def model_dir(cfg: Config) -> str:
     path = cfg.model.path or BUILTIN_MODEL
     if not os.path.isfile(os.path.join(path, "config.json")):
         hint = (
-            "build the built-in base model with `python launch/warmstart.py`"
+            "build the built-in base model with `covrl warmstart`"
             if not cfg.model.path
             else "point model.path at a local Hugging Face model directory (config.json, *.safetensors, tokenizer)"
         )

@@ -149,7 +149,7 @@ def read_cluster(run_dir: str) -> ClusterInfo:
         with open(path, "rb") as f:
             return msgspec.json.decode(f.read(), type=ClusterInfo)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path} is missing: start the run with launch/cluster.py, which writes it") from None
+        raise FileNotFoundError(f"{path} is missing: start the run with `covrl run`, which writes it") from None
 
 
 TARGET_FILE = "generators.json"
@@ -161,7 +161,7 @@ EXIT_DRAINED = 64
 class GeneratorTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """RUN_DIR/generators.json: how many generators the run should have now (ids 0 .. generators - 1).
 
-    Written by the launcher as a run starts (its --gens) and by `covrl-scale RUN_DIR --gens N` while it runs; read
+    Written by the launcher as a run starts (its --gens) and by `covrl scale RUN_DIR --gens N` while it runs; read
     by the launcher (which starts the missing ids) and by the hub (which drains ids >= generators: no new work,
     then Stop once what they hold is in). `revision` counts the changes, so a reader can tell a new request."""
     generators: int
@@ -201,7 +201,7 @@ def read_generator_target(run_dir: str) -> GeneratorTarget | None:
         return None
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ValueError(f"{path} is not a generator target ({e}); rewrite it with "
-                         f"`covrl-scale {run_dir} --gens N`") from None
+                         f"`covrl scale {run_dir} --gens N`") from None
 
 
 LOST_FILE = "generators_lost.jsonl"

@@ -47,7 +47,7 @@ def load_secret(run_dir: str) -> bytes:
             return bytes.fromhex(f.read().decode().strip())
     except FileNotFoundError:
         raise FileNotFoundError(
-            f"{path} is missing: every role needs the run's secret; start roles through launch/cluster.py "
+            f"{path} is missing: every role needs the run's secret; start roles through `covrl run` "
             f"or copy {SECRET_FILE} from the run directory of the hub"
         ) from None
 

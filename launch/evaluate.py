@@ -1,6 +1,6 @@
 """Evaluate a model directory on held-out sets: avg@k and pass@k per data source.
 
-    covrl-evaluate --model DIR [--config FILE] [--set key=value ...] [--data FILE ...] [--out FILE]
+    covrl eval --model DIR [--config FILE] [--set key=value ...] [--data FILE ...] [--out FILE]
 
 Runs `python -m actors.eval_model` (a generator's engine and scoring, in its own process: launch/
 starts roles, it does not import them) with the same arguments. For the same model, data, config

@@ -1,6 +1,6 @@
 """Convert a local math dataset to covrl's layout (`prompt`, `reward_model.ground_truth`, `data_source`).
 
-    covrl-prepare-data IN_FILE OUT_FILE [--prompt-key problem] [--answer-key answer] [--data-source NAME]
+    covrl prepare-data IN_FILE OUT_FILE [--prompt-key problem] [--answer-key answer] [--data-source NAME]
 
 IN_FILE is a .jsonl or .parquet file with one problem per row (e.g. MATH-500's `problem` / `answer`
 columns); OUT_FILE (.parquet or .jsonl) gets one row per input row, with the question as a plain-string
@@ -47,7 +47,7 @@ def write(rows: list[dict], dst: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="covrl-prepare-data", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="covrl prepare-data", description=__doc__.split("\n")[0])
     ap.add_argument("src")
     ap.add_argument("dst")
     ap.add_argument("--prompt-key", default="problem")

@@ -1,4 +1,4 @@
-"""The Ray backend (`covrl-cluster --ray [ADDRESS]`): the same roles, placed, watched and restarted by Ray.
+"""The Ray backend (`covrl run --ray [ADDRESS]`): the same roles, placed, watched and restarted by Ray.
 
 - Learner ranks: one placement group, one bundle per rank (1 GPU, or 1 CPU on a CPU cluster), PACK. Rank r runs
   in bundle r; rank 0's node hosts the hub, the weight channel's store and torch.distributed's rendezvous, so
@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.runfiles import PlacementError
 from common.lifeline import LIFELINE_ENV
+from launch.process_group import signal_group
 from launch.roles import GEN_MAX_RESTARTS, RoleSpec, base_env
 
 PLACEMENT_TIMEOUT_S = 120.0
@@ -69,10 +70,7 @@ class RoleActor:
             self.proc = subprocess.Popen([sys.executable, *self.argv], env=env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
             code = self.proc.wait()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever it left in its group (reward workers) goes with it
-        except ProcessLookupError:
-            pass
+        signal_group(self.proc.pid, signal.SIGKILL)  # whatever it left in its group (reward workers) goes with it
         return code
 
     def stop_child(self, pid: int) -> bool:
@@ -80,18 +78,11 @@ class RoleActor:
         its exit code. A stopped (frozen) process dies too: SIGKILL needs no cooperation."""
         if self.proc is None or self.proc.pid != pid or self.proc.poll() is not None:
             return False
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return False
-        return True
+        return signal_group(self.proc.pid, signal.SIGKILL)
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
+            signal_group(self.proc.pid, sig)
 
 
 @ray.remote(num_cpus=0)
@@ -152,7 +143,7 @@ class RayBackend:
             raise PlacementError(f"the Ray cluster has no room for {what} after {PLACEMENT_TIMEOUT_S:.0f}s (its "
                                  f"resources: {ray.available_resources()}); add nodes, or lower --learners / --gens")
 
-    # ---- the backend interface (launch/cluster.py) ------------------------------------
+    # ---- the backend interface (launch/supervisor.py) ------------------------------------
 
     def start(self, spec: RoleSpec) -> None:
         if spec.name not in self.actors:

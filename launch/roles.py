@@ -2,7 +2,7 @@
 
 A role is `python -m learner` or `python -m actors` with its arguments and its own environment variables. Where it
 runs is a backend's business (`launch/local.py`: this machine; `launch/ray_backend.py`: a Ray cluster); what the
-launcher does with it (start, restart, drain, stop) is the same for both (`launch/cluster.py`).
+launcher does with it (start, restart, drain, stop) is the same for both (`launch/supervisor.py`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`covrl-scale RUN_DIR --gens N` (also `python launch/scale.py`): change the generator count of a running run.
+"""`covrl scale RUN_DIR --gens N`: change the generator count of a running run.
 
 Writes RUN_DIR/generators.json (`common.runfiles.GeneratorTarget`), which the run's launcher and hub follow, with
 or without Ray:
@@ -22,8 +22,8 @@ from common.metrics import read_metrics
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="covrl-scale", description="Change the number of generators of a running run.")
-    ap.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (as given to covrl-cluster --run-dir)")
+    ap = argparse.ArgumentParser(prog="covrl scale", description="Change the number of generators of a running run.")
+    ap.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (as given to covrl run --run-dir)")
     ap.add_argument("--gens", type=int, required=True, metavar="N", help="generators the run should have (>= 1)")
     ap.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                     help="wait up to SECONDS for a metrics row that shows N live generators")

@@ -252,11 +252,11 @@ class Learner:
         if diverged:
             log.error("stopping: the last %d optimizer steps had a non-finite loss or gradient and were skipped "
                       "(learner.max_consecutive_skipped_steps=%d); the weights are those of the last good step, saved "
-                      "in %s/checkpoints/step_%d. Lower learner.lr, check the reward and data, or resume with "
-                      "--resume %s", self.skipped_in_row, self.cfg.learner.max_consecutive_skipped_steps, self.run_dir,
+                      "in %s/checkpoints/step_%d. Lower learner.lr, check the reward and data, or continue with "
+                      "covrl resume %s", self.skipped_in_row, self.cfg.learner.max_consecutive_skipped_steps, self.run_dir,
                       step, self.run_dir)
             return 3
         if stop:
-            log.info("stop requested: checkpoint of step %d written; continue with --resume %s", step, self.run_dir)
+            log.info("stop requested: checkpoint of step %d written; continue with covrl resume %s", step, self.run_dir)
             return 0
         return None

@@ -49,7 +49,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
     from common.arith import ArithTask
     from common.templates import render_prompt
-    from common.tokenizer import train_bpe_tokenizer
+    from study.tokenizer import train_bpe_tokenizer
 
     out = str(tmp_path_factory.mktemp("tiny"))
     task = ArithTask(seed=0, train_size=256, eval_size=8)

@@ -1,6 +1,6 @@
 """The NCCL weight path: learner rank 0 (the learner role, GPU 0) broadcasts each bucket straight into the
 vLLM workers of a generator on the next GPU(s), through vLLM's weight-transfer API or, as an older vLLM
-would need, covrl's worker extension. Runs launch/gpu_check.py: its learner role (`python -m learner.gpu_check`,
+would need, covrl's worker extension. Runs hardware/check.py: its learner role (`python -m hardware.check_learner`,
 the learner's publish path) against its generator role.
 
 NCCL puts each rank on its own GPU, so these need 2 GPUs (3 for tensor parallelism 2); skipped otherwise,
@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vllm is not installed (the gpu extra)")
 
-from launch import gpu_check  # noqa: E402
+from hardware import check as gpu_check  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

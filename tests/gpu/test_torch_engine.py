@@ -53,7 +53,7 @@ def _make(device, dtype=torch.float32, path=MODEL):
 
 @pytest.fixture(scope="module")
 def prompts():
-    from launch.gpu_check import arith_prompts
+    from hardware.check import arith_prompts
 
     return arith_prompts(_tokenizer(), len(SEEDS))  # different lengths: left padding is exercised
 

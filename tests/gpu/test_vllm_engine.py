@@ -38,7 +38,7 @@ def _tokenizer():
 
 
 def _prompts(count=8):
-    from launch.gpu_check import arith_prompts
+    from hardware.check import arith_prompts
 
     return arith_prompts(_tokenizer(), count)
 
@@ -70,7 +70,7 @@ def _round_to_bf16(model):
 
 
 def _mean_abs_dlogp(hf, prompts, groups, temperature):
-    from launch.gpu_check import learner_logprobs
+    from hardware.check import learner_logprobs
 
     comps = [c for g in groups for c in g]
     tempered, raw = learner_logprobs(hf, prompts, [c.token_ids.tolist() for c in comps], len(groups[0]), temperature)
@@ -110,7 +110,7 @@ def test_same_seed_same_samples(engine):
 
 
 def test_rpc_update_arrives_and_later_tokens_carry_its_version(engine, hf):
-    from launch.gpu_check import perturbed
+    from hardware.check import perturbed
 
     perturbed(hf)
     _round_to_bf16(hf)
@@ -128,7 +128,7 @@ def _hf_copy(scale: float | None):
     """The base model in fp32 on the GPU, rounded to bf16 as vLLM holds it; `scale`: perturbed first."""
     from transformers import AutoModelForCausalLM
 
-    from launch.gpu_check import perturbed
+    from hardware.check import perturbed
 
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).cuda().eval()
     if scale:
@@ -176,7 +176,7 @@ def test_finish_mode_update_mid_generation_every_token_scores_under_its_labelled
 
 
 def learner_lp(model, prompt, tokens):
-    from launch.gpu_check import learner_logprobs
+    from hardware.check import learner_logprobs
 
     return learner_logprobs(model, [prompt], tokens, 1, 1.0)[0][0]
 
@@ -219,7 +219,7 @@ def test_keep_mode_update_mid_generation_stamps_each_token():
 
 
 def test_gpu_check_rpc_on_one_gpu():
-    from launch import gpu_check
+    from hardware import check as gpu_check
 
     r = gpu_check.run(MODEL, "rpc", prompts=8, n=2, timeout_s=600)
     assert all(g == r["fingerprint"]["learner"] for g in r["fingerprint"]["generator"])

@@ -127,16 +127,16 @@ CASES = [
     ("evaluate: bad data row", EVALUATE + ["--model", BASE_MODEL, "--data", "{no_answer}"],
      "no_answer.jsonl: row 1: no reference answer"),
     ("evaluate: bad enum", EVALUATE + ["--model", BASE_MODEL, "--set", "eval.k=0"], "at `eval.k`"),
-    ("fit_law: not a run", ["-m", "launch.fit_law", "{not_a_run}"], "no metrics.jsonl"),
-    ("fit_law: too few points", ["-m", "launch.fit_law", "{a_run}"], "gives 0 train points"),
+    ("fit_law: not a run", ["-m", "study.fit_law", "{not_a_run}"], "no metrics.jsonl"),
+    ("fit_law: too few points", ["-m", "study.fit_law", "{a_run}"], "gives 0 train points"),
     ("prepare_data: wrong key", ["-m", "launch.prepare_data", "{good}", "{tmp}/out.parquet", "--prompt-key", "problem"],
      "good.jsonl: row 0: no field 'problem'"),
     ("prepare_data: bad source", ["-m", "launch.prepare_data", "{latin1}", "{tmp}/out.jsonl", "--prompt-key", "prompt"],
      "latin1.jsonl: row 1: not UTF-8"),
-    ("study: bad enum", ["-m", "launch.study", "--methods", "grpo", "--study-dir", "{run}", "--set",
+    ("study: bad enum", ["-m", "study.runs", "--methods", "grpo", "--study-dir", "{run}", "--set",
                          "learner.loss.type=\"klcov\""], "run grpo: invalid config"),
     ("scale: not a run", ["-m", "launch.scale", "{not_a_run}", "--gens", "2"], "not a covrl run directory"),
-    ("plots: not a run", ["-m", "launch.plots", "{not_a_run}"], "metrics.jsonl is missing"),
+    ("plots: not a run", ["-m", "study.plots", "{not_a_run}"], "metrics.jsonl is missing"),
 ]
 
 
@@ -167,7 +167,7 @@ def test_bad_input_is_one_line_exit_2_nothing_left(case, argv, needle, inputs, t
 
 
 def test_there_are_at_least_25_cases_over_every_command():
-    commands = {next(a for a in argv if a.startswith("launch.")) for _, argv, _ in CASES}
+    commands = {next(a for a in argv if a.startswith(("launch.", "study."))) for _, argv, _ in CASES}
     assert len(CASES) >= 25
-    assert commands == {"launch.cluster", "launch.evaluate", "launch.fit_law", "launch.prepare_data", "launch.study",
-                        "launch.scale", "launch.plots"}
+    assert commands == {"launch.cluster", "launch.evaluate", "study.fit_law", "launch.prepare_data", "study.runs",
+                        "launch.scale", "study.plots"}

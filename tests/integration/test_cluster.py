@@ -166,7 +166,7 @@ def test_sigterm_stops_every_process_it_started_and_tensorboard_serves_the_run(t
         # Graceful: the learners finished their step and wrote a checkpoint before anything was stopped.
         (step, path), = complete_checkpoints(str(run))
         assert step >= at_signal and f"checkpoint of step {step} written" in (run / "logs" / "learner0.log").read_text()
-        assert f"continue with --resume {run}" in out
+        assert f"continue with covrl resume {run}" in out
         gone, alive = psutil.wait_procs(family, timeout=10)
         assert not alive, f"orphans left: {[a.pid for a in alive]}"
         assert bystander.poll() is None  # a process it did not start is untouched

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 def test_the_gpu_proof_passes_its_cpu_rehearsal(tmp_path):
     # As `make gpu-proof` runs it on a GPU machine: a module, from the repository root.
-    out = subprocess.run([sys.executable, "-m", "launch.gpu_proof", "--rehearse-cpu",
+    out = subprocess.run([sys.executable, "-m", "hardware.proof", "--rehearse-cpu",
                           "--stages", "vllm-kit,vllm-tests,vllm-run,z1,throughput", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
                          cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]

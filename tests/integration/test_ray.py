@@ -120,7 +120,7 @@ def test_a_learner_rank_lost_on_ray_stops_the_run_and_resume_on_ray_continues_it
     assert p.returncode == 1 and "learner0 exited with code -9" in err, err[-2000:]
     done = len(read_metrics(str(run)))
     assert 2 <= done < steps
-    hint = f"(continue with --resume {run} --ray {ray_cluster.address})"
+    hint = f"(continue with covrl resume {run} --ray {ray_cluster.address})"
     assert hint in out, out
 
     p = start(run, "--resume", str(run), "--ray", ray_cluster.address)

@@ -65,7 +65,7 @@ def test_resume_after_sigkill_and_after_a_crash_mid_checkpoint_equals_the_uninte
         if p.poll() is None:
             p.kill()
     assert p.returncode == 1 and "learner0 exited with code -9" in err, err[-2000:]
-    assert f"step_2 (continue with --resume {run})" in out, out  # the summary says how to continue
+    assert f"step_2 (continue with covrl resume {run})" in out, out  # the summary says how to continue
     # 2. Resume; die inside the step-4 checkpoint write (after the model files, before the rename).
     env = {**os.environ, "COVRL_FAULT_CRASH_IN_CHECKPOINT": "4"}
     crashed = subprocess.run([sys.executable, os.path.join(REPO, "launch", "cluster.py"), "--resume", str(run), "--quiet"],

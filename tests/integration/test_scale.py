@@ -1,4 +1,4 @@
-"""Elastic generators: `covrl-scale RUN_DIR --gens N` while a run trains, on this machine (no Ray).
+"""Elastic generators: `covrl scale RUN_DIR --gens N` while a run trains, on this machine (no Ray).
 
 One run goes 1 -> 3 -> 1 generators. Every version published while a generator was connected reaches it with the
 learner's checksum; the two drained ones leave through the hub (exit EXIT_DRAINED, not killed); no prompt is lost

@@ -35,7 +35,7 @@ def eval_subset(tmp_path, per_source: int = 8) -> str:
 
 def test_study_end_to_end_tiny_budget(tmp_path):
     study = tmp_path / "study"
-    cmd = [sys.executable, os.path.join(REPO, "launch", "study.py"), "--preset", "chain", "--steps", "2",
+    cmd = [sys.executable, "-m", "study.runs", "--preset", "chain", "--steps", "2",
            "--methods", "grpo,clip_higher,clip_cov,kl_cov,par", "--study-dir", str(study),
            "--staleness", "0", "--staleness-methods", "grpo"]
     for kv in [*TINY, f"data.eval_files=['{eval_subset(tmp_path)}']"]:

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from common.arith import ArithTask
-from common.chain import EVAL_SETS, LEVELS, RL_LEVELS, ChainTask, make_problem, write_jsonl
+from study.chain import EVAL_SETS, LEVELS, RL_LEVELS, ChainTask, make_problem, write_jsonl
 from common.datasets import read_records
 
 
@@ -75,7 +75,7 @@ def test_written_rows_load_as_a_run_reads_them(task, tmp_path):
 
 
 def test_guesses_are_right_at_the_set_rate_and_otherwise_close(task):
-    from common.chain import GUESS_ACCURACY, guess
+    from study.chain import GUESS_ACCURACY, guess
 
     problems = task.train()[:2000]
     values = [int(re.search(r"\\boxed\{(-?\d+)\}", guess(p, str(i))).group(1)) for i, p in enumerate(problems)]

@@ -63,7 +63,8 @@ def test_resume_of_a_directory_that_is_not_a_run(tmp_path, capsys):
 def test_resume_keeps_the_run_and_may_extend_it(old_run):
     before = json.load(open(old_run / "cluster.json"))
     (old_run / "progress.json").write_text('{"step": 49, "evaluating": [50]}')  # the dead run's last step
-    run_dir, cfg, info, _ = cluster.prepare(cluster.parse_args(["--resume", str(old_run), "--steps", "250"]))
+    run = cluster.prepare(cluster.parse_args(["--resume", str(old_run), "--steps", "250"]))
+    run_dir, cfg, info = run.path, run.cfg, run.info
     assert not (old_run / "progress.json").exists()  # the progress line starts from the resumed learner's own
     assert run_dir == str(old_run) and info.run_id == before["run_id"] and info.learners == 2 and info.generators == 1
     assert cfg.run.steps == 250 and "steps = 250" in open(os.path.join(run_dir, "config.toml")).read()

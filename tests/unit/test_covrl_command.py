@@ -29,15 +29,19 @@ def test_resume_forwards_to_the_launcher_and_unknown_commands_are_refused(tmp_pa
     assert main(["trian"]) == 2 and "unknown command 'trian'" in capsys.readouterr().err
 
 
-def test_resume_forwards_every_flag_a_resume_takes(monkeypatch):
+def test_resume_takes_the_launchers_own_resume_flags(monkeypatch):
     from launch import cluster
 
     got = []
-    monkeypatch.setattr(cluster, "main", lambda argv: got.append(argv) or 0)  # the launcher's argv, not a run
+    monkeypatch.setattr(cluster, "start", lambda args: got.append(args) or 0)  # the launcher's arguments, not a run
     assert main(["resume", "R", "--steps", "200", "--gens", "3", "--tp", "2", "--gpus", "4", "--ray", "10.0.0.1:6379",
                  "--ray-learner-resources", '{"t": 1}', "--progress-every", "30", "--quiet"]) == 0
-    assert got[-1] == ["--resume", "R", "--ray", "10.0.0.1:6379", "--steps", "200", "--gens", "3", "--gpus", "4",
-                       "--tp", "2", "--ray-learner-resources", '{"t": 1}', "--progress-every", "30", "--quiet"]
+    expected = cluster.parse_args(["--resume", "R", "--ray", "10.0.0.1:6379", "--steps", "200", "--gens", "3",
+                                   "--gpus", "4", "--tp", "2", "--ray-learner-resources", '{"t": 1}',
+                                   "--progress-every", "30", "--quiet"])
+    assert vars(got[-1]) == vars(expected)  # what `covrl run --resume` would parse, every other flag at its default
     main(["resume", "--ray", "--", "R"])  # --ray without an address: a local Ray instance
-    assert got[-1] == ["--resume", "R", "--ray"]
-    assert cluster.parse_args(got[0][:2] + got[0][4:]).tp == 2  # what it forwards is what covrl-cluster parses
+    assert vars(got[-1]) == vars(cluster.parse_args(["--resume", "R", "--ray"]))
+    resume_flags = {a.dest for a in cluster.resume_options()._actions}
+    assert {"steps", "gens", "gpus", "tp", "ray", "tensorboard", "quiet", "print_config"} <= resume_flags
+    assert not {"config", "set", "run_dir", "learners"} & resume_flags  # a resume keeps the run's own

@@ -21,7 +21,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("learner", "broker", "actors")
-HELPERS = ("common/weights.py", "common/transport.py", "common/rewards.py", "common/vllm_weights.py")
+HELPERS = ("common/weights.py", "common/transport.py", "common/rewards.py", "common/vllm_weights.py",
+           "hardware/check_learner.py")
 
 # Calls that wait on another process whatever their receiver -> index of the positional argument the API documents
 # as its timeout, or None when only a keyword (a name containing "timeout") can carry one.
@@ -123,8 +124,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("learner/loop.py", "Lead.close", "self.publisher.stop()"): PUBLISH,
     ("learner/loop.py", "Lead.close", "self.sink.close()"):
         "timeout: MetricsWriter.close: W&B's finish waits at most common/wandb_log.FINISH_TIMEOUT_S",
-    ("learner/gpu_check.py", "main", "publisher.publish(args.version)"): PUBLISH,
-    ("learner/gpu_check.py", "main", "publisher.stop()"): PUBLISH,
+    ("hardware/check_learner.py", "main", "publisher.publish(args.version)"): PUBLISH,
+    ("hardware/check_learner.py", "main", "publisher.stop()"): PUBLISH,
     ("learner/publisher.py", "ModelPublisher.publish", "self.channel.publish(version, self.layout, buckets)"): PUBLISH,
     ("learner/publisher.py", "ModelPublisher.stop", "self.channel.stop()"): PUBLISH,
     ("learner/publisher.py", "*", "with self.lock"): PUB_LOCK,
@@ -206,7 +207,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("actors/vllm_engine.py", "CovrlWorkerExtension.covrl_receive_nccl", "self._covrl_nccl.broadcast(..."):
         "timeout: in a vLLM worker, reached by collective_rpc under _update's _Loop.run(..., settings.timeout_s); past "
         "it the generator exits with its workers",
-    **{("actors/vllm_engine.py", "_self_check", call): "timeout: a GPU check tool (launch/gpu_check.py) over the "
+    **{("actors/vllm_engine.py", "_self_check", call): "timeout: a GPU check tool (hardware/check.py) over the "
        "same VllmEngine calls, each bounded as above" for call in (
            "VllmEngine(...", "engine.receive_weights(ch, engine.lay, version, flags)",
            "engine.load_flat(received[0], version)", "engine.fingerprint()", "engine.generate(...")},

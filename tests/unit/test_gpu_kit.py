@@ -1,10 +1,10 @@
-"""The GPU kit on CPU: fatbin pruning on a synthetic ELF (launch/fatbin.py), the travel budget, unpacking, and the
+"""The GPU kit on CPU: fatbin pruning on a synthetic ELF (hardware/fatbin.py), the travel budget, unpacking, and the
 build's pieces (vLLM's Python tree, the binaries, reuse of archives, wheel selection) on a synthetic wheel.
 
 The synthetic `.so` is built here byte by byte: an ELF64 header, a `.text` section, a `.nv_fatbin` section of
 four containers (with 8 bytes of padding between two of them, as a linker may leave), a `.shstrtab` and the
 section header table. Entries carry distinct random payloads, so "kept" is checked by content, not only by count.
-No network, no real wheel: the real kit's sizes come from launch/gpu_kit_sizes.json (written by `make gpu-kit`).
+No network, no real wheel: the real kit's sizes come from hardware/kit_sizes.json (written by `make gpu-kit`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import zipfile
 
 import pytest
 
-from launch import fatbin as FB
-from launch import gpu_kit as K
+from hardware import fatbin
+from hardware import kit as gpu_kit
 
-SASS, PTX = FB.KIND_SASS, FB.KIND_PTX
+SASS, PTX = fatbin.KIND_SASS, fatbin.KIND_PTX
 SM90A = 0x108011  # nvcc's flags on an sm_90a entry (0x8011 on the others)
 
 
@@ -37,7 +37,7 @@ def entry(kind: int, arch: int, rng: random.Random, flags: int = 0x8011) -> byte
 
 def container(entries: list[bytes]) -> bytes:
     body = b"".join(entries)
-    return struct.pack("<IHHQ", FB.FATBIN_MAGIC, 1, 16, len(body)) + body
+    return struct.pack("<IHHQ", fatbin.FATBIN_MAGIC, 1, 16, len(body)) + body
 
 
 def elf(sections: list[tuple[str, bytes]]) -> bytes:
@@ -80,18 +80,18 @@ def so() -> bytes:
     return elf([(".text", rng.randbytes(200)), (".nv_fatbin", section), (".rodata", rng.randbytes(136))])
 
 
-def payloads(data: bytes, c: FB.Container) -> list[tuple[str, bytes]]:
+def payloads(data: bytes, c: fatbin.Container) -> list[tuple[str, bytes]]:
     return [(e.label, data[e.offset:e.offset + e.size]) for e in c.entries]
 
 
 @pytest.mark.parametrize("policy", ["sm90", "ptx"])
 def test_prune_keeps_exactly_the_policy_entries_in_place(so, policy):
-    off, size = FB.elf_section(so, ".nv_fatbin")
-    before = FB.parse_containers(so, off, size)
+    off, size = fatbin.elf_section(so, ".nv_fatbin")
+    before = fatbin.parse_containers(so, off, size)
     assert [[e.label for e in c.entries] for c in before][1] == [
         "ptx_sm_80", "ptx_sm_90", "sass_sm_80", "sass_sm_90", "sass_sm_120"]
-    out, stats = FB.prune_elf(so, policy)
-    after = FB.parse_containers(out, off, size)
+    out, stats = fatbin.prune_elf(so, policy)
+    after = fatbin.parse_containers(out, off, size)
 
     assert len(out) == len(so) and out[:off] == so[:off] and out[off + size:] == so[off + size:]
     assert [c.offset for c in after] == [c.offset for c in before]  # registered addresses never move
@@ -110,77 +110,77 @@ def test_prune_keeps_exactly_the_policy_entries_in_place(so, policy):
 
 
 def test_prune_is_idempotent_and_keep_one_never_empties_a_container(so):
-    once, _ = FB.prune_elf(so, "sm90")
-    twice, _ = FB.prune_elf(once, "sm90")
+    once, _ = fatbin.prune_elf(so, "sm90")
+    twice, _ = fatbin.prune_elf(once, "sm90")
     assert twice == once
     data = bytearray(so)
-    off, size = FB.elf_section(so, ".nv_fatbin")
-    stats = FB.prune_fatbin_section(data, off, size, FB.keep_sm90, keep_one=True)
-    last = FB.parse_containers(bytes(data), off, size)[-1]
-    smallest = min(FB.parse_containers(so, off, size)[-1].entries, key=lambda e: e.size)
+    off, size = fatbin.elf_section(so, ".nv_fatbin")
+    stats = fatbin.prune_fatbin_section(data, off, size, fatbin.keep_sm90, keep_one=True)
+    last = fatbin.parse_containers(bytes(data), off, size)[-1]
+    smallest = min(fatbin.parse_containers(so, off, size)[-1].entries, key=lambda e: e.size)
     assert [e.label for e in last.entries] == [smallest.label] and stats["placeholders"] == 1
 
 
 def test_malformed_fatbin_is_refused_and_left_unchanged(so):
-    off, size = FB.elf_section(so, ".nv_fatbin")
-    first = FB.parse_containers(so, off, size)[0].entries[0]
+    off, size = fatbin.elf_section(so, ".nv_fatbin")
+    first = fatbin.parse_containers(so, off, size)[0].entries[0]
     bad = bytearray(so)
     struct.pack_into("<Q", bad, first.offset + 8, 10**6)  # an entry that runs past its container
     copy = bytes(bad)
-    with pytest.raises(FB.FatbinError, match="past its container's end"):
-        FB.prune_fatbin_section(bad, off, size, FB.keep_sm90)
+    with pytest.raises(fatbin.FatbinError, match="past its container's end"):
+        fatbin.prune_fatbin_section(bad, off, size, fatbin.keep_sm90)
     assert bytes(bad) == copy
     bad = bytearray(so)
     bad[off:off + 4] = b"\x01\x02\x03\x04"
-    with pytest.raises(FB.FatbinError, match="no fatbin container at"):
-        FB.prune_elf(bytes(bad), "sm90")
-    with pytest.raises(FB.FatbinError, match="no .nv_fatbin section"):
-        FB.prune_elf(elf([(".text", b"x" * 16)]), "sm90")
-    with pytest.raises(FB.FatbinError, match="not a little-endian 64-bit ELF"):
-        FB.elf_section(b"MZ" + bytes(100), ".nv_fatbin")
+    with pytest.raises(fatbin.FatbinError, match="no fatbin container at"):
+        fatbin.prune_elf(bytes(bad), "sm90")
+    with pytest.raises(fatbin.FatbinError, match="no .nv_fatbin section"):
+        fatbin.prune_elf(elf([(".text", b"x" * 16)]), "sm90")
+    with pytest.raises(fatbin.FatbinError, match="not a little-endian 64-bit ELF"):
+        fatbin.elf_section(b"MZ" + bytes(100), ".nv_fatbin")
 
 
 # ---- the travel budget ------------------------------------------------------------------------------------------
 
 def test_tracked_tree_and_kit_fit_the_travel_budget():
     """Fails when the tracked tree (docs and study data included) grows past what leaves room for the kit: compress
-    what grew, or shrink the kit (launch/gpu_kit.py) and rerun `make gpu-kit`."""
-    sizes = json.loads(K.SIZES_FILE.read_text())
-    assert set(sizes["travel_bytes"]) == set(K.VARIANTS)
-    if not (K.REPO / ".git").exists():
+    what grew, or shrink the kit (hardware/kit.py) and rerun `make gpu-kit`."""
+    sizes = json.loads(gpu_kit.SIZES_FILE.read_text())
+    assert set(sizes["travel_bytes"]) == set(gpu_kit.VARIANTS)
+    if not (gpu_kit.REPO / ".git").exists():
         pytest.skip("not a git checkout: the tracked tree cannot be measured")
-    tree = K.tracked_tree_bytes()
-    rows = K.budget_rows(tree, sizes["travel_bytes"])
+    tree = gpu_kit.tracked_tree_bytes()
+    rows = gpu_kit.budget_rows(tree, sizes["travel_bytes"])
     assert all(fits for _, _, fits in rows), (
-        f"tracked tree {tree:,} B + kit exceeds {K.BUDGET_BYTES:,} B: {rows}")
+        f"tracked tree {tree:,} B + kit exceeds {gpu_kit.BUDGET_BYTES:,} B: {rows}")
 
 
 def test_budget_arithmetic_catches_an_oversize_tree(tmp_path, capsys):
     kit = {"primary": 40 * 2**20, "fallback": 45 * 2**20}
-    room = K.BUDGET_BYTES - kit["fallback"]
-    assert [fits for _, _, fits in K.budget_rows(room - 1, kit)] == [True, True]
-    assert [(n, fits) for n, _, fits in K.budget_rows(room, kit)] == [("primary", True), ("fallback", False)]
+    room = gpu_kit.BUDGET_BYTES - kit["fallback"]
+    assert [fits for _, _, fits in gpu_kit.budget_rows(room - 1, kit)] == [True, True]
+    assert [(n, fits) for n, _, fits in gpu_kit.budget_rows(room, kit)] == [("primary", True), ("fallback", False)]
     (tmp_path / "manifest.json").write_text(json.dumps({"travel_bytes": kit}))
-    assert K.check(tmp_path, room - 1) is True
-    assert K.check(tmp_path, room + 2**20) is False
+    assert gpu_kit.check(tmp_path, room - 1) is True
+    assert gpu_kit.check(tmp_path, room + 2**20) is False
     assert "OVER" in capsys.readouterr().out
-    assert K.main(["check", "--kit", str(tmp_path), "--tree-bytes", str(room)]) == 1
+    assert gpu_kit.main(["check", "--kit", str(tmp_path), "--tree-bytes", str(room)]) == 1
 
 
 # ---- archives and unpacking -------------------------------------------------------------------------------------
 
 def tiny_kit(root, bins=("bin-sm90",)):
-    K.write_tar_xz(root / "common" / "vllm-py.tar.xz",
-                   [K.Member("pkg/__init__.py", b"X = 1\n"), K.Member("pkg-1.0.dist-info/METADATA", b"Name: pkg\n")],
+    gpu_kit.write_tar_xz(root / "common" / "vllm-py.tar.xz",
+                   [gpu_kit.Member("pkg/__init__.py", b"X = 1\n"), gpu_kit.Member("pkg-1.0.dist-info/METADATA", b"Name: pkg\n")],
                    preset=1)
     for folder in bins:
-        K.write_tar_xz(root / folder / "vllm-bin.tar.xz", [K.Member("pkg/_C.so", folder.encode(), 0o755)], preset=1)
+        gpu_kit.write_tar_xz(root / folder / "vllm-bin.tar.xz", [gpu_kit.Member("pkg/_C.so", folder.encode(), 0o755)], preset=1)
     return root
 
 
 def test_unpack_extracts_common_and_the_one_bin_variant(tmp_path):
     kit = tiny_kit(tmp_path / "kit", bins=("bin-ptx",))
-    lines = K.unpack(kit, tmp_path / "site")
+    lines = gpu_kit.unpack(kit, tmp_path / "site")
     assert (tmp_path / "site" / "pkg" / "__init__.py").read_text() == "X = 1\n"
     assert (tmp_path / "site" / "pkg" / "_C.so").read_bytes() == b"bin-ptx"
     assert json.loads((tmp_path / "site" / "_covrl_kit.json").read_text())["variant"] == "fallback"
@@ -190,7 +190,7 @@ def test_unpack_extracts_common_and_the_one_bin_variant(tmp_path):
 @pytest.mark.parametrize("bins", [("bin-sm90", "bin-ptx"), ()])
 def test_unpack_refuses_both_or_neither_variant_in_one_line(tmp_path, capsys, bins):
     kit = tiny_kit(tmp_path / "kit", bins=bins)
-    assert K.main(["unpack", "--kit", str(kit), "--target", str(tmp_path / "site")]) == 2
+    assert gpu_kit.main(["unpack", "--kit", str(kit), "--target", str(tmp_path / "site")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "exactly one of bin-sm90 / bin-ptx" in err
     assert not (tmp_path / "site").exists()
@@ -198,14 +198,14 @@ def test_unpack_refuses_both_or_neither_variant_in_one_line(tmp_path, capsys, bi
 
 def test_unpack_refuses_an_archive_that_differs_from_the_manifest(tmp_path):
     kit = tiny_kit(tmp_path / "kit")
-    good = {"bin-sm90/vllm-bin.tar.xz": {"sha256": K.sha256_file(kit / "bin-sm90" / "vllm-bin.tar.xz")}}
+    good = {"bin-sm90/vllm-bin.tar.xz": {"sha256": gpu_kit.sha256_file(kit / "bin-sm90" / "vllm-bin.tar.xz")}}
     (kit / "manifest.json").write_text(json.dumps({"files": {**good, "common/vllm-py.tar.xz": {"sha256": "0" * 64}}}))
-    with pytest.raises(K.KitError, match="differs from manifest.json"):
-        K.unpack(kit, tmp_path / "site")
+    with pytest.raises(gpu_kit.KitError, match="differs from manifest.json"):
+        gpu_kit.unpack(kit, tmp_path / "site")
     # an archive the manifest does not know (another build's) is refused before anything is extracted
     (kit / "manifest.json").write_text(json.dumps({"files": good}))
-    with pytest.raises(K.KitError, match=r"common/vllm-py\.tar\.xz not in .*manifest\.json"):
-        K.unpack(kit, tmp_path / "site")
+    with pytest.raises(gpu_kit.KitError, match=r"common/vllm-py\.tar\.xz not in .*manifest\.json"):
+        gpu_kit.unpack(kit, tmp_path / "site")
     assert not (tmp_path / "site" / "pkg").exists()
 
 
@@ -213,26 +213,26 @@ def test_unpack_refuses_a_truncated_archive_in_one_line(tmp_path):
     kit = tiny_kit(tmp_path / "kit")
     path = kit / "common" / "vllm-py.tar.xz"
     path.write_bytes(path.read_bytes()[:40])
-    with pytest.raises(K.KitError, match="vllm-py.tar.xz is not a complete .tar.xz"):
-        K.unpack(kit, tmp_path / "site")
+    with pytest.raises(gpu_kit.KitError, match="vllm-py.tar.xz is not a complete .tar.xz"):
+        gpu_kit.unpack(kit, tmp_path / "site")
 
 
 def test_unpack_refuses_a_member_outside_the_target(tmp_path):
     kit = tiny_kit(tmp_path / "kit")
-    K.write_tar_xz(kit / "common" / "evil.tar.xz", [K.Member("../escaped.txt", b"x")], preset=1)
+    gpu_kit.write_tar_xz(kit / "common" / "evil.tar.xz", [gpu_kit.Member("../escaped.txt", b"x")], preset=1)
     with pytest.raises(tarfile.OutsideDestinationError):
-        K.unpack(kit, tmp_path / "site")
+        gpu_kit.unpack(kit, tmp_path / "site")
     assert not (tmp_path / "escaped.txt").exists()
 
 
 def test_archives_are_deterministic(tmp_path):
-    members = [K.Member("b.txt", b"two"), K.Member("a/x.py", b"one", 0o755)]
-    first = K.write_tar_xz(tmp_path / "1.tar.xz", members, preset=1)
-    second = K.write_tar_xz(tmp_path / "2.tar.xz", list(reversed(members)), preset=1)
+    members = [gpu_kit.Member("b.txt", b"two"), gpu_kit.Member("a/x.py", b"one", 0o755)]
+    first = gpu_kit.write_tar_xz(tmp_path / "1.tar.xz", members, preset=1)
+    second = gpu_kit.write_tar_xz(tmp_path / "2.tar.xz", list(reversed(members)), preset=1)
     assert first["sha256"] == second["sha256"] and first["members"] == 2 and first["raw_bytes"] == 6
     with tarfile.open(tmp_path / "1.tar.xz") as tar:
-        assert [(m.name, m.mode, m.mtime, m.uid) for m in tar] == [("a/x.py", 0o755, K.MTIME, 0),
-                                                                   ("b.txt", 0o644, K.MTIME, 0)]
+        assert [(m.name, m.mode, m.mtime, m.uid) for m in tar] == [("a/x.py", 0o755, gpu_kit.MTIME, 0),
+                                                                   ("b.txt", 0o644, gpu_kit.MTIME, 0)]
 
 
 # ---- wheels -----------------------------------------------------------------------------------------------------
@@ -248,33 +248,33 @@ def test_archives_are_deterministic(tmp_path):
     ("foo-1.0-cp313-abi3-manylinux_2_28_x86_64.whl", False),  # abi3 from 3.13 on
 ])
 def test_wheel_fits_the_gpu_machine(name, fits):
-    assert K.wheel_fits(name) is fits
+    assert gpu_kit.wheel_fits(name) is fits
 
 
 def test_find_wheel_normalizes_names_and_skips_other_platforms(tmp_path):
     for n in ("typing_inspection-0.4.5-py3-none-any.whl", "pydantic_core-2.50.5-cp311-cp311-manylinux_2_17_x86_64.whl",
               "pydantic_core-2.50.5-cp312-cp312-manylinux_2_17_x86_64.whl"):
         (tmp_path / n).write_bytes(b"")
-    assert K.find_wheel("typing-inspection==0.4.5", [tmp_path]).name.startswith("typing_inspection-0.4.5")
-    assert "cp312" in K.find_wheel("pydantic-core==2.50.5", [tmp_path]).name
-    assert K.find_wheel("typing-inspection==0.4.6", [tmp_path]) is None
+    assert gpu_kit.find_wheel("typing-inspection==0.4.5", [tmp_path]).name.startswith("typing_inspection-0.4.5")
+    assert "cp312" in gpu_kit.find_wheel("pydantic-core==2.50.5", [tmp_path]).name
+    assert gpu_kit.find_wheel("typing-inspection==0.4.6", [tmp_path]) is None
 
 
 def test_pins_name_each_package_once():
-    names = [K.normalize(r.split("==")[0]) for r in (K.VLLM, *K.VLLM_DEPS, *K.COVRL_DEPS, K.TRANSFORMERS)]
-    assert len(names) == len(set(names)) and len(K.VLLM_DEPS) == 18
+    names = [gpu_kit.normalize(r.split("==")[0]) for r in (gpu_kit.VLLM, *gpu_kit.VLLM_DEPS, *gpu_kit.COVRL_DEPS, gpu_kit.TRANSFORMERS)]
+    assert len(names) == len(set(names)) and len(gpu_kit.VLLM_DEPS) == 18
 
 
 # ---- the build's pieces, on a synthetic wheel -------------------------------------------------------------------
 
 def fake_vllm_wheel(path, so: bytes, with_metadata: bool = True):
-    files = {"vllm/__init__.py": b"", "vllm/v1/engine/async_llm.py": b"x = 1\n", K.C_LIB: so,
+    files = {"vllm/__init__.py": b"", "vllm/v1/engine/async_llm.py": b"x = 1\n", gpu_kit.C_LIB: so,
              "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": b"fa3", "vllm/cumem_allocator.abi3.so": b"cumem",
              "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": b"fa2", "vllm/vllm-rs": b"rust",
              "vllm/third_party/deep_gemm/include/a.hpp": b"h", "vllm/entrypoints/serve/static/app.js": b"js",
-             f"{K.VLLM_DIST_INFO}/RECORD": b"r", f"{K.VLLM_DIST_INFO}/WHEEL": b"w"}
+             f"{gpu_kit.VLLM_DIST_INFO}/RECORD": b"r", f"{gpu_kit.VLLM_DIST_INFO}/WHEEL": b"w"}
     if with_metadata:
-        files[f"{K.VLLM_DIST_INFO}/METADATA"] = b"Name: vllm\nVersion: 0.26.0\n"
+        files[f"{gpu_kit.VLLM_DIST_INFO}/METADATA"] = b"Name: vllm\nVersion: 0.26.0\n"
     with zipfile.ZipFile(path, "w") as z:
         for name, data in files.items():
             z.writestr(name, data)
@@ -282,30 +282,30 @@ def fake_vllm_wheel(path, so: bytes, with_metadata: bool = True):
 
 
 def test_py_tree_drops_binaries_and_web_assets_and_keeps_the_dist_info(tmp_path, so):
-    names = {m.arcname for m in K.py_tree_members(fake_vllm_wheel(tmp_path / "v.whl", so))}
-    assert names == {"vllm/__init__.py", "vllm/v1/engine/async_llm.py", f"{K.VLLM_DIST_INFO}/METADATA",
-                     f"{K.VLLM_DIST_INFO}/WHEEL"}
-    with pytest.raises(K.KitError, match="METADATA"):
-        K.py_tree_members(fake_vllm_wheel(tmp_path / "w.whl", so, with_metadata=False))
+    names = {m.arcname for m in gpu_kit.py_tree_members(fake_vllm_wheel(tmp_path / "v.whl", so))}
+    assert names == {"vllm/__init__.py", "vllm/v1/engine/async_llm.py", f"{gpu_kit.VLLM_DIST_INFO}/METADATA",
+                     f"{gpu_kit.VLLM_DIST_INFO}/WHEEL"}
+    with pytest.raises(gpu_kit.KitError, match="METADATA"):
+        gpu_kit.py_tree_members(fake_vllm_wheel(tmp_path / "w.whl", so, with_metadata=False))
 
 
 def test_bin_members_prune_c_and_carry_fa3_and_cumem_unchanged(tmp_path, so):
-    members, stats = K.bin_members(fake_vllm_wheel(tmp_path / "v.whl", so), "sm90", True)
+    members, stats = gpu_kit.bin_members(fake_vllm_wheel(tmp_path / "v.whl", so), "sm90", True)
     by_name = {m.arcname: m.data for m in members}
-    assert by_name == {K.C_LIB: FB.prune_elf(so, "sm90", True)[0], "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": b"fa3",
+    assert by_name == {gpu_kit.C_LIB: fatbin.prune_elf(so, "sm90", True)[0], "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": b"fa3",
                        "vllm/cumem_allocator.abi3.so": b"cumem"}
-    assert FB.prune_elf(so, "sm90", True)[0] != FB.prune_elf(so, "sm90")[0]  # the fixture has a container to keep
+    assert fatbin.prune_elf(so, "sm90", True)[0] != fatbin.prune_elf(so, "sm90")[0]  # the fixture has a container to keep
     assert stats["policy"] == "sm90" and stats["keep_one"] and set(stats["files"]) == set(by_name)
-    assert stats["kept"]["sass_sm_90a"] == {"entries": 1, "bytes": FB.parse_containers(
-        so, *FB.elf_section(so, ".nv_fatbin"))[0].entries[5].size}
+    assert stats["kept"]["sass_sm_90a"] == {"entries": 1, "bytes": fatbin.parse_containers(
+        so, *fatbin.elf_section(so, ".nv_fatbin"))[0].entries[5].size}
 
 
 def test_an_archive_is_reused_only_when_inputs_and_bytes_are_unchanged(tmp_path):
     path = tmp_path / "a.tar.xz"
-    job = K.Job("common/a.tar.xz", path, {"wheel": "x.whl"}, lambda: ([K.Member("a", b"1")], {}))
-    rec = {**K.write_tar_xz(path, [K.Member("a", b"1")], preset=1), "inputs": K.fingerprint(job.inputs)}
+    job = gpu_kit.Job("common/a.tar.xz", path, {"wheel": "x.whl"}, lambda: ([gpu_kit.Member("a", b"1")], {}))
+    rec = {**gpu_kit.write_tar_xz(path, [gpu_kit.Member("a", b"1")], preset=1), "inputs": gpu_kit.fingerprint(job.inputs)}
     old = {"files": {job.key: rec}}
-    assert K.reusable(job, old) == rec
-    assert K.reusable(K.Job(job.key, path, {"wheel": "y.whl"}, job.make), old) is None
+    assert gpu_kit.reusable(job, old) == rec
+    assert gpu_kit.reusable(gpu_kit.Job(job.key, path, {"wheel": "y.whl"}, job.make), old) is None
     path.write_bytes(path.read_bytes()[:-1] + b"\0")  # same size, other bytes
-    assert K.reusable(job, old) is None
+    assert gpu_kit.reusable(job, old) is None

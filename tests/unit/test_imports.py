@@ -1,16 +1,24 @@
 """docs/DESIGN.md section 1: actors/ and learner/ never import each other; broker/ (the rollout broker, a thread
 of learner rank 0) imports only common/, and learner/ imports it only in its composition root (learner/__main__.py
 builds the hub and wires it in; everything else talks to it through learner/ports.py); common/ imports none of them;
-launch/ imports only common/ (it starts the roles as processes). And no import cycle anywhere."""
+launch/ imports common/ (it starts the roles as processes) and study/ (the end-of-run plots); study/ imports only
+common/; hardware/ (the GPU tools) imports the roles' packages (it runs their code in its workers) but not
+study/, and no role imports the tools. No product module imports tests/. And no import cycle anywhere."""
 
 import ast
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PACKAGES = ("actors", "broker", "common", "launch", "learner")
+PACKAGES = ("actors", "broker", "common", "hardware", "launch", "learner", "study")
 FORBIDDEN = {"actors": {"learner", "broker", "launch"}, "learner": {"actors", "broker", "launch"},
              "broker": {"actors", "learner", "launch"}, "common": {"actors", "learner", "broker", "launch"},
-             "launch": {"actors", "learner", "broker"}}
+             "launch": {"actors", "learner", "broker", "hardware"},  # study/: the end-of-run plots
+             "study": {"actors", "learner", "broker", "launch", "hardware"},
+             "hardware": {"study"}}  # the roles' packages: the proof's workers and the check's learner role
+for _role in ("actors", "broker", "common", "learner"):  # no role and no common/ module imports the tools
+    FORBIDDEN[_role] |= {"study", "hardware"}
+for _pkg in FORBIDDEN:  # tests/ is not part of the product: no command, role or tool may need it
+    FORBIDDEN[_pkg].add("tests")
 # The one file allowed an import its package's row forbids: (file, package) -> why.
 EXCEPTIONS = {("learner/__main__.py", "broker"): "the composition root builds the hub and hands it to the loop"}
 
@@ -34,7 +42,8 @@ def test_import_rule():
                     path = os.path.join(root, f)
                     checked += 1
                     rel = os.path.relpath(path, REPO)
-                    bad += [f"{rel} imports {m}" for m in _imports(path) if m in forbidden and (rel, m) not in EXCEPTIONS]
+                    bad += [f"{rel} imports {m}" for m in _imports(path)
+                            if m in forbidden and (rel, m) not in EXCEPTIONS]
     assert set(FORBIDDEN) == set(PACKAGES) == {d for d in os.listdir(REPO) if os.path.isfile(
         os.path.join(REPO, d, "__init__.py")) and d != "tests"}, "a package without a layering rule"
     assert checked > 10, "the walk found no sources: the rule would pass vacuously"
@@ -85,13 +94,13 @@ def test_no_import_cycles():
 
 def test_only_the_engine_and_the_nccl_sender_import_vllm():
     """vLLM is a GPU-only dependency: the vLLM engine imports it, and the learner's NCCL sender (vLLM's NCCL
-    wrapper); nothing in common/ does, so the CPU product never reaches for it."""
+    wrapper), and the GPU proof's vLLM workers; nothing in common/ does, so the CPU product never reaches for it."""
     users = set()
     for pkg in PACKAGES:
         for root, _, files in os.walk(os.path.join(REPO, pkg)):
             users.update(os.path.relpath(os.path.join(root, f), REPO) for f in files
                          if f.endswith(".py") and "vllm" in _imports(os.path.join(root, f)))
-    assert users == {"actors/vllm_engine.py", "learner/nccl.py"}, sorted(users)
+    assert users == {"actors/vllm_engine.py", "learner/nccl.py", "hardware/proof_workers.py"}, sorted(users)
 
 
 def test_learner_imports_the_broker_only_in_its_composition_root():

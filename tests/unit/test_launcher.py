@@ -1,4 +1,4 @@
-"""The launcher without its roles: RUN_DIR/generators.json (revisions, a damaged file: covrl-scale replaces it, the
+"""The launcher without its roles: RUN_DIR/generators.json (revisions, a damaged file: covrl scale replaces it, the
 supervisor keeps its generators, --resume names the fix); the supervisor's scaling against a recording backend;
 the one-node GPU layout; --print-config; --resume of a finished run."""
 
@@ -7,9 +7,11 @@ import os
 
 import pytest
 
-from common.runfiles import EXIT_DRAINED, ClusterInfo, read_generator_target, write_cluster, write_generator_target
+from common.runfiles import EXIT_DRAINED, ClusterInfo, PlacementError, place_gpus, read_generator_target, write_cluster, write_generator_target
 from common.config import Config, ConfigError, load_config, to_toml
 from launch import cluster as launcher
+from launch.rundir import prepare_resume
+from launch.supervisor import Supervisor
 from launch import scale
 
 
@@ -27,7 +29,7 @@ def test_a_damaged_file_is_named_and_replaced_with_an_unseen_revision(tmp_path):
     run = str(tmp_path)
     write_generator_target(run, 2)
     (tmp_path / "generators.json").write_text('{"generators": 3')  # cut short by hand
-    with pytest.raises(ValueError, match=r"generators.json is not a generator target .*covrl-scale .* --gens N"):
+    with pytest.raises(ValueError, match=r"generators.json is not a generator target .*covrl scale .* --gens N"):
         read_generator_target(run)
     t = write_generator_target(run, 3)
     assert t.revision > 1_000_000  # milliseconds since the epoch: no reader saw it
@@ -54,7 +56,7 @@ def test_the_supervisor_keeps_its_generators_while_the_file_is_damaged(tmp_path,
         started.append(i)
         return generator_spec(run, i)
 
-    sup = launcher.Supervisor(None, [], make_generator, run, Config(), quiet=True)
+    sup = Supervisor(None, [], make_generator, run, Config(), quiet=True)
     write_generator_target(run, 2)
     sup.follow_target()
     assert (sup.target, started) == (2, [0, 1])
@@ -75,7 +77,7 @@ def test_resume_with_a_damaged_file_asks_for_gens(tmp_path):
     write_cluster(run, ClusterInfo("r", "127.0.0.1:1", "127.0.0.1:2", generators=2, learners=1))
     (tmp_path / "generators.json").write_text("{}")
     with pytest.raises(ConfigError, match="pass --gens N to --resume"):
-        launcher.prepare_resume(launcher.parse_args(["--resume", run]))
+        prepare_resume(launcher.parse_args(["--resume", run]))
 
 
 class Backend:
@@ -109,7 +111,7 @@ def _supervisor(run, make=None):
 
     backend = Backend()
     learner = RoleSpec("learner0", "learner", [], {})
-    sup = launcher.Supervisor(backend, [learner], make or (lambda i, n: generator_spec(run, i)), run, Config(),
+    sup = Supervisor(backend, [learner], make or (lambda i, n: generator_spec(run, i)), run, Config(),
                               quiet=True)
     return sup, backend
 
@@ -146,7 +148,7 @@ def test_a_count_written_by_hand_is_followed_and_an_unplaceable_id_is_retried(tm
         from launch.roles import generator_spec
 
         if i >= room[0]:
-            raise launcher.PlacementError(f"no GPU left for generator {i}")
+            raise PlacementError(f"no GPU left for generator {i}")
         return generator_spec(run, i)
 
     sup, backend = _supervisor(run, make)
@@ -162,10 +164,12 @@ def test_a_count_written_by_hand_is_followed_and_an_unplaceable_id_is_retried(tm
 
 
 def test_a_scale_that_would_change_the_gpu_layout_is_refused():
-    cfg = Config()
-    assert launcher.local_generator("/r", cfg, 2, learners=1, gens=3, gpus=4, colocated=False).devices == [3]
-    with pytest.raises(launcher.PlacementError, match="started with them apart"):
-        launcher.local_generator("/r", cfg, 3, learners=1, gens=4, gpus=4, colocated=False)
+    from launch.local import NodePlacement, local_generator
+
+    node = NodePlacement(gpus=4, learners=1, tp=1, start=place_gpus(4, 1, 1, 1))
+    assert local_generator("/r", Config(), 2, node.of(3)).devices == [3]
+    with pytest.raises(PlacementError, match="started with them apart"):
+        node.of(4)
 
 
 def test_print_config_prints_the_resolved_config_and_writes_nothing(tmp_path, capsys, monkeypatch):
@@ -194,7 +198,7 @@ def test_resume_of_a_finished_run_starts_nothing_and_says_how_to_continue(tmp_pa
     before = (tmp_path / "cluster.json").read_bytes()
     assert launcher.main(["--resume", run]) == 0
     out = capsys.readouterr().out
-    assert "is complete: it trained 3 of 3 steps" in out and f"--resume {run} --steps N" in out
+    assert "is complete: it trained 3 of 3 steps" in out and f"covrl resume {run} --steps N" in out
     assert (tmp_path / "cluster.json").read_bytes() == before and not (tmp_path / "logs").exists()
     assert not (tmp_path / "generators.json").exists()  # nothing rewritten, nothing started
     assert launcher.main(["--resume", run, "--print-config", "--steps", "5"]) == 0
@@ -205,7 +209,7 @@ def test_resume_of_a_finished_run_starts_nothing_and_says_how_to_continue(tmp_pa
 
 
 def test_a_failed_role_is_said_in_one_line_from_its_log(tmp_path):
-    from launch.cluster import log_cause
+    from launch.supervisor import log_cause
 
     logs = tmp_path / "logs"
     logs.mkdir()

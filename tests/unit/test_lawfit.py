@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from common.lawfit import early_prediction, fit_law
+from study.lawfit import early_prediction, fit_law
 
 
 def test_fit_recovers_known_law():
@@ -32,7 +32,7 @@ def test_fit_with_noise_and_bad_input():
 
 
 def test_cli_writes_fit(tmp_path):
-    from launch.fit_law import main
+    from study.fit_law import main
 
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for i in range(20):
@@ -45,7 +45,7 @@ def test_cli_writes_fit(tmp_path):
 
 
 def test_eval_points_pair_the_evaluated_versions_entropy():
-    from common.lawfit import eval_points
+    from study.lawfit import eval_points
 
     rows = [
         {"step": 0, "eval/a/acc": 0.2, "eval/b/acc": 0.4},  # version 0: entropy from row 1 (before its update)
@@ -64,7 +64,7 @@ def test_eval_points_pair_the_evaluated_versions_entropy():
 
 
 def test_train_points_and_pearson():
-    from common.lawfit import pearson, train_points
+    from study.lawfit import pearson, train_points
 
     rows = [{"step": 2, "actor/entropy": 0.5, "critic/score/mean": 0.1}, {"step": 1, "actor/entropy": 0.6},
             {"step": 1, "critic/score/mean": 0.05}, {"step": 3, "actor/entropy": None, "critic/score/mean": 0.2}]
@@ -90,7 +90,7 @@ def _eval_run(path, versions=9):
 
 
 def test_cli_on_eval_writes_plot(tmp_path, capsys):
-    from launch.fit_law import main
+    from study.fit_law import main
 
     _eval_run(tmp_path)
     assert main([str(tmp_path)]) == 0  # eval points exist, so eval is the default
@@ -108,7 +108,7 @@ def test_cli_on_eval_writes_plot(tmp_path, capsys):
 
 
 def test_cli_on_eval_too_few_points(tmp_path, capsys):
-    from launch.fit_law import main
+    from study.fit_law import main
 
     _eval_run(tmp_path, versions=1)  # versions 0, 1 -> 2 eval points
     assert main([str(tmp_path), "--on", "eval"]) == 2
@@ -116,14 +116,14 @@ def test_cli_on_eval_too_few_points(tmp_path, capsys):
 
 
 def test_the_law_is_printed_with_the_signs_a_reader_writes():
-    from common.lawfit import LawFit
+    from study.lawfit import LawFit
 
     assert LawFit(a=0.2588, b=0.5, r2=1, n=3).formula() == "R = -0.2588 exp(H) + 0.5000"
     assert LawFit(a=-0.2588, b=-0.5, r2=1, n=3).formula() == "R = 0.2588 exp(H) - 0.5000"
 
 
 def test_the_early_interval_widens_as_its_points_get_fewer():
-    from common.lawfit import prediction_interval
+    from study.lawfit import prediction_interval
 
     noise = [0.01, -0.02, 0.015, -0.01, 0.02, -0.015, 0.005, -0.005, 0.01, -0.01]
     H = [1.0 - 0.05 * i for i in range(10)]
@@ -137,7 +137,7 @@ def test_the_early_interval_widens_as_its_points_get_fewer():
 
 
 def test_each_point_source_writes_its_own_files_and_few_early_points_warn(tmp_path, capsys):
-    from launch.fit_law import main
+    from study.fit_law import main
 
     _eval_run(tmp_path, versions=9)  # 10 eval points: the early fit has 2 of them
     assert main([str(tmp_path), "--on", "eval"]) == 0

@@ -67,11 +67,14 @@ def test_memory_fraction_is_read_checked_and_skipped_on_cpu(monkeypatch):
 
 def _environments(run_dir, info, cfg, **kw) -> dict[str, dict[str, str]]:
     """Each role's whole environment as the local backend starts it."""
-    from launch.cluster import role_specs
-    from launch.local import LocalBackend
+    from launch.local import LocalBackend, role_specs
 
     backend = LocalBackend(run_dir, cfg)
-    return {s.name: backend.environment(s) for s in role_specs(run_dir, info, cfg, **kw)}
+    return {s.name: backend.environment(s) for s in role_specs(run_dir, info, cfg, _placement(info, **kw))}
+
+
+def _placement(info, gpus=0, tp=1):
+    return place_gpus(gpus, info.learners, info.generators, tp)
 
 
 def test_role_environment_carries_the_placement(tmp_path):
@@ -84,7 +87,7 @@ def test_role_environment_carries_the_placement(tmp_path):
 
 
 def test_colocated_roles_share_one_gpu_and_split_its_memory(tmp_path):
-    from launch.cluster import placement_line
+    from launch.local import placement_line
 
     info = ClusterInfo(run_id="r", hub_addr="127.0.0.1:1", weight_addr="127.0.0.1:2", generators=1, learners=1)
     cfg = Config(generator=GeneratorConfig(gpu_memory_utilization=0.35))
@@ -110,9 +113,9 @@ def test_the_one_gpu_recipe_is_accepted_on_one_gpu(tmp_path, tiny_model_dir):
     args = cluster.parse_args(["--gens", "1", "--learners", "1", "--gpus", "1", "--config", recipe, "--run-dir",
                                str(tmp_path / "run"), "--set", f'model.path="{model}"', "--set",
                                f'data.train_files=["{data}"]', "--set", "data.eval_files=[]"])
-    run_dir, cfg, info, _ = cluster.prepare(args, gpus=1)
-    assert place_gpus(1, info.learners, info.generators, 1).colocated
-    assert cfg.generator.weight_transport == "rpc" and cfg.generator.gpu_memory_utilization <= 0.9
+    run = cluster.prepare(args, gpus=1)
+    assert run.placement == place_gpus(1, run.info.learners, run.info.generators, 1) and run.placement.colocated
+    assert run.cfg.generator.weight_transport == "rpc" and run.cfg.generator.gpu_memory_utilization <= 0.9
 
 
 def test_colocated_generators_start_after_the_learners_are_built(tmp_path):
@@ -120,12 +123,13 @@ def test_colocated_generators_start_after_the_learners_are_built(tmp_path):
     GPU with a learner rank waits for RUN_DIR/learners.ready (written by learner rank 0 after every rank's engine
     is built); generators on GPUs of their own, and CPU runs, start at once."""
     from common.runfiles import READY_FILE, clear_learners_ready, mark_learners_ready
-    from launch.cluster import due, role_specs
+    from launch.local import role_specs
+    from launch.supervisor import due
 
     info = ClusterInfo(run_id="r", hub_addr="127.0.0.1:1", weight_addr="127.0.0.1:2", generators=1, learners=1)
     cfg = Config(generator=GeneratorConfig(gpu_memory_utilization=0.35))
-    shared = {s.name: s for s in role_specs(str(tmp_path), info, cfg, gpus=1)}
-    apart = {s.name: s for s in role_specs(str(tmp_path), info, cfg, gpus=2)}
+    shared = {s.name: s for s in role_specs(str(tmp_path), info, cfg, _placement(info, gpus=1))}
+    apart = {s.name: s for s in role_specs(str(tmp_path), info, cfg, _placement(info, gpus=2))}
     assert due(shared["learner0"], str(tmp_path)) and not due(shared["gen0"], str(tmp_path))
     assert due(apart["gen0"], str(tmp_path))
     mark_learners_ready(str(tmp_path))

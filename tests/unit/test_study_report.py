@@ -1,12 +1,13 @@
-"""launch/study_report.py: the report from synthetic run dirs; launch/study.py: argument checks, resume and
-failures; covrl-plots (launch/plots.py) on the same runs. Never launches a cluster."""
+"""study/report.py: the report from synthetic run dirs; study/runs.py: argument checks, resume and
+failures; covrl plots (study/plots.py) on the same runs. Never launches a cluster."""
 
 import datetime
 import json
 import math
 import os
 
-from launch import study, study_report
+from study import report as study_report
+from study import runs as study_runs
 
 A, B = 0.3, 1.2  # eval law: acc = -A exp(H) + B (mean over the two data sources)
 A_TRAIN, B_TRAIN = 0.2, 0.9  # training reward law, distinct so the two tables can be told apart
@@ -64,14 +65,14 @@ def claim(report: str, tag: str) -> str:
 
 def render(study_dir, methods):
     runs = [study_report.load_run(study_dir, m) for m in methods]
-    return study_report.render_report(runs, {}, NOW, method_overrides=study.METHODS)
+    return study_report.render_report(runs, {}, NOW, method_overrides=study_runs.METHODS)
 
 
 def test_report_has_every_section_and_recovers_the_law(tmp_path):
     d = make_study(tmp_path)
-    meta = {"preset": "arith", "steps": STEPS, "seed": 0, "gens": 1, "learners": 1, "command": "python launch/study.py x",
+    meta = {"preset": "arith", "steps": STEPS, "seed": 0, "gens": 1, "learners": 1, "command": "python study/runs.py x",
             "wall_clock_s": {m: 12.5 for m in ENTROPY}, "status": {m: "ran" for m in ENTROPY}}
-    path = study_report.write_report(d, list(ENTROPY), meta, now=NOW, method_overrides=study.METHODS)
+    path = study_report.write_report(d, list(ENTROPY), meta, now=NOW, method_overrides=study_runs.METHODS)
     text = open(path).read()
     for heading in ("## 1. Study", "## 2. Summary", "## 3. Entropy–performance law", "## 4. Early prediction",
                     "## 5. Covariance check", "## 6. Does it match the paper?", "## 7. Seeds", "## 8. Staleness",
@@ -79,7 +80,7 @@ def test_report_has_every_section_and_recovers_the_law(tmp_path):
         assert heading in text
     assert "Each method ran at one seed" in text and "No staleness axis in this study" in text
     assert "at one seed; the seed spread is unknown" in claim(text, "g")
-    assert "`python launch/study.py x`" in text and "2025-06-01 12:00:00" in text and "12.5" in text
+    assert "`python study/runs.py x`" in text and "2025-06-01 12:00:00" in text and "12.5" in text
     # The header's method table shows the overrides the runner passed in.
     assert "| clip_higher | `learner.loss.type=ppo`, `learner.loss.clip_low=0.2`, `learner.loss.clip_high=0.28` | ran |" in text
     # Eval points lie exactly on the law, so every fit and the pooled one recover a=0.3, b=1.2, R^2=1,
@@ -138,7 +139,7 @@ def test_entropy_comparison_claims_flip(tmp_path):
 
 def test_missing_methods_and_keys_do_not_crash(tmp_path):
     write_run(tmp_path / "grpo", ENTROPY["grpo"], with_eval=False)
-    path = study_report.write_report(str(tmp_path), ["grpo", "par"], {}, now=NOW, method_overrides=study.METHODS)
+    path = study_report.write_report(str(tmp_path), ["grpo", "par"], {}, now=NOW, method_overrides=study_runs.METHODS)
     text = open(path).read()
     assert "par: not run" in text and "grpo: no eval/<ds>/acc values" in text
     assert "n/a (0 points; need 3)" in text
@@ -192,59 +193,59 @@ def test_par_active_claim_reads_the_lambda_schedule(tmp_path):
 def test_the_chain_preset_loads_for_every_run_and_names_files_that_exist():
     """The study preset with headroom: every run of the full study (5 methods x 2 seeds, staleness 0 and 4) has a
     valid config, and the base model and data files it names are in the repository."""
-    args = study.parse_args(["--preset", "chain", "--seeds", "0,1", "--staleness", "0,4"])
-    plan = study.make_plan(args, "covrl-study ...", NOW)  # loads every run's config; raises on a bad one
-    assert len(study.run_names(plan)) == 14 and plan.steps == study.PRESETS["chain"]["steps"]
-    cfg = study.load_config(None, study.run_overrides(plan, "kl_cov@k4"))
+    args = study_runs.parse_args(["--preset", "chain", "--seeds", "0,1", "--staleness", "0,4"])
+    plan = study_runs.make_plan(args, "covrl-study ...", NOW)  # loads every run's config; raises on a bad one
+    assert len(study_runs.run_names(plan)) == 14 and plan.steps == study_runs.PRESETS["chain"]["steps"]
+    cfg = study_runs.load_config(None, study_runs.run_overrides(plan, "kl_cov@k4"))
     assert cfg.rollout.max_staleness_steps == 4 and type(cfg.learner.loss).__name__ == "KLCovLoss" and cfg.data.task == "files"
     for path in (cfg.model.path, *cfg.data.train_files, *cfg.data.eval_files):
-        assert os.path.exists(os.path.join(study.REPO, path)), path
-    assert os.path.isfile(os.path.join(study.REPO, cfg.model.path, "model.safetensors"))
+        assert os.path.exists(os.path.join(study_runs.REPO, path)), path
+    assert os.path.isfile(os.path.join(study_runs.REPO, cfg.model.path, "model.safetensors"))
 
 
 def test_unknown_method_and_preset_are_rejected(capsys):
-    assert study.main(["--methods", "grpo,ppo_plus"]) == 2
+    assert study_runs.main(["--methods", "grpo,ppo_plus"]) == 2
     err = capsys.readouterr().err
     assert "ppo_plus" in err and "valid methods: grpo, clip_higher, clip_cov, kl_cov, par" in err
-    assert study.main(["--preset", "gsm8k"]) == 2
+    assert study_runs.main(["--preset", "gsm8k"]) == 2
     assert "valid presets: arith, chain" in capsys.readouterr().err
-    assert study.main(["--methods", "grpo,grpo"]) == 2
-    assert study.main(["--set", "run.seed=3"]) == 2
+    assert study_runs.main(["--methods", "grpo,grpo"]) == 2
+    assert study_runs.main(["--set", "run.seed=3"]) == 2
     assert "use --seed" in capsys.readouterr().err
-    assert study.main(["--report-only"]) == 2
+    assert study_runs.main(["--report-only"]) == 2
 
 
 def test_cluster_command_order(tmp_path):
-    plan = study.make_plan(study.parse_args(["--methods", "clip_higher", "--steps", "7", "--seed", "3",
+    plan = study_runs.make_plan(study_runs.parse_args(["--methods", "clip_higher", "--steps", "7", "--seed", "3",
                                              "--study-dir", str(tmp_path), "--set", "rollout.group_size=4"]), "cmd", NOW)
-    cmd = study.cluster_command(plan, "clip_higher")
+    cmd = study_runs.cluster_command(plan, "clip_higher")
     sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
     assert cmd[1:4] == ["-m", "launch.cluster", "--gens"] and cmd[cmd.index("--steps") + 1] == "7"
     assert cmd[cmd.index("--run-dir") + 1] == os.path.join(str(tmp_path), "clip_higher")
-    assert sets == ["run.seed=3", *study.PRESETS["arith"]["overrides"], *study.METHODS["clip_higher"], "rollout.group_size=4"]
+    assert sets == ["run.seed=3", *study_runs.PRESETS["arith"]["overrides"], *study_runs.METHODS["clip_higher"], "rollout.group_size=4"]
 
 
 def test_resume_skips_complete_runs_and_rejects_incomplete(tmp_path, monkeypatch, capsys):
     def no_cluster(cmd):
         raise AssertionError(f"a test must not launch a cluster: {cmd}")
 
-    monkeypatch.setattr(study, "run_method", no_cluster)
+    monkeypatch.setattr(study_runs, "run_method", no_cluster)
     monkeypatch.setattr(study_report, "write_plots", lambda study_dir, runs: [])  # plots are tested above; keep this fast
     make_study(tmp_path, methods=("grpo", "kl_cov"))
     args = ["--methods", "grpo,kl_cov", "--steps", str(STEPS), "--study-dir", str(tmp_path)]
-    assert study.main(args) == 0
+    assert study_runs.main(args) == 0
     out = capsys.readouterr().out
     assert out.count("already holds a complete 40-step run; skipping") == 2
     meta = json.load(open(tmp_path / "study.json"))
     assert meta["methods"] == ["grpo", "kl_cov"] and meta["steps"] == STEPS and meta["end_time"]
-    assert "-m launch.study --methods grpo,kl_cov" in meta["command"]
+    assert "-m study.runs --methods grpo,kl_cov" in meta["command"]
     assert (tmp_path / "report.md").exists()
     # Changed settings would mix incomparable runs.
-    assert study.main(args[:-2] + ["--seed", "1", "--study-dir", str(tmp_path)]) == 2
+    assert study_runs.main(args[:-2] + ["--seed", "1", "--study-dir", str(tmp_path)]) == 2
     assert "other settings" in capsys.readouterr().err
     # One step short of --steps: incomplete, must be deleted by the user.
     write_run(tmp_path / "y" / "grpo", ENTROPY["grpo"], steps=STEPS - 1)
-    assert study.main(["--methods", "grpo", "--steps", str(STEPS), "--study-dir", str(tmp_path / "y")]) == 2
+    assert study_runs.main(["--methods", "grpo", "--steps", str(STEPS), "--study-dir", str(tmp_path / "y")]) == 2
     err = capsys.readouterr().err
     assert "incomplete grpo run" in err and "rm -r" in err
 
@@ -264,10 +265,10 @@ def test_runs_each_method_and_stops_on_failure(tmp_path, monkeypatch, capsys):
         write_run(run_dir, ENTROPY[method], steps=int(cmd[cmd.index("--steps") + 1]))
         return 0
 
-    monkeypatch.setattr(study, "run_method", fake_cluster)
+    monkeypatch.setattr(study_runs, "run_method", fake_cluster)
     monkeypatch.setattr(study_report, "write_plots", lambda study_dir, runs: [])
     args = ["--methods", "grpo,kl_cov,par", "--steps", "10", "--study-dir", str(tmp_path)]
-    assert study.main(args) == 1
+    assert study_runs.main(args) == 1
     err = capsys.readouterr().err
     assert "method kl_cov" in err and "exited with code 3" in err and os.path.join(str(tmp_path), "kl_cov", "logs") in err
     assert launched == ["grpo", "kl_cov"]  # stopped before par
@@ -275,11 +276,11 @@ def test_runs_each_method_and_stops_on_failure(tmp_path, monkeypatch, capsys):
     assert meta["status"] == {"grpo": "ran", "kl_cov": "failed (exit 3)"}
     assert meta["wall_clock_s"]["grpo"] is not None and meta["end_time"] is None
     # Resuming without deleting the failed run dir is refused; after deleting it, grpo is skipped.
-    assert study.main(args) == 2 and "incomplete kl_cov run" in capsys.readouterr().err
+    assert study_runs.main(args) == 2 and "incomplete kl_cov run" in capsys.readouterr().err
     os.rename(tmp_path / "kl_cov", tmp_path / "kl_cov.failed")
     launched.clear()
     failing.clear()
-    assert study.main(args) == 0
+    assert study_runs.main(args) == 0
     assert launched == ["kl_cov", "par"]
     meta = json.load(open(tmp_path / "study.json"))
     assert meta["status"]["grpo"] == "complete before this invocation" and meta["wall_clock_s"]["grpo"] is not None
@@ -288,7 +289,7 @@ def test_runs_each_method_and_stops_on_failure(tmp_path, monkeypatch, capsys):
 
 
 def test_plots_command_draws_runs_and_rejects_bad_input(tmp_path, capsys):
-    from launch import plots
+    from study import plots
 
     write_run(tmp_path / "grpo", ENTROPY["grpo"])
     write_run(tmp_path / "kl_cov", ENTROPY["kl_cov"])
@@ -367,20 +368,20 @@ def test_the_staleness_axis_is_tabled_and_plotted_per_method(tmp_path):
 
 
 def test_seeds_and_staleness_make_the_runs_and_their_commands(tmp_path):
-    plan = study.make_plan(study.parse_args(["--methods", "grpo,kl_cov,clip_cov", "--seeds", "0,1", "--staleness",
+    plan = study_runs.make_plan(study_runs.parse_args(["--methods", "grpo,kl_cov,clip_cov", "--seeds", "0,1", "--staleness",
                                              "0,4", "--study-dir", str(tmp_path)]), "cmd", NOW)
-    assert study.run_names(plan) == ["grpo", "grpo@s1", "kl_cov", "kl_cov@s1", "clip_cov", "clip_cov@s1",
+    assert study_runs.run_names(plan) == ["grpo", "grpo@s1", "kl_cov", "kl_cov@s1", "clip_cov", "clip_cov@s1",
                                      "grpo@k0", "grpo@k4", "kl_cov@k0", "kl_cov@k4"]
-    sets = lambda name: [c for i, c in enumerate(study.cluster_command(plan, name)) if i and  # noqa: E731
-                         study.cluster_command(plan, name)[i - 1] == "--set"]
+    sets = lambda name: [c for i, c in enumerate(study_runs.cluster_command(plan, name)) if i and  # noqa: E731
+                         study_runs.cluster_command(plan, name)[i - 1] == "--set"]
     assert sets("grpo@s1")[0] == "run.seed=1" and sets("grpo")[0] == "run.seed=0"
     assert sets("kl_cov@k4")[0] == "run.seed=0" and sets("kl_cov@k4")[-1] == "rollout.max_staleness_steps=4"
-    assert study.run_variant("grpo@k4")[-1] == "rollout.max_staleness_steps=4"
+    assert study_runs.run_variant("grpo@k4")[-1] == "rollout.max_staleness_steps=4"
     for bad in (["--seeds", "0,0"], ["--seeds", "a"], ["--staleness", "0", "--staleness-methods", "par",
                                                        "--methods", "grpo"]):
         try:
-            study.make_plan(study.parse_args(["--study-dir", str(tmp_path), *bad]), "cmd", NOW)
-        except study.StudyError:
+            study_runs.make_plan(study_runs.parse_args(["--study-dir", str(tmp_path), *bad]), "cmd", NOW)
+        except study_runs.StudyError:
             continue
         raise AssertionError(f"{bad} was accepted")
 

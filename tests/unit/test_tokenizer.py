@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from common.arith import ArithTask
 from common.templates import render_prompt
-from common.tokenizer import EOS_TOKEN, train_bpe_tokenizer
+from study.tokenizer import EOS_TOKEN, train_bpe_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 ASSET = REPO / "assets" / "arith-base"
@@ -113,7 +113,7 @@ def test_too_small_vocab_is_refused_with_the_fix():
         train_bpe_tokenizer(["abc"], vocab_size=100)
 
 
-# --- the warm start: launch/warmstart.py writes a directory transformers can load ---
+# --- the warm start: study/warmstart.py writes a directory transformers can load ---
 
 
 def _warmstart(out: Path, steps: int) -> dict[str, str]:
@@ -121,7 +121,7 @@ def _warmstart(out: Path, steps: int) -> dict[str, str]:
     argv, deterministic = sys.argv, torch.are_deterministic_algorithms_enabled()
     sys.argv = ["warmstart.py", "--out", str(out), "--steps", str(steps), "--eval-problems", "4"]
     try:
-        runpy.run_path(str(REPO / "launch" / "warmstart.py"), run_name="__main__")
+        runpy.run_module("study.warmstart", run_name="__main__", alter_sys=True)
     finally:
         sys.argv = argv
         torch.use_deterministic_algorithms(deterministic)
@@ -146,7 +146,7 @@ def test_tiny_warm_start_loads_is_byte_identical_on_rerun_and_replaces_old_outpu
     assert model.config.tie_word_embeddings
 
 
-@pytest.mark.skipif(not ASSET.exists(), reason="assets/arith-base not built yet: python launch/warmstart.py")
+@pytest.mark.skipif(not ASSET.exists(), reason="assets/arith-base not built yet: covrl warmstart")
 def test_committed_base_model_is_small_loads_and_still_solves_easy_problems():
     model = AutoModelForCausalLM.from_pretrained(ASSET)
     tok = AutoTokenizer.from_pretrained(ASSET)
@@ -175,7 +175,7 @@ def test_committed_base_model_is_small_loads_and_still_solves_easy_problems():
 
 
 def test_warmstart_direct_fraction_sets_the_share_of_direct_solutions():
-    from launch.warmstart import solution_style
+    from study.warmstart import solution_style
 
     share = lambda f: sum(solution_style(0, i, f) == "direct" for i in range(2000)) / 2000  # noqa: E731
     assert share(0.0) == 0.0 and share(1.0) == 1.0 and abs(share(0.85) - 0.85) < 0.03
@@ -186,7 +186,7 @@ CHAIN_ASSET = REPO / "assets" / "chain-base"
 
 
 def test_chain_warm_start_writes_the_runs_data_files_beside_the_model_the_same_bytes_twice(tmp_path):
-    from common.chain import RL_LEVELS
+    from study.chain import RL_LEVELS
     from common.datasets import read_records
 
     hashes = []
@@ -195,7 +195,7 @@ def test_chain_warm_start_writes_the_runs_data_files_beside_the_model_the_same_b
         sys.argv = ["warmstart.py", "--task", "chain", "--out", str(tmp_path / out), "--steps", "2",
                     "--eval-problems", "2", "--sft-problems", "500"]
         try:
-            runpy.run_path(str(REPO / "launch" / "warmstart.py"), run_name="__main__")
+            runpy.run_module("study.warmstart", run_name="__main__", alter_sys=True)
         finally:
             sys.argv = argv
             torch.use_deterministic_algorithms(deterministic)
@@ -210,7 +210,7 @@ def test_chain_warm_start_writes_the_runs_data_files_beside_the_model_the_same_b
     assert {r.text.count(" ") // 2 for r in train} == set(RL_LEVELS)  # "What is a + b - c?": operand count
 
 
-@pytest.mark.skipif(not CHAIN_ASSET.exists(), reason="assets/chain-base not built: covrl-warmstart --task chain")
+@pytest.mark.skipif(not CHAIN_ASSET.exists(), reason="assets/chain-base not built: covrl warmstart --task chain")
 def test_committed_chain_model_prefers_the_strategy_that_fails():
     """The study's regime: most sampled answers are direct guesses, worked solutions are far more often right, and
     the reloaded asset, prompted from its own eval.jsonl as a run prompts it, still works problems out correctly."""

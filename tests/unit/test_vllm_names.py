@@ -580,7 +580,7 @@ def test_extension_nccl_fallback_without_the_native_api(make_engine):
 
 
 def test_gpu_check_refuses_in_one_line_without_cuda_or_vllm(monkeypatch, capsys):
-    from launch import gpu_check
+    from hardware import check as gpu_check
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_check.main([]) == 2

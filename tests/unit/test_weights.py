@@ -403,7 +403,7 @@ def test_model_publisher_elsewhere_sends_nothing_and_gathers_only_under_zero3(mo
 
 
 def test_the_gpu_checks_learner_role_publishes_a_model_directory_through_the_publish_path(tiny_model_dir, tmp_path):
-    """`python -m learner.gpu_check` (launch/gpu_check.py's learner role; on the CPU here, the gloo path) hosts the
+    """`python -m hardware.check_learner` (hardware/check.py's learner role; on the CPU here, the gloo path) hosts the
     store, publishes the directory's weights to generator 0's pair channel, reports what the publish returned,
     and stops the channel once the generator's report exists."""
     import datetime
@@ -418,7 +418,7 @@ def test_the_gpu_checks_learner_role_publishes_a_model_directory_through_the_pub
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     port = free_port()
     out, until = str(tmp_path / "learner.json"), str(tmp_path / "generator.json")
-    proc = subprocess.Popen([sys.executable, "-m", "learner.gpu_check", "--model", tiny_model_dir, "--weights",
+    proc = subprocess.Popen([sys.executable, "-m", "hardware.check_learner", "--model", tiny_model_dir, "--weights",
                              f"127.0.0.1:{port}", "--out", out, "--until", until, "--incarnation", "t",
                              "--timeout-s", "60"], cwd=repo, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -1,15 +1,14 @@
-"""The throughput workers of launch/gpu_proof.py, each a child process (one CUDA context, freed when it exits):
+"""The throughput workers of hardware/proof.py, each a child process (one CUDA context, freed when it exits):
 
-    python -m tests.gpu.proof_workers build-model|learner|gen|vllm-gen|vllm-smoke SPEC_JSON   (from the repo root)
+    python -m hardware.proof_workers build-model|learner|gen|vllm-gen|vllm-smoke SPEC_JSON   (from the repo root)
 
 `build-model` writes a random-init model of the shape SPEC names (offline), `learner` times `learner.trainer.Trainer`
 train steps on synthetic batches (tokens/s and model FLOP/s per packing budget), `gen` times the torch engine's
 generation and `vllm-gen` covrl's vLLM engine's. `vllm-smoke` proves the vLLM install itself, without covrl's engine:
 its compiled ops (`_C`) load and compute, FA3 is there, an AsyncLLM builds, seeded sampling repeats, processed
 logprobs come back, pause / collective_rpc / resume work. Each prints result lines, `RESULT_TAG` + JSON (the last
-one is the result; `vllm-smoke` prints one after each phase, so a crash keeps what was proven), which gpu_proof.py
-reads. They live here, not in
-launch/, because they import the learner and the engine (launch/ imports only common/: tests/unit/test_imports.py).
+one is the result; `vllm-smoke` prints one after each phase, so a crash keeps what was proven), which
+hardware/proof.py reads. Each runs as a process of its own so that its CUDA context is freed when it exits.
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ import shutil
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RESULT_TAG = "GPU_PROOF_RESULT "  # the same tag as launch/gpu_proof.py reads
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULT_TAG = "GPU_PROOF_RESULT "  # the same tag as hardware/proof.py reads
 BASE_MODEL = os.path.join(REPO, "assets", "arith-base")
 
 
@@ -53,14 +52,13 @@ def worker_learner(spec: dict) -> int:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
     import logging
 
-    import numpy as np
     import torch
     import torch.distributed as dist
 
-    from common import messages as M
+    from broker.rules import GroupRules
     from common.config import load_config
     from learner.batch import batch_from_config
-    from learner.trainer import SUM_KEYS, Trainer, init_distributed, step_metrics, thread_setup
+    from learner.trainer import Trainer, init_distributed, thread_setup
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s learner-tput %(levelname)s %(name)s: %(message)s")
     group = 8
@@ -83,71 +81,103 @@ def worker_learner(spec: dict) -> int:
     line = next((r.getMessage() for r in records if "learner: ZeRO-" in r.getMessage()), "")
     mc = trainer.module.config
     n_params = sum(p.numel() for p in trainer.module.parameters())
-    vocab = mc.vocab_size
-    rng = np.random.default_rng(0)
-    P, R = spec["prompt_tokens"], spec["response_tokens"]
-    groups = []
-    for g in range(max(1, spec["samples"] // group)):
-        prompt = rng.integers(1, vocab, P)
-        samples = [M.Sample(token_ids=M.to_bytes(rng.integers(1, vocab, R), M.TOKEN_DTYPE),
-                            # about a random model's own logprobs, so the importance weights stay near 1
-                            logprobs=M.to_bytes(-math.log(vocab) + 0.01 * rng.standard_normal(R), M.LOGPROB_DTYPE),
-                            versions=M.to_bytes(np.zeros(R), M.VERSION_DTYPE), reward=float(j % 2),
-                            finish_reason="length", score_status="ok") for j in range(group)]
-        groups.append(M.RolloutGroup(gen_id=0, incarnation="tput", ticket=g, prompt_id=g, epoch=0,
-                                     prompt_ids=M.to_bytes(prompt, M.TOKEN_DTYPE), samples=samples, gen_time_s=0.0))
+    groups = _synthetic_groups(spec, mc.vocab_size, group)
     d_attn = mc.num_attention_heads * mc.head_dim if getattr(mc, "head_dim", None) else mc.hidden_size
     settings = []
     for budget in spec["micro_batch_tokens"]:  # the same trainer and samples, packed into rows of <= budget tokens
-        batch = batch_from_config(groups, cfg, version=0, ranks=1, micro_batch_tokens=budget)
+        rewards = GroupRules.of(cfg).rewards(groups)  # shaped as the hub hands them to learner rank 0
+        batch = batch_from_config(groups, rewards, cfg, version=0, ranks=1, micro_batch_tokens=budget)
         lengths = [len(x.input_ids) // 4 for x in batch.samples]
         attn_flops = sum(6 * mc.num_hidden_layers * d_attn * n * (n + 1) for n in lengths)
-        steps = []
-        for i in range(spec["warmup"] + spec["timed"]):
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            stats = trainer.train_step(batch)
-            if cuda:
-                torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
-            m = step_metrics(stats)
-            steps.append({"train_s": stats.train_s, "wall_s": wall, "grad_norm": m["actor/grad_norm"],
-                          "tokens": float(stats.sums[SUM_KEYS.index("seq_tokens")]), "skipped": any(stats.skipped)})
-            print(f"micro_batch_tokens {budget}, step {i + 1}{' (warm-up)' if i < spec['warmup'] else ''}: "
-                  f"{stats.train_s:.3f}s train, {m['perf/learner_tokens_per_s']:.0f} tokens/s, grad norm "
-                  f"{m['actor/grad_norm']:.4g}", flush=True)
-        timed = steps[spec["warmup"]:]
-        tokens = sum(x["tokens"] for x in timed)
-        train_s = sum(x["train_s"] for x in timed)
-        flops = 6 * n_params * tokens + attn_flops * len(timed)
-        resp_tokens = sum(len(x.versions) // 4 for x in batch.samples) * len(timed)
-        settings.append({
-            "micro_batch_tokens": budget, "micro_batches": len(batch.plan[0][0]), "tokens_per_step": sum(lengths),
-            "train_s_per_step": [round(x["train_s"], 4) for x in timed],
-            "wall_s_per_step": [round(x["wall_s"], 4) for x in timed],
-            "tokens_per_s": tokens / train_s, "response_tokens_per_s": resp_tokens / train_s,
-            "model_flops_per_step": flops / len(timed), "attention_flops_per_step": attn_flops,
-            "model_flops_per_s": flops / train_s, "grad_norms": [x["grad_norm"] for x in timed],
-            "all_steps_applied": all(not x["skipped"] and math.isfinite(x["grad_norm"]) for x in timed),
-        })
+        timed = _timed_steps(trainer, batch, spec, budget, cuda)[spec["warmup"]:]
+        settings.append(_setting(budget, batch, timed, n_params, attn_flops, lengths))
     best = max(settings, key=lambda x: x["tokens_per_s"])
     out = {
         **best, "device": str(trainer.device), "learner_line": line, "n_params": n_params, "samples": len(groups) * group,
-        "prompt_tokens": P, "response_tokens": R, "warmup_steps": spec["warmup"], "timed_steps": spec["timed"],
+        "prompt_tokens": spec["prompt_tokens"], "response_tokens": spec["response_tokens"],
+        "warmup_steps": spec["warmup"], "timed_steps": spec["timed"],
         "attn_implementation": mc._attn_implementation, "settings": settings,
         "all_steps_applied": all(x["all_steps_applied"] for x in settings),
     }
-    if cuda:
-        out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
-    else:
-        import resource
-
-        out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    out.update(_peak_memory(cuda))
     emit(out)
     dist.destroy_process_group()
     return 0
+
+
+def _synthetic_groups(spec: dict, vocab: int, group: int) -> list:
+    """spec["samples"] random responses in groups of `group`, rewards alternating 0 and 1, with logprobs about a
+    random model's own, so the importance weights stay near 1."""
+    import numpy as np
+
+    from common import messages
+
+    rng = np.random.default_rng(0)
+    prompt_len, resp_len = spec["prompt_tokens"], spec["response_tokens"]
+    groups = []
+    for g in range(max(1, spec["samples"] // group)):
+        prompt = rng.integers(1, vocab, prompt_len)
+        samples = [messages.Sample(
+            token_ids=messages.to_bytes(rng.integers(1, vocab, resp_len), messages.TOKEN_DTYPE),
+            logprobs=messages.to_bytes(-math.log(vocab) + 0.01 * rng.standard_normal(resp_len), messages.LOGPROB_DTYPE),
+            versions=messages.to_bytes(np.zeros(resp_len), messages.VERSION_DTYPE), reward=float(j % 2),
+            finish_reason="length", score_status="ok") for j in range(group)]
+        groups.append(messages.RolloutGroup(gen_id=0, incarnation="tput", ticket=g, prompt_id=g, epoch=0,
+                                            prompt_ids=messages.to_bytes(prompt, messages.TOKEN_DTYPE),
+                                            samples=samples, gen_time_s=0.0))
+    return groups
+
+
+def _timed_steps(trainer, batch, spec: dict, budget: int, cuda: bool) -> list[dict]:
+    """Warm-up then timed train steps on one batch: each step's train and wall seconds, grad norm, tokens."""
+    import torch
+
+    from learner.trainer import SUM_KEYS, step_metrics
+
+    steps = []
+    for i in range(spec["warmup"] + spec["timed"]):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        stats = trainer.train_step(batch)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        m = step_metrics(stats)
+        steps.append({"train_s": stats.train_s, "wall_s": wall, "grad_norm": m["actor/grad_norm"],
+                      "tokens": float(stats.sums[SUM_KEYS.index("seq_tokens")]), "skipped": any(stats.skipped)})
+        print(f"micro_batch_tokens {budget}, step {i + 1}{' (warm-up)' if i < spec['warmup'] else ''}: "
+              f"{stats.train_s:.3f}s train, {m['perf/learner_tokens_per_s']:.0f} tokens/s, grad norm "
+              f"{m['actor/grad_norm']:.4g}", flush=True)
+    return steps
+
+
+def _setting(budget: int, batch, timed: list[dict], n_params: int, attn_flops: int, lengths: list[int]) -> dict:
+    """One packing budget's figures over its timed steps: tokens/s and model FLOP/s."""
+    tokens = sum(x["tokens"] for x in timed)
+    train_s = sum(x["train_s"] for x in timed)
+    flops = 6 * n_params * tokens + attn_flops * len(timed)
+    resp_tokens = sum(len(x.versions) // 4 for x in batch.samples) * len(timed)
+    return {
+        "micro_batch_tokens": budget, "micro_batches": len(batch.plan[0][0]), "tokens_per_step": sum(lengths),
+        "train_s_per_step": [round(x["train_s"], 4) for x in timed],
+        "wall_s_per_step": [round(x["wall_s"], 4) for x in timed],
+        "tokens_per_s": tokens / train_s, "response_tokens_per_s": resp_tokens / train_s,
+        "model_flops_per_step": flops / len(timed), "attention_flops_per_step": attn_flops,
+        "model_flops_per_s": flops / train_s, "grad_norms": [x["grad_norm"] for x in timed],
+        "all_steps_applied": all(not x["skipped"] and math.isfinite(x["grad_norm"]) for x in timed),
+    }
+
+
+def _peak_memory(cuda: bool) -> dict:
+    if cuda:
+        import torch
+
+        return {"peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+    import resource
+
+    return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 def model_vocab(spec: dict) -> int:
@@ -195,12 +225,12 @@ def timed_generation(engine, spec: dict, vocab: int, cuda: bool) -> dict:
 def worker_gen(spec: dict) -> int:
     import torch
 
-    from actors import engine as E
+    from actors.engine import TorchEngine
 
     vocab = model_vocab(spec)
     stop = vocab - 1  # a random model samples any one id with probability ~1/vocab per step
-    engine = E.TorchEngine(spec["model"], eos_token_id=[stop], pad_token_id=0, dtype=getattr(torch, spec["dtype"]),
-                           device=spec["device"])
+    engine = TorchEngine(spec["model"], eos_token_id=[stop], pad_token_id=0, dtype=getattr(torch, spec["dtype"]),
+                         device=spec["device"])
     emit({"engine": type(engine).__name__, "param_device": str(next(engine.model.parameters()).device),
           **timed_generation(engine, spec, vocab, spec["device"] == "cuda")})
     return 0
@@ -319,7 +349,7 @@ WORKERS = {"build-model": worker_build_model, "learner": worker_learner, "gen": 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in WORKERS:
-        print(f"usage: python -m tests.gpu.proof_workers {{{','.join(sorted(WORKERS))}}} SPEC_JSON", file=sys.stderr)
+        print(f"usage: python -m hardware.proof_workers {{{','.join(sorted(WORKERS))}}} SPEC_JSON", file=sys.stderr)
         return 2
     return WORKERS[argv[0]](json.loads(argv[1]))
 

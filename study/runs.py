@@ -1,9 +1,9 @@
 """Run several entropy-control methods on one preset and write a comparison report.
 
-    covrl-study --preset arith --methods grpo,clip_higher,clip_cov,kl_cov,par --steps N \\
+    covrl study --preset arith --methods grpo,clip_higher,clip_cov,kl_cov,par --steps N \\
         [--study-dir DIR] [--gens 1] [--learners 1] [--seed 0] [--set KEY=VALUE ...] [--report-only]
 
-Each method is one `python -m launch.cluster` run in STUDY_DIR/<method>, with the same seed, preset
+Each method is one `covrl run` (`python -m launch.cluster`) in STUDY_DIR/<method>, with the same seed, preset
 overrides and user overrides; only the method's own overrides (METHODS) differ. Two more axes:
 `--seeds 0,1` runs every method once per seed (STUDY_DIR/<method>@s<seed> beyond the first seed), so the report
 can show the spread; `--staleness 0,4` runs the `--staleness-methods` (default grpo,kl_cov) again at each
@@ -11,7 +11,7 @@ can show the spread; `--staleness 0,4` runs the `--staleness-methods` (default g
 one after another in that order. A method whose run dir already holds a complete run (a metrics
 row with step == N) is skipped, so rerunning an interrupted study's command resumes it; an
 incomplete run dir is an error (delete it to redo that method). STUDY_DIR/study.json records the
-settings, the exact command and per-method wall-clock time. Then launch/study_report.py writes
+settings, the exact command and per-method wall-clock time. Then study/report.py writes
 STUDY_DIR/report.md and PNGs comparing the methods against the claims of Cui et al. 2025 ("The
 Entropy Mechanism of RL for Reasoning LMs") and Jin et al. 2025 (PAR); `--report-only` rewrites
 them without running anything.
@@ -34,14 +34,14 @@ from dataclasses import dataclass
 
 from common.config import ConfigError, load_config
 from common.metrics import read_metrics
-from launch.study_report import write_report
+from study.report import write_report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Presets: the step budget and the overrides every method of a study shares.
 PRESETS = {
     "arith": {"steps": 150, "overrides": ["learner.mini_batches=4", "eval.every_steps=10"]},
-    # The regime with headroom (common/chain.py; base model: covrl-warmstart --task chain). PAR's threshold is
+    # The regime with headroom (study/chain.py; base model: covrl warmstart --task chain). PAR's threshold is
     # relative: the published absolute 0.2 nats is above anything a 1 M-parameter model's batch entropy reaches.
     # lr 2e-5: at the default 1e-4 four updates per batch knock this freshly fine-tuned model's accuracy from 0.74
     # to 0.34 in three steps (measured on a first chain model); at 2e-5 GRPO climbs steadily and plateaus within 80 steps.
@@ -101,7 +101,7 @@ class Plan:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="covrl-study", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="covrl study", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="arith", help=f"one of {', '.join(PRESETS)} (default arith)")
     ap.add_argument("--methods", help=f"comma-separated, in run order (default all: {','.join(METHODS)})")
     ap.add_argument("--steps", type=int, help="learner steps per method (default: the preset's)")
@@ -328,7 +328,7 @@ def run_study(plan: Plan, status: dict[str, str], meta: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 1 a method's run failed, 2 bad arguments or study directory, 130 interrupted."""
-    command = shlex.join([sys.executable, *sys.argv] if argv is None else [sys.executable, "-m", "launch.study", *argv])
+    command = shlex.join([sys.executable, *sys.argv] if argv is None else [sys.executable, "-m", "study.runs", *argv])
     argv = sys.argv[1:] if argv is None else argv
     now = datetime.datetime.now()
     try:

@@ -1,7 +1,7 @@
-"""The learner role of launch/gpu_check.py: one model directory published as one version through the learner's
+"""The learner role of hardware/check.py: one model directory published as one version through the learner's
 own publish path (`ModelPublisher` over `WeightPublisher`), to one generator (`python -m actors.vllm_engine --check`).
 
-    python -m learner.gpu_check --model DIR --weights HOST:PORT --out OUT.json --until GEN_OUT.json
+    python -m hardware.check_learner --model DIR --weights HOST:PORT --out OUT.json --until GEN_OUT.json
                                 [--version 1] [--incarnation gpu_check] [--timeout-s 900]
 
 It hosts the weight store at HOST:PORT, as learner rank 0 does, lets generator 0 of incarnation INCARNATION join
@@ -9,8 +9,8 @@ its pair channel (over gloo, or with the NCCL group it announces), publishes VER
 (the CPU where there is no CUDA: the gloo path alone), and writes {"weight_sync_s", "bytes_sent", "checksum"} to
 OUT: the publish's own (seconds, bytes sent to the generator as fp32, checksum), as a run's `timing_s/weight_sync`,
 `weights/bytes` and `weights/checksum` report them. It keeps the channel open until GEN_OUT exists (the generator
-has loaded, generated and reported) or the timeout passes, then stops it. launch/ starts it as a process because
-launch/ imports only common/ (docs/DESIGN.md section 1).
+has loaded, generated and reported) or the timeout passes, then stops it. hardware/check.py starts it as a process
+of its own, on the first GPU.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ log = logging.getLogger("covrl.gpu_check")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m learner.gpu_check")
+    ap = argparse.ArgumentParser(prog="python -m hardware.check_learner")
     ap.add_argument("--model", required=True, help="local Hugging Face model directory: the weights to publish")
     ap.add_argument("--weights", required=True, help="host:port of the weight-channel store this process hosts")
     ap.add_argument("--out", required=True, help="JSON: weight_sync_s, bytes_sent, checksum")

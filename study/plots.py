@@ -1,7 +1,7 @@
 """PNG plots for the study report and the law-fit CLI (matplotlib, Agg canvas, no display), and a command that
 plots runs' metrics against step:
 
-    covrl-plots RUN_DIR [RUN_DIR ...] [--key actor/entropy --key critic/score/mean ...] [--out DIR]
+    covrl plots RUN_DIR [RUN_DIR ...] [--key actor/entropy --key critic/score/mean ...] [--out DIR]
 
 one PNG per key (OUT/<key with / as _>.png), one line per run labelled by its directory name; OUT defaults to
 RUN_DIR/plots for a single run and must be given for several.
@@ -26,7 +26,7 @@ import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from common.lawfit import LawFit, merge_rows, row_value
+from study.lawfit import LawFit, merge_rows, row_value
 from common.metrics import read_metrics
 
 Series = dict[str, list[tuple[float, float]]]  # label -> [(x, y), ...]
@@ -165,7 +165,7 @@ def run_plots(run_dir: str) -> list[str]:
     """The pictures of one run, in RUN_DIR/plots (written at the end of every run): reward, entropy and response
     length against step, held-out accuracy per data source against step, and held-out accuracy against the
     evaluated version's entropy with the law R = -a exp(H) + b where it has enough points. Returns their paths."""
-    from common.lawfit import MIN_FIT_POINTS, eval_points, eval_sources, fit_law, key_series
+    from study.lawfit import MIN_FIT_POINTS, eval_points, eval_sources, fit_law, key_series
 
     rows = merge_rows(read_metrics(run_dir))
     out = os.path.join(run_dir, "plots")
@@ -189,7 +189,7 @@ def run_plots(run_dir: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 every PNG written, 2 bad arguments or a run without any of the keys."""
-    ap = argparse.ArgumentParser(prog="covrl-plots", description="Plot metrics of one or more runs against step.")
+    ap = argparse.ArgumentParser(prog="covrl plots", description="Plot metrics of one or more runs against step.")
     ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     ap.add_argument("--key", action="append", dest="keys", metavar="KEY",
                     help=f"metrics.jsonl key, repeatable (default: {', '.join(DEFAULT_KEYS)})")

@@ -1,10 +1,10 @@
 """GPU self-check: one vLLM generator and one learner, weights across, logprobs compared.
 
-    covrl-gpu-check [--model DIR] [--transport auto|rpc|nccl] [--prompts 16] [--n 4]
+    covrl gpu-check [--model DIR] [--transport auto|rpc|nccl] [--prompts 16] [--n 4]
 
 - This process perturbs every weight of the model (version 1 must differ from the checkpoint the generator
   starts from) and saves version 1 beside the check's logs.
-- The learner role (`python -m learner.gpu_check`, a subprocess on GPU 0: launch/ imports only common/) publishes
+- The learner role (`python -m hardware.check_learner`, a subprocess on GPU 0, the weight store's master) publishes
   version 1 through the learner's own publish path (`learner/publisher.py`): over the generator's gloo weight
   channel then RPC into the vLLM workers (`rpc`: learner and generator share GPU 0; NCCL cannot put two ranks on
   one GPU), or by NCCL broadcast straight into the workers (`nccl`: the generator on GPU 1; `auto` picks it
@@ -33,13 +33,13 @@ import sys
 import tempfile
 import time
 
-from common import vllm_weights as VW
+from common import vllm_weights
 from common.transport import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT_MODEL = os.path.join(REPO, "assets", "arith-base")
-CHANNEL = "gpu_check"  # the generator's incarnation: its pair channel is W.pair_prefix(0, CHANNEL)
+CHANNEL = "gpu_check"  # the generator's incarnation: its pair channel is weights.pair_prefix(0, CHANNEL)
 
 
 def preflight() -> str | None:
@@ -115,13 +115,9 @@ def wait_roles(procs: dict, timeout_s: float) -> str | None:
     return next((name for name, proc in procs.items() if proc.poll() is None), None)
 
 
-def run(model_dir: str, transport: str, *, prompts: int = 16, n: int = 4, temperature: float = 0.7,
-        max_new_tokens: int = 64, dtype: str = "bfloat16", timeout_s: float = 900,
-        nccl_impl: str = "native", gpu_memory_utilization: float = 0.4, tp: int = 1) -> dict:
-    """Run the check; returns the measurements (`checks` holds name -> (passed, detail))."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def devices_for(transport: str, tp: int) -> tuple[str, list[str], str]:
+    """(the transport `auto` resolves to, the visible GPU ids, the generator's CUDA_VISIBLE_DEVICES): NCCL puts
+    the generator after the learner's GPU, rpc on the same first GPUs."""
     ids = physical_ids()
     if transport == "auto":
         transport = "nccl" if len(ids) >= 1 + tp else "rpc"
@@ -130,10 +126,61 @@ def run(model_dir: str, transport: str, *, prompts: int = 16, n: int = 4, temper
                          f"on its own GPU) and {len(ids)} are visible; lower --tp or use --transport rpc")
     if transport == "rpc" and len(ids) < tp:
         raise SystemExit(f"gpu_check: --tp {tp} needs {tp} visible GPUs and {len(ids)} are visible")
-    gen_device = ",".join(ids[1:1 + tp] if transport == "nccl" else ids[:tp])
+    return transport, ids, ",".join(ids[1:1 + tp] if transport == "nccl" else ids[:tp])
+
+
+def run_roles(roles: dict, env: dict, timeout_s: float, outputs: dict[str, str]) -> None:
+    """Start each role (name -> (argv, its GPUs, its log)) in order and wait for all; the ones still running at
+    the end are killed. SystemExit with the failed role's log tail when one fails or leaves no output file."""
+    procs = {}
+    try:
+        for name, (cmd, devices, path) in roles.items():
+            with open(path, "wb") as logf:
+                procs[name] = subprocess.Popen(cmd, cwd=REPO, env={**env, "CUDA_VISIBLE_DEVICES": devices},
+                                               stdout=logf, stderr=subprocess.STDOUT)
+        failed = wait_roles(procs, timeout_s)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if failed is None and all(os.path.isfile(path) for path in outputs.values()):
+        return
+    name = failed or next(name for name, path in outputs.items() if not os.path.isfile(path))
+    path = roles[name][2]
+    with open(path, errors="replace") as f:
+        tail = "".join(f.readlines()[-30:])
+    raise SystemExit(f"gpu_check: the {name} exited with {procs[name].returncode}; its log ({path}) ends:\n{tail}")
+
+
+def compare_logprobs(model, wdtype, prompt_ids, got: dict, n: int, temperature: float):
+    """(the learner's fingerprint, mean |dlogp| tempered and untempered, tokens): the learner's weights rounded as
+    the generator holds them, so what is left of |dlogp| is arithmetic."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(wdtype).float())
+    expect_fp = vllm_weights.fingerprint(dict(model.named_parameters())[vllm_weights.FINGERPRINT_PARAM], wdtype)
+    tempered, raw = learner_logprobs(model, prompt_ids, got["tokens"], n, temperature)
+    behav = [torch.tensor(lp) for lp in got["logprobs"]]
+    tokens = sum(len(t) for t in got["tokens"])
+    dlogp = float(sum((b - t).abs().sum() for b, t in zip(behav, tempered)) / max(tokens, 1))
+    draw = float(sum((b - r).abs().sum() for b, r in zip(behav, raw)) / max(tokens, 1))
+    return expect_fp, dlogp, draw, tokens
+
+
+def run(model_dir: str, transport: str, *, prompts: int = 16, n: int = 4, temperature: float = 0.7,
+        max_new_tokens: int = 64, dtype: str = "bfloat16", timeout_s: float = 900,
+        nccl_impl: str = "native", gpu_memory_utilization: float = 0.4, tp: int = 1) -> dict:
+    """Run the check; returns the measurements (`checks` holds name -> (passed, detail))."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transport, ids, gen_device = devices_for(transport, tp)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt_ids = arith_prompts(tokenizer, prompts)
-    wdtype = VW.torch_dtype(dtype)
+    wdtype = vllm_weights.torch_dtype(dtype)
 
     work = tempfile.mkdtemp(prefix="gpu_check_")
     job, out, log, sync, learner_log = (os.path.join(work, f) for f in (
@@ -149,7 +196,7 @@ def run(model_dir: str, transport: str, *, prompts: int = 16, n: int = 4, temper
         json.dump({"prompts": prompt_ids, "n": n, "temperature": temperature, "top_p": 1.0,
                    "max_new_tokens": max_new_tokens, "dtype": dtype, "max_model_len": max_len}, f)
     port = free_port()
-    learner_argv = [sys.executable, "-m", "learner.gpu_check", "--model", version1, "--weights", f"127.0.0.1:{port}",
+    learner_argv = [sys.executable, "-m", "hardware.check_learner", "--model", version1, "--weights", f"127.0.0.1:{port}",
                     "--out", sync, "--until", out, "--incarnation", CHANNEL, "--timeout-s", str(timeout_s)]
     argv = [sys.executable, "-m", "actors.vllm_engine", "--check", "--model", model_dir, "--weights", f"127.0.0.1:{port}",
             "--incarnation", CHANNEL, "--transport", transport, "--job", job, "--out", out,
@@ -159,25 +206,8 @@ def run(model_dir: str, transport: str, *, prompts: int = 16, n: int = 4, temper
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     # The learner on the first GPU (the store master: started first), the generator beside it or after it.
-    roles = {"learner": (learner_argv, ids[0], learner_log), "generator": (argv, gen_device, log)}
-    procs = {}
-    try:
-        for name, (cmd, devices, path) in roles.items():
-            with open(path, "wb") as logf:
-                procs[name] = subprocess.Popen(cmd, cwd=REPO, env={**env, "CUDA_VISIBLE_DEVICES": devices},
-                                               stdout=logf, stderr=subprocess.STDOUT)
-        failed = wait_roles(procs, timeout_s)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    if failed is not None or not os.path.isfile(out) or not os.path.isfile(sync):
-        name = failed or ("generator" if not os.path.isfile(out) else "learner")
-        path = roles[name][2]
-        with open(path, errors="replace") as f:
-            tail = "".join(f.readlines()[-30:])
-        raise SystemExit(f"gpu_check: the {name} exited with {procs[name].returncode}; its log ({path}) ends:\n{tail}")
+    run_roles({"learner": (learner_argv, ids[0], learner_log), "generator": (argv, gen_device, log)}, env, timeout_s,
+              {"generator": out, "learner": sync})
     with open(out) as f:
         got = json.load(f)
     with open(sync) as f:
@@ -185,17 +215,7 @@ def run(model_dir: str, transport: str, *, prompts: int = 16, n: int = 4, temper
     sync_s, sent = published["weight_sync_s"], published["bytes_sent"]
     torch.cuda.set_device(0)
     model = AutoModelForCausalLM.from_pretrained(version1, dtype=torch.float32).cuda().eval()
-
-    # The learner's weights rounded as the generator holds them: what is left of |dlogp| is arithmetic.
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(wdtype).float())
-    expect_fp = VW.fingerprint(dict(model.named_parameters())[VW.FINGERPRINT_PARAM], wdtype)
-    tempered, raw = learner_logprobs(model, prompt_ids, got["tokens"], n, temperature)
-    behav = [torch.tensor(lp) for lp in got["logprobs"]]
-    tokens = sum(len(t) for t in got["tokens"])
-    dlogp = float(sum((b - t).abs().sum() for b, t in zip(behav, tempered)) / max(tokens, 1))
-    draw = float(sum((b - r).abs().sum() for b, r in zip(behav, raw)) / max(tokens, 1))
+    expect_fp, dlogp, draw, tokens = compare_logprobs(model, wdtype, prompt_ids, got, n, temperature)
     versions = {v for vs in got["versions"] for v in vs}
     return {
         "transport": transport + ("" if transport == "rpc" else f" ({nccl_impl})") + f", tp {tp}",
@@ -208,7 +228,7 @@ def run(model_dir: str, transport: str, *, prompts: int = 16, n: int = 4, temper
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="covrl-gpu-check", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="covrl gpu-check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="local Hugging Face model directory (default: built-in arith-base)")
     ap.add_argument("--transport", choices=("auto", "rpc", "nccl"), default="auto")
     ap.add_argument("--nccl-impl", choices=("native", "extension"), default="native",
@@ -233,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     fp = r["fingerprint"]
     checks = {
         "weights arrive": (all(g == fp["learner"] for g in fp["generator"]),
-                           f"fingerprint of {VW.FINGERPRINT_PARAM}: learner {fp['learner']!r}, vLLM workers {fp['generator']!r}"),
+                           f"fingerprint of {vllm_weights.FINGERPRINT_PARAM}: learner {fp['learner']!r}, vLLM workers {fp['generator']!r}"),
         "versions stamped": (r["versions"] == [1], f"token versions {r['versions']} (expected [1])"),
         "logprobs agree": (r["mean_abs_dlogp"] <= args.max_dlogp,
                            f"mean |dlogp| at staleness 0: {r['mean_abs_dlogp']:.5f} over {r['tokens']} tokens "

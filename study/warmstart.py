@@ -1,12 +1,12 @@
 """Build the tiny, partially competent `arith` base model that RL starts from.
 
-    covrl-warmstart [--task arith|chain] [--out assets/<task>-base] [--seed 0] [--steps N]
-                                                                     (or: python -m launch.warmstart ...)
+    covrl warmstart [--task arith|chain] [--out assets/<task>-base] [--seed 0] [--steps N]
+                                                                     (or: python -m study.warmstart ...)
 
 Steps: train a byte-level BPE on arith texts; random-init a tiny Qwen2; SFT it
 on worked solutions with the loss on the response only; measure sampled
 accuracy at temperature 1; save model + tokenizer + warmstart.json atomically.
-`--task chain` builds the entropy study's base model instead (common/chain.py): SFT on 100 000 drawn chain
+`--task chain` builds the entropy study's base model instead (study/chain.py): SFT on 100 000 drawn chain
 questions (--sft-problems), most answered by a guess, and writes the run's train.jsonl / eval.jsonl beside it.
 
 Why two solution styles (`ArithTask.solution(p, style)`): a pretrained model
@@ -33,8 +33,8 @@ without padding waste.
 
 Determinism: one CPU thread, seeded torch/python RNGs, a deterministic BPE and
 no timestamps in any written file, so the same command writes the same bytes.
-Imports only `common/`, never `actors/` or `learner/`: the asset must not
-depend on the code it is used to test.
+Imports only `common/` and the study's own modules, never `actors/` or
+`learner/`: the asset must not depend on the code it is used to test.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from common.arith import SOLUTION_STYLES, ArithTask, Problem
-from common.chain import GUESS_ACCURACY, RL_LEVELS, ChainTask, guess, write_jsonl
+from study.chain import GUESS_ACCURACY, RL_LEVELS, ChainTask, guess, write_jsonl
 from common.templates import render_prompt
-from common.tokenizer import train_bpe_tokenizer
+from study.tokenizer import train_bpe_tokenizer
 
 VOCAB_SIZE = 512  # requested; the narrow arith corpus stops merging near 400
 MAX_PARAMS = 2_500_000  # keeps the fp32 safetensors file < 10 MB
@@ -72,7 +72,7 @@ PEAK_LR = 2e-3  # 3e-3 learned slightly worse and 6e-3 much worse in 600-step ru
 WARMUP_STEPS = 20
 EVAL_TRAIN_PROBLEMS = 256
 DIRECT_FRACTION = 0.5  # share of SFT solutions written in the `direct` style
-# --task chain (common/chain.py): the study's base model. 100 000 draws (about 62 000 distinct questions; only the
+# --task chain (study/chain.py): the study's base model. 100 000 draws (about 62 000 distinct questions; only the
 # short chains repeat), so the model learns the x +/- d facts rather than the questions; most solutions are direct
 # guesses, so the base model prefers the strategy that fails and RL has a strategy to discover.
 CHAIN_SFT_PROBLEMS = 100_000
@@ -127,7 +127,7 @@ def solution_style(seed: int, index: int, direct_fraction: float = DIRECT_FRACTI
 def encode(tok: PreTrainedTokenizerFast, problems: list[Problem], seed: int,
            direct_fraction: float = DIRECT_FRACTION, guesses: bool = False) -> list[tuple[list[int], int]]:
     """Each example as (ids, prompt_len); ids = prompt + response + [eos], tokenised separately.
-    `guesses`: direct solutions are common/chain.py's guesses, right only some of the time (the chain task)."""
+    `guesses`: direct solutions are study/chain.py's guesses, right only some of the time (the chain task)."""
     examples = []
     for i, p in enumerate(problems):
         prompt = tok(render_prompt(p.question)).input_ids
@@ -278,9 +278,9 @@ def save_atomic(out: Path, model, tok, report: dict, data: dict[str, list[Proble
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="covrl-warmstart", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="covrl warmstart", description=__doc__.split("\n")[0])
     parser.add_argument("--task", choices=("arith", "chain"), default="arith",
-                        help="arith: the demo's base model; chain: the entropy study's (common/chain.py), which also "
+                        help="arith: the demo's base model; chain: the entropy study's (study/chain.py), which also "
                         "writes train.jsonl and eval.jsonl beside the model")
     parser.add_argument("--out", help="default assets/<task>-base")
     parser.add_argument("--seed", type=int, default=0)

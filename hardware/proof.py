@@ -1,11 +1,11 @@
 """GPU proof: one command that shows, on a machine with one NVIDIA GPU, that covrl's GPU path works end to end,
 and measures it.
 
-    python3 -m launch.gpu_proof [--out DIR] [--work DIR] [--stages vllm-kit,...,z3] [--rehearse-cpu] [--deadline-s S]
-    python3 -m launch.gpu_proof --record DIR/gpu_proof.json [MORE.json ...]   # into tests/bench/results.json
+    python3 -m hardware.proof [--out DIR] [--work DIR] [--stages vllm-kit,...,z3] [--rehearse-cpu] [--deadline-s S]
+    python3 -m hardware.proof --record DIR/gpu_proof.json [MORE.json ...]   # into tests/bench/results.json
 
 Run it from the repository root: a GPU machine without covrl installed finds the packages there (`-m` puts the
-current directory on sys.path); with covrl installed, `covrl-gpu-proof` is the same command. Every child process
+current directory on sys.path); with covrl installed, `covrl gpu-proof` is the same command. Every child process
 (the GPU tests, the cluster runs, the throughput workers) gets the repository root on PYTHONPATH.
 
 Everything a stage needs is checked first (CUDA, the packages, the colocated placement, the engine's device
@@ -13,7 +13,7 @@ argument); a missing piece is one line on stderr and exit 2, before anything run
 order given (default: the order of value, vllm-kit, vllm-tests, vllm-run, tests, z1, throughput, z3, so a time
 limit cuts the ZeRO-3 repeat first), each timed, each with its log in `--out` (`<stage>.log`):
 
-  vllm-kit    vLLM itself, without covrl's engine (a child process, tests/gpu/proof_workers.py vllm-smoke): its
+  vllm-kit    vLLM itself, without covrl's engine (a child process, hardware/proof_workers.py vllm-smoke): its
               compiled ops load (`vllm._C_stable_libtorch`, in the kit pruned to sm_90) and `_C.rms_norm` matches a
               float64 reference; FlashAttention 3 is importable; an AsyncLLM builds on assets/arith-base; two
               requests with one seed give the same samples, another seed others; processed logprobs, one per token;
@@ -23,7 +23,7 @@ limit cuts the ZeRO-3 repeat first), each timed, each with its log in `--out` (`
   vllm-tests  `pytest -m gpu tests/gpu/test_vllm_engine.py`: covrl's VllmEngine on the GPU (stops, logprobs of the
               tempered distribution, seeds, an rpc update, a finish-mode update with 64 sequences in flight whose
               every token scores under the version it is labelled with, keep mode or its refusal on 0.26, and
-              launch/gpu_check.py's learner + generator roles over the rpc weight channel).
+              hardware/check.py's learner + generator roles over the rpc weight channel).
   vllm-run    A colocated 1-GPU cluster run with the vLLM generator (rpc weights, gpu_memory_utilization 0.3, eager)
               and the bf16 DeepSpeed learner (ZeRO-1) on assets/arith-base: 12 steps on-policy
               (rollout.max_staleness_steps = 0) at temperature 0.7. The z1 checks (checksums equal on both sides
@@ -101,6 +101,8 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+from launch.process_group import signal_group, stop_group
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 STAGES = ("vllm-kit", "vllm-tests", "vllm-run", "tests", "z1", "throughput", "z3")
@@ -108,10 +110,9 @@ VLLM_STAGES = ("vllm-kit", "vllm-tests", "vllm-run")
 VLLM_TESTS = "tests/gpu/test_vllm_engine.py"
 KIT_FAILED_EXIT = 3  # the kit's compiled ops did not load: rerun with the fallback kit (README "GPU proof")
 DEADLINE_EXIT = 4  # every stage that ran passed, and --deadline-s left some not run: run those in another command
-RESULT_TAG = "GPU_PROOF_RESULT "  # tests/gpu/proof_workers.py prints its result after this tag
-# The throughput workers import the learner and the engine, which launch/ never does (tests/unit/test_imports.py):
-# they live with the GPU tests and run as child processes (one CUDA context each, freed when they exit).
-WORKER_MODULE = "tests.gpu.proof_workers"
+RESULT_TAG = "GPU_PROOF_RESULT "  # hardware/proof_workers.py prints its result after this tag
+# The throughput workers run as child processes (one CUDA context each, freed when they exit).
+WORKER_MODULE = "hardware.proof_workers"
 BASE_MODEL = os.path.join(REPO, "assets", "arith-base")
 RESULTS = os.path.join(REPO, "tests", "bench", "results.json")
 # Peak dense bf16 tensor-core FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name(); first match wins.
@@ -192,46 +193,57 @@ def read_jsonl(path: str) -> list[dict]:
 def git_commit(repo: str = REPO) -> tuple[str, bool | None]:
     """(commit, dirty) read from .git without the git binary; ("unknown", None) when there is no .git.
     `dirty` comes from `git status` when git is installed, else None."""
-    gitdir = os.path.join(repo, ".git")
-    commit = "unknown"
     try:
-        if os.path.isfile(gitdir):  # a worktree: "gitdir: PATH"
-            with open(gitdir) as f:
-                gitdir = os.path.join(repo, f.read().split(":", 1)[1].strip())
-        common = gitdir
-        if os.path.isfile(os.path.join(gitdir, "commondir")):
-            with open(os.path.join(gitdir, "commondir")) as f:
-                common = os.path.normpath(os.path.join(gitdir, f.read().strip()))
+        gitdir, common = _git_dirs(repo)
         with open(os.path.join(gitdir, "HEAD")) as f:
             head = f.read().strip()
         if head.startswith("ref: "):
-            ref = head[5:]
-            for base in (gitdir, common):
-                if os.path.isfile(os.path.join(base, ref)):
-                    with open(os.path.join(base, ref)) as f:
-                        commit = f.read().strip()
-                    break
-            else:
-                packed = os.path.join(common, "packed-refs")
-                if os.path.isfile(packed):
-                    with open(packed) as f:
-                        for line in f:
-                            parts = line.split()
-                            if len(parts) == 2 and parts[1] == ref:
-                                commit = parts[0]
-        elif re.fullmatch(r"[0-9a-f]{40}", head):
-            commit = head
+            commit = _resolve_ref(gitdir, common, head[5:])
+        else:
+            commit = head if re.fullmatch(r"[0-9a-f]{40}", head) else "unknown"
     except OSError:
         return "unknown", None
-    dirty = None
-    if commit != "unknown" and shutil.which("git"):
-        try:
-            p = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True,
-                               text=True, timeout=30)
-            dirty = bool(p.stdout.strip()) if p.returncode == 0 else None
-        except (OSError, subprocess.TimeoutExpired):
-            dirty = None
-    return commit, dirty
+    return commit, (_git_dirty(repo) if commit != "unknown" else None)
+
+
+def _git_dirs(repo: str) -> tuple[str, str]:
+    """The checkout's git directory and the common one (they differ in a worktree, whose .git is "gitdir: PATH")."""
+    gitdir = os.path.join(repo, ".git")
+    if os.path.isfile(gitdir):
+        with open(gitdir) as f:
+            gitdir = os.path.join(repo, f.read().split(":", 1)[1].strip())
+    common = gitdir
+    if os.path.isfile(os.path.join(gitdir, "commondir")):
+        with open(os.path.join(gitdir, "commondir")) as f:
+            common = os.path.normpath(os.path.join(gitdir, f.read().strip()))
+    return gitdir, common
+
+
+def _resolve_ref(gitdir: str, common: str, ref: str) -> str:
+    """The commit a ref names: its loose file in either git directory, else its line in packed-refs."""
+    for base in (gitdir, common):
+        if os.path.isfile(os.path.join(base, ref)):
+            with open(os.path.join(base, ref)) as f:
+                return f.read().strip()
+    packed = os.path.join(common, "packed-refs")
+    commit = "unknown"
+    if os.path.isfile(packed):
+        with open(packed) as f:
+            lines = [line.split() for line in f]
+        commit = next((parts[0] for parts in lines if len(parts) == 2 and parts[1] == ref), commit)
+    return commit
+
+
+def _git_dirty(repo: str) -> bool | None:
+    """Whether tracked files differ from the commit (`git status`); None without git or when it fails."""
+    if not shutil.which("git"):
+        return None
+    try:
+        p = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True,
+                           text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return bool(p.stdout.strip()) if p.returncode == 0 else None
 
 
 def source_digest(repo: str = REPO) -> str:
@@ -239,7 +251,7 @@ def source_digest(repo: str = REPO) -> str:
     the copy has no .git."""
     h = hashlib.sha256()
     files = [os.path.join(repo, "pyproject.toml")]
-    for d in ("actors", "broker", "common", "learner", "launch"):
+    for d in ("actors", "broker", "common", "hardware", "launch", "learner", "study"):
         files += glob.glob(os.path.join(repo, d, "**", "*.py"), recursive=True)
     for path in sorted(files):
         h.update(os.path.relpath(path, repo).encode() + b"\0")
@@ -249,11 +261,11 @@ def source_digest(repo: str = REPO) -> str:
 
 
 def invocation() -> str:
-    """How this process was started, as one would type it again: `python3 -m launch.gpu_proof`, the console script
+    """How this process was started, as one would type it again: `python3 -m hardware.proof`, the console script
     or the file, relative to the repository root."""
     spec = getattr(sys.modules["__main__"], "__spec__", None)
-    if spec is not None and spec.name == "launch.gpu_proof":
-        return "python3 -m launch.gpu_proof"
+    if spec is not None and spec.name == "hardware.proof":
+        return "python3 -m hardware.proof"
     return os.path.relpath(sys.argv[0], REPO) if os.path.isabs(sys.argv[0]) else sys.argv[0]
 
 
@@ -326,19 +338,10 @@ def run_logged(argv: list[str], log: StageLog, timeout_s: float, env: dict | Non
     except subprocess.TimeoutExpired:
         timed_out = True
         log.say(f"timed out after {timeout_s:.0f}s: stopping it", key=True)
-        for sig, wait_s in ([(signal.SIGTERM, 30), (signal.SIGTERM, 30)] if graceful else [(signal.SIGTERM, 10)]) + \
-                [(signal.SIGKILL, 10)]:
-            try:
-                os.killpg(p.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                p.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        stop_group(p, ([(signal.SIGTERM, 30), (signal.SIGTERM, 30)] if graceful else [(signal.SIGTERM, 10)]) +
+                   [(signal.SIGKILL, 10)])
     except KeyboardInterrupt:
-        os.killpg(p.pid, signal.SIGTERM)
+        signal_group(p.pid, signal.SIGTERM)
         p.wait()
         raise
     reader.join(timeout=10)
@@ -359,40 +362,74 @@ def result_of(lines: list[str]) -> dict | None:
 # preflight
 
 
+def refuse(text: str):
+    """A preflight check failed: one line on stderr, exit status 2."""
+    print(f"error: {text}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def preflight(args, scale: Scale) -> tuple[dict, list[str]]:
     """(facts about this machine, warnings), or SystemExit(2) with one line on stderr naming what is missing."""
-
-    def fail(text: str):
-        print(f"error: {text}", file=sys.stderr)
-        raise SystemExit(2)
-
     if importlib.util.find_spec("common") is None:
-        fail(f"covrl's packages (common/, learner/, actors/) are not importable: run from the repository root as "
-             f"`python3 -m launch.gpu_proof ...` (not `python3 launch/gpu_proof.py`), or install covrl (`make venv`); "
-             f"this file is {os.path.abspath(__file__)}")
+        refuse(f"covrl's packages (common/, learner/, actors/) are not importable: run from the repository root as "
+               f"`python3 -m hardware.proof ...` (not `python3 hardware/proof.py`), or install covrl (`make venv`); "
+               f"this file is {os.path.abspath(__file__)}")
+    facts = device_facts(args)
+    probe_packages(args)
+    # Versions the project declares: mismatches are warnings (torch cannot travel as a wheel).
+    warnings = version_warnings(args)
+    facts["versions"] = package_versions(args)
+    for path in (os.path.join(BASE_MODEL, "config.json"), os.path.join(BASE_MODEL, "tokenizer.json"),
+                 os.path.join(REPO, "launch", "cluster.py")):
+        if not os.path.isfile(path):
+            refuse(f"{path} is missing: run from a complete checkout of the repository")
+    if {"z1", "z3", "vllm-run"} & set(args.stages) and scale.gpus:
+        facts["placement"] = cluster_placement(facts, scale)
+    for d in {args.out, args.work}:
+        try:
+            os.makedirs(d, exist_ok=True)
+            probe_path = os.path.join(d, ".write-test")
+            open(probe_path, "w").close()
+            os.remove(probe_path)
+        except OSError as e:
+            refuse(f"{d} is not writable ({e.strerror}); pass a writable --out / --work")
+    need_gib = 6 if not args.rehearse_cpu and "throughput" in args.stages else 1
+    free_gib = shutil.disk_usage(args.work).free / 2**30
+    if free_gib < need_gib:
+        refuse(f"{args.work} has {free_gib:.1f} GiB free; the stages need about {need_gib} GiB (checkpoints, the 0.5B "
+               f"model)")
+    return facts, warnings
+
+
+def device_facts(args) -> dict:
+    """Python, torch and CUDA versions, and the GPU (name, count, memory, capability, driver); a rehearsal's CPU."""
     try:
         import torch
     except ImportError:
-        fail("torch is not importable: install a CUDA build of torch (or run where one is)")
+        refuse("torch is not importable: install a CUDA build of torch (or run where one is)")
     facts: dict = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
                    "rehearse_cpu": bool(args.rehearse_cpu)}
     if args.rehearse_cpu:
         facts.update(device="cpu (rehearsal)", device_count=0)
-    else:
-        if not torch.cuda.is_available():
-            fail(f"no CUDA device (torch {torch.__version__}, CUDA build {torch.version.cuda}, "
-                 f"torch.cuda.is_available() is False): run this on a GPU machine, or pass --rehearse-cpu")
-        facts.update(device=torch.cuda.get_device_name(0), device_count=torch.cuda.device_count(),
-                     gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
-                     capability=".".join(map(str, torch.cuda.get_device_capability(0))))
-        if shutil.which("nvidia-smi"):
-            try:
-                p = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                   capture_output=True, text=True, timeout=30)
-                facts["driver"] = p.stdout.strip().splitlines()[0] if p.returncode == 0 and p.stdout.strip() else None
-            except (OSError, subprocess.TimeoutExpired, IndexError):
-                facts["driver"] = None
-    # Packages, imported in a child (a broken install fails there, not here), and the engine's device argument.
+        return facts
+    if not torch.cuda.is_available():
+        refuse(f"no CUDA device (torch {torch.__version__}, CUDA build {torch.version.cuda}, "
+               f"torch.cuda.is_available() is False): run this on a GPU machine, or pass --rehearse-cpu")
+    facts.update(device=torch.cuda.get_device_name(0), device_count=torch.cuda.device_count(),
+                 gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+                 capability=".".join(map(str, torch.cuda.get_device_capability(0))))
+    if shutil.which("nvidia-smi"):
+        try:
+            p = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30)
+            facts["driver"] = p.stdout.strip().splitlines()[0] if p.returncode == 0 and p.stdout.strip() else None
+        except (OSError, subprocess.TimeoutExpired, IndexError):
+            facts["driver"] = None
+    return facts
+
+
+def probe_packages(args) -> None:
+    """Import every package the stages need in a child (a broken install fails there, not here)."""
     mods = list(NEEDS) + [m for s in args.stages for m in STAGE_NEEDS.get(s, ())]
     probe = (
         "import importlib, json\n"
@@ -411,45 +448,28 @@ def preflight(args, scale: Scale) -> tuple[dict, list[str]]:
     try:
         probed = json.loads(p.stdout.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError):
-        fail(f"{args.python} could not probe the packages (exit {p.returncode}): {p.stderr.strip()[-300:]}")
+        refuse(f"{args.python} could not probe the packages (exit {p.returncode}): {p.stderr.strip()[-300:]}")
     if probed["bad"]:
         name, why = next(iter(probed["bad"].items()))
-        fail(f"cannot import {name} ({why}); {len(probed['bad'])} package(s) missing or broken in all: "
-             f"{', '.join(probed['bad'])}. On the GPU machine unpack the carried kit first (make gpu-proof does: "
-             f"make gpu-kit on a machine with a registry, then carry .kit/common, .kit/bin-sm90 and .kit/manifest.json)")
-    # Versions the project declares: mismatches are warnings (torch cannot travel as a wheel).
-    warnings = version_warnings(args)
-    facts["versions"] = package_versions(args)
-    for path in (os.path.join(BASE_MODEL, "config.json"), os.path.join(BASE_MODEL, "tokenizer.json"),
-                 os.path.join(REPO, "launch", "cluster.py")):
-        if not os.path.isfile(path):
-            fail(f"{path} is missing: run from a complete checkout of the repository")
-    if {"z1", "z3", "vllm-run"} & set(args.stages) and scale.gpus:
-        if facts["device_count"] < scale.gpus:
-            fail(f"the cluster stages need {scale.gpus} GPU(s); torch sees {facts['device_count']}")
-        from common.runfiles import PlacementError, check_colocation, place_gpus
-        from common.config import load_config
+        refuse(f"cannot import {name} ({why}); {len(probed['bad'])} package(s) missing or broken in all: "
+               f"{', '.join(probed['bad'])}. On the GPU machine unpack the carried kit first (make gpu-proof does: "
+               f"make gpu-kit on a machine with a registry, then carry .kit/common, .kit/bin-sm90 and "
+               f".kit/manifest.json)")
 
-        try:
-            placement = place_gpus(scale.gpus, 1, 1, 1)
-            check_colocation(placement, load_config(None, ['generator.engine="torch"']).generator)
-        except (PlacementError, ValueError) as e:
-            fail(f"launch/cluster.py cannot place 1 learner + 1 generator on {scale.gpus} GPU: {e}")
-        facts["placement"] = {"learners": placement.learners, "generators": placement.generators,
-                              "colocated": placement.colocated}
-    for d in {args.out, args.work}:
-        try:
-            os.makedirs(d, exist_ok=True)
-            probe_path = os.path.join(d, ".write-test")
-            open(probe_path, "w").close()
-            os.remove(probe_path)
-        except OSError as e:
-            fail(f"{d} is not writable ({e.strerror}); pass a writable --out / --work")
-    need_gib = 6 if not args.rehearse_cpu and "throughput" in args.stages else 1
-    free_gib = shutil.disk_usage(args.work).free / 2**30
-    if free_gib < need_gib:
-        fail(f"{args.work} has {free_gib:.1f} GiB free; the stages need about {need_gib} GiB (checkpoints, the 0.5B model)")
-    return facts, warnings
+
+def cluster_placement(facts: dict, scale: Scale) -> dict:
+    """Where `covrl run` puts 1 learner and 1 generator on the cluster stages' GPUs (refused if it cannot)."""
+    if facts["device_count"] < scale.gpus:
+        refuse(f"the cluster stages need {scale.gpus} GPU(s); torch sees {facts['device_count']}")
+    from common.config import load_config
+    from common.runfiles import PlacementError, check_colocation, place_gpus
+
+    try:
+        placement = place_gpus(scale.gpus, 1, 1, 1)
+        check_colocation(placement, load_config(None, ['generator.engine="torch"']).generator)
+    except (PlacementError, ValueError) as e:
+        refuse(f"covrl run cannot place 1 learner + 1 generator on {scale.gpus} GPU: {e}")
+    return {"learners": placement.learners, "generators": placement.generators, "colocated": placement.colocated}
 
 
 def child_env(args, **extra) -> dict:
@@ -504,6 +524,26 @@ def version_warnings(args) -> list[str]:
 # stage: tests
 
 
+def junit_counts(junit: str) -> tuple[dict, list[str]]:
+    """Test counts (tests, passed, failed, errors, skipped) and "name: reason" for each skip, from a JUnit report;
+    zeros when there is none."""
+    counts = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    skips: list[str] = []
+    if not os.path.exists(junit):
+        return counts, skips
+    import xml.etree.ElementTree as ElementTree
+
+    root = ElementTree.parse(junit).getroot()
+    for suite in ([root] if root.tag == "testsuite" else root.iter("testsuite")):
+        for key, attr in (("tests", "tests"), ("failed", "failures"), ("errors", "errors"), ("skipped", "skipped")):
+            counts[key] += int(suite.get(attr, 0))
+        skips += [f"{'.'.join(filter(None, [case.get('classname'), case.get('name')]))}: "
+                  f"{skipped.get('message', '').strip()}"
+                  for case in suite.iter("testcase") for skipped in case.findall("skipped")]
+    counts["passed"] = counts["tests"] - counts["failed"] - counts["errors"] - counts["skipped"]
+    return counts, skips
+
+
 def stage_tests(ctx, paths: tuple = ("tests/gpu", f"--ignore={VLLM_TESTS}"), name: str = "tests") -> dict:
     """`pytest -m gpu` over `paths`: the torch-side GPU tests (stage tests) or the vLLM engine's (vllm-tests)."""
     log, chk = ctx.log, ctx.checks
@@ -511,20 +551,8 @@ def stage_tests(ctx, paths: tuple = ("tests/gpu", f"--ignore={VLLM_TESTS}"), nam
     argv = [ctx.args.python, "-m", "pytest", "-q", "-m", "gpu", *paths, "-p", "no:cacheprovider", "-rs",
             f"--junitxml={junit}"]
     code, seconds, lines = run_logged(argv, log, ctx.timeout(300), env=child_env(ctx.args))
-    counts = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-    skips: list[str] = []
+    counts, skips = junit_counts(junit)
     if os.path.exists(junit):
-        import xml.etree.ElementTree as ET
-
-        root = ET.parse(junit).getroot()
-        for suite in ([root] if root.tag == "testsuite" else root.iter("testsuite")):
-            for key, attr in (("tests", "tests"), ("failed", "failures"), ("errors", "errors"), ("skipped", "skipped")):
-                counts[key] += int(suite.get(attr, 0))
-            for case in suite.iter("testcase"):
-                for sk in case.findall("skipped"):
-                    name = ".".join(filter(None, [case.get("classname"), case.get("name")]))
-                    skips.append(f"{name}: {sk.get('message', '').strip()}")
-        counts["passed"] = counts["tests"] - counts["failed"] - counts["errors"] - counts["skipped"]
         ctx.bundle.append(junit)
     summary = next((ln for ln in reversed(lines) if re.search(r"\b(passed|failed|skipped|error|no tests ran)\b", ln)
                     and ln.strip()), "")
@@ -565,7 +593,7 @@ def vllm_probe(ctx) -> dict:
 
 
 def stage_vllm_kit(ctx) -> dict:
-    """vLLM itself, without covrl's engine (tests/gpu/proof_workers.py vllm-smoke). If its compiled ops do not load,
+    """vLLM itself, without covrl's engine (hardware/proof_workers.py vllm-smoke). If its compiled ops do not load,
     the proof stops here: the next command carries the fallback kit instead (PTX kept)."""
     log, chk, args = ctx.log, ctx.checks, ctx.args
     probe = vllm_probe(ctx)
@@ -1060,21 +1088,22 @@ def write_doc(path: str, doc: dict) -> None:
 def bundle_logs(out: str, work: str, files: list[str], runs: list[str]) -> str:
     """gpu_proof_logs.tar.gz: stage logs, the runs' logs, metrics and generator logs, the JUnit report."""
     path = os.path.join(out, "gpu_proof_logs.tar.gz")
+    members = [(f, os.path.basename(f)) for f in sorted(glob.glob(os.path.join(out, "*.log"))) + files
+               if os.path.isfile(f)]
+    for run in runs:
+        members += [(f, os.path.join(os.path.basename(run), os.path.relpath(f, run)))
+                    for pattern in ("config.toml", "cluster.json", "metrics.jsonl", "logs/*.log", "generators/*.jsonl")
+                    for f in glob.glob(os.path.join(run, pattern))]
     with tarfile.open(path + ".tmp", "w:gz") as tar:
-        for f in sorted(glob.glob(os.path.join(out, "*.log"))) + files:
-            if os.path.isfile(f):
-                tar.add(f, arcname=os.path.basename(f))
-        for run in runs:
-            name = os.path.basename(run)
-            for pattern in ("config.toml", "cluster.json", "metrics.jsonl", "logs/*.log", "generators/*.jsonl"):
-                for f in glob.glob(os.path.join(run, pattern)):
-                    tar.add(f, arcname=os.path.join(name, os.path.relpath(f, run)))
+        for f, arcname in members:
+            tar.add(f, arcname=arcname)
     os.replace(path + ".tmp", path)
     return path
 
 
-def run_proof(args) -> int:
-    scale = CPU if args.rehearse_cpu else GPU
+def proof_scale(args) -> Scale | None:
+    """The stages' sizes: the GPU's or the rehearsal's, with the command line's overrides; None (after one line on
+    stderr) for a --steps the checkpoints cannot divide."""
     over = {k: v for k, v in {"steps": args.steps, "samples": args.samples, "response_tokens": args.response_tokens,
                               "micro_batch_tokens": args.micro_batch_tokens, "warmup": args.warmup_steps,
                               "timed": args.timed_steps, "gen_prompts": args.gen_prompts,
@@ -1085,15 +1114,15 @@ def run_proof(args) -> int:
         if n < 4 or n % 4:
             print(f"error: --steps {n}: give a multiple of 4 (checkpoints at the half, the resume proof's every quarter)",
                   file=sys.stderr)
-            return 2
+            return None
         over.update(ckpt_every=n // 2, resume_first=n // 2, resume_ckpt_every=n // 4)
-    scale = replace(scale, **over)
-    t_start = time.monotonic()
-    facts, warnings = preflight(args, scale)
-    doc_path = os.path.join(args.out, "gpu_proof.json")
+    return replace(CPU if args.rehearse_cpu else GPU, **over)
+
+
+def proof_doc(args, scale: Scale, facts: dict, warnings: list[str], doc_path: str) -> dict:
+    """gpu_proof.json's head (machine, versions, code, command, scale), and the stages of an earlier document from
+    the same device and sources that this call does not run."""
     commit, dirty = git_commit()
-    if args.commit:
-        commit = args.commit
     digest = source_digest()
     doc = {
         "schema": 1, "rehearse_cpu": bool(args.rehearse_cpu), "device": facts["device"],
@@ -1102,22 +1131,32 @@ def run_proof(args) -> int:
         "versions": {"python": facts["python"], "torch": facts["torch"], "cuda": facts["cuda"],
                      "transformers": facts["versions"].get("transformers"),
                      "deepspeed": facts["versions"].get("deepspeed"), "packages": facts["versions"]},
-        "date": utc_now(), "git_commit": commit, "git_dirty": dirty, "source_digest": digest,
+        "date": utc_now(), "git_commit": args.commit or commit, "git_dirty": dirty, "source_digest": digest,
         "command": " ".join([invocation(), *sys.argv[1:]]),
         "scale": {k: v for k, v in scale.__dict__.items()}, "placement": facts.get("placement"),
         "warnings": warnings, "stages": {},
     }
-    if os.path.exists(doc_path):  # same device and sources: keep the stages this call does not run
-        try:
-            with open(doc_path) as f:
-                old = json.load(f)
-            if old.get("device") == doc["device"] and old.get("source_digest") == digest and \
-                    old.get("rehearse_cpu") == doc["rehearse_cpu"]:
-                doc["stages"] = {k: v for k, v in old.get("stages", {}).items() if k not in args.stages}
-                if doc["stages"]:
-                    print(f"keeping stages {', '.join(doc['stages'])} from the earlier {doc_path}")
-        except (OSError, json.JSONDecodeError):
-            pass
+    try:
+        with open(doc_path) as f:
+            old = json.load(f)
+    except (OSError, json.JSONDecodeError):  # none yet, or unreadable: every stage is this call's
+        return doc
+    if (old.get("device"), old.get("source_digest"), old.get("rehearse_cpu")) == (doc["device"], digest,
+                                                                                  doc["rehearse_cpu"]):
+        doc["stages"] = {k: v for k, v in old.get("stages", {}).items() if k not in args.stages}
+        if doc["stages"]:
+            print(f"keeping stages {', '.join(doc['stages'])} from the earlier {doc_path}")
+    return doc
+
+
+def run_proof(args) -> int:
+    scale = proof_scale(args)
+    if scale is None:
+        return 2
+    t_start = time.monotonic()
+    facts, warnings = preflight(args, scale)
+    doc_path = os.path.join(args.out, "gpu_proof.json")
+    doc = proof_doc(args, scale, facts, warnings, doc_path)
     print(f"gpu_proof: {facts['device']}, torch {facts['torch']} (CUDA {facts['cuda']}), transformers "
           f"{doc['versions']['transformers']}, deepspeed {doc['versions']['deepspeed']}; stages {','.join(args.stages)}; "
           f"out {args.out}, work {args.work}")
@@ -1132,34 +1171,8 @@ def run_proof(args) -> int:
             why = f"not run: {stopped or broken or '--deadline-s reached'}"
             doc["stages"][name] = {"passed": False, "seconds": 0.0, "not_run": why, "figures": {}, "checks": {},
                                    "key_lines": []}
-            write_doc(doc_path, doc)
-            continue
-        log = StageLog(os.path.join(args.out, f"{name}.log"), name)
-        ctx.log, ctx.checks, ctx.skip_reason = log, Checks(log), None
-        t0 = time.monotonic()
-        figures, error = {}, None
-        try:
-            figures = run_stage(ctx, name)
-        except StopProof as e:
-            error = stopped = str(e)
-        except KeyboardInterrupt:
-            error, interrupted = "interrupted", True
-        except Exception as e:  # a bug here or an unexpected layout: the stage fails, the proof goes on
-            import traceback
-
-            log.write(traceback.format_exc())
-            error = f"{type(e).__name__}: {e}"
-        if error:
-            ctx.checks("stage completed", False, error)
-        seconds = time.monotonic() - t0
-        passed = not ctx.checks.failed and bool(ctx.checks.results)
-        skipped = ctx.skip_reason if passed else None
-        log.say(f"{'SKIPPED: ' + skipped if skipped else 'PASSED' if passed else 'FAILED'} in {seconds:.0f}s", key=True)
-        doc["stages"][name] = {"passed": passed, "seconds": round(seconds, 1), "figures": figures,
-                               "checks": ctx.checks.results, "key_lines": log.lines}
-        if skipped:
-            doc["stages"][name]["skipped"] = skipped
-        log.close()
+        else:
+            doc["stages"][name], stopped, interrupted = proof_stage(ctx, name)
         write_doc(doc_path, doc)
         if interrupted:
             break
@@ -1172,10 +1185,48 @@ def run_proof(args) -> int:
     print()
     print(table(doc))
     print(f"-> {doc_path}")
+    return proof_exit(doc, args.stages, stopped, interrupted)
+
+
+def proof_stage(ctx, name: str) -> tuple[dict, str | None, bool]:
+    """Run one stage with its own log and checks: (its record in gpu_proof.json, why the rest of the proof cannot
+    run or None, whether it was interrupted). A bug or an unexpected layout fails the stage, and the proof goes on."""
+    log = StageLog(os.path.join(ctx.args.out, f"{name}.log"), name)
+    ctx.log, ctx.checks, ctx.skip_reason = log, Checks(log), None
+    t0 = time.monotonic()
+    figures, error, stopped, interrupted = {}, None, None, False
+    try:
+        figures = run_stage(ctx, name)
+    except StopProof as e:
+        error = stopped = str(e)
+    except KeyboardInterrupt:
+        error, interrupted = "interrupted", True
+    except Exception as e:
+        import traceback
+
+        log.write(traceback.format_exc())
+        error = f"{type(e).__name__}: {e}"
+    if error:
+        ctx.checks("stage completed", False, error)
+    seconds = time.monotonic() - t0
+    passed = not ctx.checks.failed and bool(ctx.checks.results)
+    skipped = ctx.skip_reason if passed else None
+    log.say(f"{'SKIPPED: ' + skipped if skipped else 'PASSED' if passed else 'FAILED'} in {seconds:.0f}s", key=True)
+    record = {"passed": passed, "seconds": round(seconds, 1), "figures": figures, "checks": ctx.checks.results,
+              "key_lines": log.lines}
+    if skipped:
+        record["skipped"] = skipped
+    log.close()
+    return record, stopped, interrupted
+
+
+def proof_exit(doc: dict, stages: list[str], stopped: str | None, interrupted: bool) -> int:
+    """The proof's exit status: the kit failed, a stage failed or was interrupted (1), stages cut by the deadline,
+    or 0."""
     if stopped:
         print(f"stopped: {stopped}", file=sys.stderr)
         return KIT_FAILED_EXIT
-    ran = [doc["stages"][s] for s in args.stages if s in doc["stages"] and not doc["stages"][s].get("skipped")]
+    ran = [doc["stages"][s] for s in stages if s in doc["stages"] and not doc["stages"][s].get("skipped")]
     cut = [r for r in ran if r.get("not_run")]
     if interrupted or not ran or not all(r.get("passed") for r in ran if not r.get("not_run")):
         return 1
@@ -1250,7 +1301,7 @@ def record(files: list[str], force: bool, results_path: str = RESULTS) -> int:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python3 -m launch.gpu_proof", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python3 -m hardware.proof", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="results: gpu_proof.json, stage logs, gpu_proof_logs.tar.gz "
                                   "(default runs/gpu-proof-<UTC timestamp>)")

@@ -1,9 +1,9 @@
 """The GPU kit: everything an offline Hopper machine lacks to run covrl with vLLM 0.26.0, small enough to travel
 with every command beside the tracked tree (under 60 MiB in all).
 
-    python3 -m launch.gpu_kit build  --out .kit [--wheel-cache DIR ...] [--with-transformers]   # here (registry)
-    python3 -m launch.gpu_kit unpack --kit .kit --target /tmp/site                               # there
-    python3 -m launch.gpu_kit check  --kit .kit [--tree-bytes N]                                 # the budget
+    python3 -m hardware.kit build  --out .kit [--wheel-cache DIR ...] [--with-transformers]   # here (registry)
+    python3 -m hardware.kit unpack --kit .kit --target /tmp/site                               # there
+    python3 -m hardware.kit check  --kit .kit [--tree-bytes N]                                 # the budget
 
 The GPU machine: Python 3.12, torch 2.11.0+cu130 (vLLM 0.26.0 pins exactly that torch), transformers 5.17,
 x86-64, no registry. The kit (git-ignored, rebuilt by `make gpu-kit`):
@@ -15,13 +15,13 @@ x86-64, no registry. The kit (git-ignored, rebuilt by `make gpu-kit`):
   common/site312.tar.xz    one `pip install --target` tree for CPython 3.12 manylinux: the 18 packages vLLM
                            imports at engine start that the machine lacks, and covrl's own (deepspeed, math-verify,
                            ...), one version each.
-  bin-sm90/vllm-bin.tar.xz the primary binaries: `_C_stable_libtorch` pruned to sm_90 (launch/fatbin.py, policy
+  bin-sm90/vllm-bin.tar.xz the primary binaries: `_C_stable_libtorch` pruned to sm_90 (hardware/fatbin.py, policy
                            sm90, keep_one: a container with no Hopper code keeps its smallest entry, so none is
                            empty), FA3 (`_vllm_fa3_C`, sm_90a only already) and `cumem_allocator`.
   bin-ptx/vllm-bin.tar.xz  the fallback, if the driver refuses the primary's `_C`: the same with policy ptx (each
                            container also keeps its newest PTX <= 90, for the driver to JIT if it refuses the SASS).
   manifest.json            every file's bytes and sha256, versions, what the pruning kept and dropped, travel
-                           bytes. `launch/gpu_kit_sizes.json` (tracked) repeats the sizes, so the CPU test of the
+                           bytes. `hardware/kit_sizes.json` (tracked) repeats the sizes, so the CPU test of the
                            travel budget knows them without building the kit.
 
 A command carries `.kit/common`, ONE of `.kit/bin-sm90` / `.kit/bin-ptx` (`unpack` refuses both or neither) and
@@ -60,10 +60,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch import fatbin
+from hardware import fatbin
 
 REPO = Path(__file__).resolve().parent.parent
-SIZES_FILE = REPO / "launch" / "gpu_kit_sizes.json"
+SIZES_FILE = REPO / "hardware" / "kit_sizes.json"
 BUDGET_BYTES = 60 * 2**20  # the device tool carries at most 64 MiB per command; 4 MiB stay for what is untracked
 FORMAT = 1  # bump when the kit's layout or contents change, so `build` redoes every archive
 XZ_PRESET = 9 | lzma.PRESET_EXTREME
@@ -159,7 +159,7 @@ def acquire_wheels(requirements: list[str], cache: Path, extra_dirs: list[Path])
     lost = [r for r, p in found.items() if p is None]
     if lost:
         raise KitError(f"no wheel for {', '.join(lost)} fits CPython 3.12 manylinux x86-64 after pip ran: check the "
-                       f"pins in launch/gpu_kit.py against the registry")
+                       f"pins in hardware/kit.py against the registry")
     return {r: into_cache(p, cache) for r, p in found.items()}
 
 
@@ -325,7 +325,7 @@ def build(out: Path, wheel_dirs: list[Path], with_transformers: bool) -> dict:
     t0 = time.time()
     requirements = [VLLM, *VLLM_DEPS, *COVRL_DEPS, TRANSFORMERS]
     if len({normalize(r.split("==")[0]) for r in requirements}) != len(requirements):
-        raise KitError("a package is pinned twice in launch/gpu_kit.py (VLLM_DEPS, COVRL_DEPS): keep one version")
+        raise KitError("a package is pinned twice in hardware/kit.py (VLLM_DEPS, COVRL_DEPS): keep one version")
     wheels = acquire_wheels(requirements, out / "cache", wheel_dirs)
     old = load_json(out / "manifest.json")
     with tempfile.TemporaryDirectory(prefix="gpu-kit-") as scratch:
@@ -368,7 +368,7 @@ def assemble_manifest(wheels: dict[str, Path], records: dict, with_transformers:
 def sizes_summary(manifest: dict) -> dict:
     """What the tracked sizes file holds: bytes only (no dates), so an unchanged kit leaves it unchanged."""
     return {
-        "_about": "Written by `python3 -m launch.gpu_kit build` (make gpu-kit); read by tests/unit/test_gpu_kit.py "
+        "_about": "Written by `python3 -m hardware.kit build` (make gpu-kit); read by tests/unit/test_gpu_kit.py "
                   "to check the travel budget without building the kit.",
         "vllm": manifest["vllm"], "transformers_included": manifest["transformers_included"],
         "common_bytes": manifest["common_bytes"],

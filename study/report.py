@@ -1,13 +1,13 @@
-"""The report of a study (launch/study.py): STUDY_DIR/report.md and its PNGs, from the runs' metrics alone.
+"""The report of a study (study/runs.py): STUDY_DIR/report.md and its PNGs, from the runs' metrics alone.
 
 Reads STUDY_DIR/<method>/metrics.jsonl of every method and study.json's content (`meta`) and compares the
 methods against the claims of Cui et al. 2025 ("The Entropy Mechanism of RL for Reasoning LMs") and Jin et al.
 2025 (PAR): a summary, the entropy-performance law R = -a exp(H) + b per method and pooled, its early prediction,
 the covariance check, one verdict per claim, the spread over seeds (runs `<method>@s<seed>`) and the staleness
-axis (runs `<method>@k<k>`; launch/study.py names them). Every number is computed from the runs' metrics; a missing run
+axis (runs `<method>@k<k>`; study/runs.py names them). Every number is computed from the runs' metrics; a missing run
 or key never raises, it reads n/a with the reason. `render_report` is pure (no I/O); `write_report` writes the
 PNGs and report.md (atomically). The runner passes in the overrides that make each method (its METHODS), so this
-module imports nothing of it; `covrl-study --report-only --study-dir DIR` rewrites a study's report.
+module imports nothing of it; `covrl study --report-only --study-dir DIR` rewrites a study's report.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from common.lawfit import (
+from study.lawfit import (
     MIN_FIT_POINTS,
     LawFit,
     early_prediction,
@@ -37,7 +37,7 @@ from common.metrics import read_metrics
 # The runs the law is claimed for: the PPO-clip loss without a covariance intervention (GRPO, clip-higher, PAR, and
 # their seed and staleness variants). Clip-Cov and KL-Cov change how entropy turns into reward on purpose.
 GRPO_FAMILY = ("grpo", "clip_higher", "par")
-LAW_R2_HOLDS = 0.9  # claim (d): the eval fit pooled over the GRPO family "holds" at R^2 >= this (issue 17's target)
+LAW_R2_HOLDS = 0.9  # claim (d): the eval fit pooled over the GRPO family "holds" at R^2 >= this
 EARLY_FRACTION = 0.15  # claim (h): fit on the first 15 % of a run's eval points (at least MIN_FIT_POINTS) ...
 EARLY_HOLDS = 0.02  # ... and predict its final accuracy within 2 points
 PLATEAU_SHARE = 0.25  # claim (a): GRPO plateaus when its last third of evals gains < this share of its total gain
@@ -130,7 +130,7 @@ def early_check(points: list[tuple[float, float]]) -> str:
 
 
 def variant(name: str) -> tuple[str, str | None]:
-    """(method, kind of variant) of a run name (launch/study.py): grpo -> (grpo, None), grpo@s1 -> (grpo, "seed"),
+    """(method, kind of variant) of a run name (study/runs.py): grpo -> (grpo, None), grpo@s1 -> (grpo, "seed"),
     grpo@k4 -> (grpo, "staleness")."""
     method, _, v = name.partition("@")
     return method, {"s": "seed", "k": "staleness"}.get(v[:1]) if v else None
@@ -442,7 +442,7 @@ def claim_law(pooled: tuple[LawFit | None, str]) -> str:
 
 def claim_early(eval_pts: dict[str, list[tuple[float, float]]]) -> str:
     """(h) for every GRPO-family run, the fit on its first 15 % of eval points, given the final entropy, predicts its
-    final accuracy within EARLY_HOLDS (issue 17's target). Also said: how many finals lie inside the fit's 95 %
+    final accuracy within EARLY_HOLDS. Also said: how many finals lie inside the fit's 95 %
     prediction interval, since one final eval of 256 prompts x 4 samples is itself uncertain by about 1.5 points."""
     results = {m: e for m, pts in eval_pts.items() if in_family(m) and (e := early_final(pts)) is not None}
     if not results:
@@ -620,7 +620,7 @@ def render_report(runs: list[MethodRun], meta: dict, now: datetime.datetime, *,
 
 def write_plots(study_dir: str, runs: list[MethodRun]) -> list[str]:
     """The report's PNGs in study_dir; returns their paths."""
-    from launch.plots import plot_law_fit, plot_lines, plot_metric, plot_scatter
+    from study.plots import plot_law_fit, plot_lines, plot_metric, plot_scatter
 
     rows = {r.name: r.rows for r in runs}
     sources = eval_sources([row for r in runs for row in r.rows])

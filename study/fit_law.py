@@ -1,4 +1,4 @@
-"""Fit R = -a exp(H) + b on a run: `covrl-fit-law RUN_DIR [--on eval|train] [--plot PATH]`.
+"""Fit R = -a exp(H) + b on a run: `covrl fit-law RUN_DIR [--on eval|train] [--plot PATH]`.
 
 Reads RUN_DIR/metrics.jsonl, prints the fitted law, R^2, the ceiling b - a and the early-prediction check
 (fit on the first 15 % of points: its prediction of the last point with a 95 % prediction interval, and its
@@ -7,7 +7,7 @@ plot of the points with the fitted curve (default RUN_DIR/law_fit_<source>.png),
 
 Two point sources:
 - eval: held-out accuracy of each evaluated policy version (mean over data sources of
-  eval/<ds>/acc) paired with that version's entropy (see common.lawfit.eval_points). This is the
+  eval/<ds>/acc) paired with that version's entropy (see study.lawfit.eval_points). This is the
   paper's law. Default when the run has at least 3 such points.
 - train: a per-step reward key (default critic/score/mean) paired with an entropy key of the same
   row (default actor/entropy); `--reward` / `--entropy` choose the keys. Used otherwise.
@@ -21,13 +21,13 @@ import os
 import sys
 
 from common.cli import fail
-from common.lawfit import FEW_EARLY_POINTS, early_prediction, eval_points, fit_law, prediction_interval, train_points
-from common.lawfit import MIN_FIT_POINTS as MIN_POINTS
+from study.lawfit import FEW_EARLY_POINTS, early_prediction, eval_points, fit_law, prediction_interval, train_points
+from study.lawfit import MIN_FIT_POINTS as MIN_POINTS
 from common.metrics import read_metrics
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="covrl-fit-law")
+    ap = argparse.ArgumentParser(prog="covrl fit-law")
     ap.add_argument("run_dir")
     ap.add_argument("--on", choices=["train", "eval"],
                     help=f"point source (default: eval if the run has >= {MIN_POINTS} eval points, else train)")
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         return fail(e)
     half = prediction_interval(H[:early.n], R[:early.n], early, H[-1])
     plot_path = args.plot or os.path.join(args.run_dir, f"law_fit_{source}.png")
-    from launch.plots import plot_law_fit  # matplotlib only once there is something to draw
+    from study.plots import plot_law_fit  # matplotlib only once there is something to draw
 
     out = {"source": source, "reward_key": reward_desc, "entropy_key": entropy_desc, "steps": steps,
            "a": fit.a, "b": fit.b, "r2": fit.r2, "ceiling": fit.ceiling, "points": fit.n,

@@ -1,0 +1,198 @@
+"""The run directory of one launch: resolve the config, check everything, then write the directory.
+
+A new run: defaults, --config, --set and --steps resolved; the placement, the host, the hub port, the batch's
+shard count, W&B credentials, the model and every data row checked in this process; only then config.toml,
+secret.key, cluster.json and generators.json written (nothing is written if a check fails). A resumed run
+(`covrl resume RUN_DIR`): the run's own config (only --steps may change), its learner count, the generator count it
+last ran with, fresh addresses.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import uuid
+from dataclasses import dataclass
+
+import msgspec
+
+from common.checkpoint_dirs import latest_checkpoint
+from common.config import ConfigError, load_config, to_toml, with_absolute_paths
+from common.data import check_inputs, resolve_model
+from common.runfiles import (ClusterInfo, Placement, check_colocation, place_gpus, read_cluster, read_generator_target,
+                             write_cluster, write_generator_target)
+from common.transport import create_secret, free_port, port_in_use
+
+
+class RunComplete(Exception):
+    """A resume of a run that already trained every step it was asked for: nothing to start."""
+
+
+@dataclass
+class RunDir:
+    """What the checks resolved and the directory now holds: the launch's one placement goes along from here."""
+    path: str
+    cfg: object
+    info: ClusterInfo
+    notes: list[str]  # the data lines of the start banner
+    placement: Placement  # this node's GPUs for the learner ranks and the starting generators
+
+
+def resolved_config(args):
+    """The config a launch with these arguments runs (and `--print-config` prints): defaults, --config, --set,
+    --steps; with --resume, the run's own with --steps. Checked; nothing written."""
+    overrides = [f"run.steps={args.steps}"] if args.steps is not None else []
+    if args.resume:
+        path = os.path.join(os.path.abspath(args.resume), "config.toml")
+        if not os.path.isfile(path):
+            raise ConfigError(f"--resume {args.resume}: no config.toml, so this is not a covrl run directory")
+        return load_config(path, overrides)
+    return with_absolute_paths(load_config(args.config, list(args.set) + overrides), os.getcwd())
+
+
+def prepare(args, gpus: int = 0) -> RunDir:
+    """Check everything (config, placement, model, every data row: `check_inputs`), then write the run directory;
+    nothing is written if a check fails."""
+    if args.resume:
+        return prepare_resume(args, gpus)
+    args.gens = 1 if args.gens is None else args.gens
+    args.learners = 1 if args.learners is None else args.learners
+    if args.gens < 1 or args.learners < 1:
+        raise ConfigError(f"--gens {args.gens} --learners {args.learners}: need at least one of each")
+    placement = place_gpus(gpus, args.learners, args.gens, args.tp)  # a placement that cannot fit
+    cfg = resolved_config(args)
+    check_colocation(placement, cfg.generator)
+    check_host(cfg.transport.host)
+    check_hub_port(cfg)
+    check_batch(cfg, args.learners)
+    if os.path.exists(os.path.join(run_dir := run_dir_of(args), "metrics.jsonl")):
+        raise ConfigError(f"{run_dir} already holds a run (metrics.jsonl); pick a new --run-dir")
+    check_wandb(cfg)
+    local, hub = resolve_model(cfg.model.path)  # a Hub id: its snapshot in the cache, fetched here once if missing
+    cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=local))
+    notes = check_inputs(cfg)  # the model and every data row, in this process, before anything starts
+    if hub:
+        notes.insert(0, f"model: {hub} from the Hugging Face cache ({local})")
+    check_writable(run_dir)
+    with open(os.path.join(run_dir, "config.toml"), "w") as f:
+        f.write(to_toml(cfg))
+    create_secret(run_dir)
+    info = write_addresses(run_dir, cfg, uuid.uuid4().hex[:12], args.gens, args.learners)
+    write_generator_target(run_dir, args.gens)
+    return RunDir(run_dir, cfg, info, notes, placement)
+
+
+def prepare_resume(args, gpus: int = 0) -> RunDir:
+    """The run directory of a stopped run, its config (only --steps may change), fresh addresses."""
+    run_dir = os.path.abspath(args.resume)
+    if args.config or args.set or (args.run_dir and os.path.abspath(args.run_dir) != run_dir):
+        raise ConfigError("--resume continues a run with the config it was started with (RUN_DIR/config.toml); "
+                          "drop --config / --set / --run-dir (only --steps, --gens may change)")
+    for name in ("config.toml", "cluster.json", "secret.key"):
+        if not os.path.exists(os.path.join(run_dir, name)):
+            raise ConfigError(f"--resume {args.resume}: {name} is missing, so this is not a covrl run directory; "
+                              f"give the RUN_DIR a run was started with")
+    cfg = resolved_config(args)
+    if (last := latest_checkpoint(run_dir)) is not None and last[0] >= cfg.run.steps:
+        raise RunComplete(f"{run_dir} is complete: it trained {last[0]} of {cfg.run.steps} steps (checkpoint {last[1]}); "
+                          f"nothing to resume. To train further: covrl resume {run_dir} --steps N (N > {last[0]})")
+    old = read_cluster(run_dir)
+    learners = old.learners if args.learners is None else args.learners
+    if learners != old.learners:
+        raise ConfigError(f"--learners {learners}: the run's checkpoints are sharded over {old.learners} learner ranks; "
+                          f"resume with --learners {old.learners}")
+    gens = resumed_generators(args, run_dir, old)
+    check_host(cfg.transport.host)
+    placement = place_gpus(gpus, learners, gens, args.tp)
+    check_colocation(placement, cfg.generator)
+    notes = check_inputs(cfg)  # the data and model may have moved since the run started
+    if args.steps is not None:
+        with open(os.path.join(run_dir, "config.toml"), "w") as f:
+            f.write(to_toml(cfg))
+    check_hub_port(cfg)
+    info = write_addresses(run_dir, cfg, old.run_id, gens, learners)
+    write_generator_target(run_dir, gens)
+    if os.path.exists(stale := os.path.join(run_dir, "progress.json")):
+        os.remove(stale)  # the dead run's last step, past the checkpoint the learner resumes from
+    return RunDir(run_dir, cfg, info, notes, placement)
+
+
+def resumed_generators(args, run_dir: str, old: ClusterInfo) -> int:
+    """--gens, else the count the run last ran with (`covrl scale` may have changed it since it started)."""
+    try:
+        scaled = read_generator_target(run_dir)
+    except ValueError as e:
+        if args.gens is None:
+            raise ConfigError(f"{e}, or pass --gens N to --resume") from None
+        scaled = None
+    gens = (scaled.generators if scaled else old.generators) if args.gens is None else args.gens
+    if gens < 1:
+        raise ConfigError(f"--gens {gens}: need at least one generator")
+    return gens
+
+
+def write_addresses(run_dir: str, cfg, run_id: str, gens: int, learners: int, host: str | None = None,
+                    ports: tuple[int, int] | None = None) -> ClusterInfo:
+    """cluster.json with this launch's addresses: the hub's (transport.hub_port, or a free port) and the weight
+    channel's store (a free port), both on `host` (default transport.host; under Ray, learner rank 0's node, with
+    `ports` free there)."""
+    host = host or cfg.transport.host
+    hub_port, weight_port = ports or (free_port(host), free_port(host))
+    info = ClusterInfo(run_id=run_id, hub_addr=f"{host}:{cfg.transport.hub_port or hub_port}",
+                       weight_addr=f"{host}:{weight_port}", generators=gens, learners=learners)
+    write_cluster(run_dir, info)
+    return info
+
+
+def check_hub_port(cfg) -> None:
+    transport = cfg.transport
+    if transport.hub_port and (why := port_in_use(transport.host, transport.hub_port)):
+        raise ConfigError(f"transport.hub_port {transport.hub_port} on {transport.host} cannot be bound ({why}); "
+                          f"pick another port, or 0 for a free one")
+
+
+def check_host(host: str) -> None:
+    if host in ("0.0.0.0", "::", ""):
+        raise ConfigError(f"transport.host {host!r}: generators connect to this address, so give one of this host's "
+                          f"own addresses, not a wildcard")
+
+
+def check_batch(cfg, learners: int) -> None:
+    """Each learner rank needs at least one sample of every optimizer step."""
+    rollout = cfg.rollout
+    per_update = rollout.groups_per_step * rollout.group_size // cfg.learner.mini_batches
+    if learners > per_update:
+        raise ConfigError(f"--learners {learners}: an optimizer step has only {per_update} samples (groups_per_step "
+                          f"x group_size / mini_batches) to shard; use at most {per_update} learner ranks or a bigger batch")
+
+
+def check_writable(run_dir: str) -> None:
+    try:
+        os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+        probe = os.path.join(run_dir, ".write-test")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"run directory {run_dir!r} is not writable ({e.strerror}); pass a writable --run-dir") from None
+
+
+def run_dir_of(args) -> str:
+    if args.run_dir is None:  # chosen once, so every check and the directory agree on it
+        args.run_dir = os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    return os.path.abspath(args.run_dir)
+
+
+def check_wandb(cfg) -> None:
+    """W&B online needs credentials; without them wandb.init would fail in learner rank 0 after the start."""
+    wandb = cfg.logging.wandb
+    if not wandb.project or wandb.mode != "online" or os.environ.get("WANDB_API_KEY"):
+        return
+    import netrc
+
+    try:
+        found = netrc.netrc().authenticators("api.wandb.ai")
+    except (FileNotFoundError, netrc.NetrcParseError):
+        found = None
+    if found is None:
+        raise ConfigError("logging.wandb.mode = \"online\" but no W&B credentials (WANDB_API_KEY, or `wandb login`); "
+                          "log in, or set logging.wandb.mode = \"offline\" and `wandb sync` later")

@@ -1,0 +1,196 @@
+"""The supervisor: starts, restarts, scales and stops the roles of one run through a backend (`launch/local.py`,
+`launch/ray_backend.py`), the same way on both:
+- a generator that exits with an error is restarted (3 retries, backoff 2, 4, 8 s); it rejoins with a weight
+  channel of its own and catches up on the latest version. Under Ray, one whose node is lost is restarted by Ray
+  on any node with room;
+- a generator the hub declared lost (silent, stuck, or failing its weight channel: RUN_DIR/generators_lost.jsonl)
+  is stopped, its whole process group, and restarted the same way: a frozen or hung process never holds up the
+  run, even though it has not exited;
+- the generator count follows RUN_DIR/generators.json (`covrl scale RUN_DIR --gens N`, `launch/scale.py`): missing
+  ids are started; ids beyond it are drained by the hub and leave (exit code EXIT_DRAINED);
+- a learner rank that fails stops the run; the last checkpoint stays intact, and `covrl resume RUN_DIR` continues
+  from it.
+A role that ends is explained in one line taken from its log (`log_cause`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+
+from common.runfiles import EXIT_DRAINED, LostGenerators, PlacementError, learners_ready, read_generator_target
+from launch.progress import Progress
+from launch.roles import RoleSpec
+
+GRACE_S = 10.0
+
+
+def due(spec: RoleSpec, run_dir: str) -> bool:
+    """Whether a role that is not running should be started now."""
+    return time.monotonic() >= spec.next_start and (not spec.after_learners or learners_ready(run_dir))
+
+
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
+_CAUSE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Exit|Interrupt)\b|\b(?:ERROR|CRITICAL)\b")
+
+
+def log_cause(run_dir: str, name: str) -> str:
+    """One line on why a role ended, pointing at its log: the log's last exception or ERROR line (the traceback
+    stays in the log), else its last line."""
+    path = os.path.join(run_dir, "logs", f"{name}.log")
+    try:
+        with open(path, "rb") as f:
+            tail = [_RANK_PREFIX.sub("", ln.decode(errors="replace").rstrip()) for ln in f.readlines()[-200:]]
+    except FileNotFoundError:
+        return f"its log {path} is missing"
+    tail = [ln for ln in tail if ln.strip()]
+    causes = [ln for ln in tail if _CAUSE.search(ln) and not ln.startswith("Exception ignored")]  # shutdown noise
+    cause = causes[-1] if causes else tail[-1] if tail else "its log is empty"
+    return f"{cause[:300]} (full log: {path})"
+
+
+class Supervisor:
+    """`poll` once per tick; a run ends when every learner rank has finished (0) or one failed (1)."""
+
+    def __init__(self, backend, learners: list[RoleSpec], make_generator, run_dir: str, cfg, quiet: bool,
+                 progress_every_s: float = 10.0):
+        self.backend, self.learners, self.make_generator = backend, learners, make_generator
+        self.run_dir, self.cfg = run_dir, cfg
+        self.progress = Progress(run_dir, cfg.run.steps, cfg.rollout.max_staleness_steps, quiet=quiet,
+                                 every_s=progress_every_s)
+        self.gens: dict[int, RoleSpec] = {}
+        self.target, self.revision = 0, None
+        self.bad_target = ""
+        self.unplaced = ""
+        self.lost = LostGenerators(run_dir)  # the hub's verdicts, followed
+        self.stopped: dict[str, str] = {}  # role -> why this supervisor stopped it (a verdict), said at its exit
+
+    def roles(self) -> list[RoleSpec]:
+        return [*self.learners, *self.gens.values()]
+
+    def follow_target(self) -> None:
+        """Follow generators.json: on a new count (or revision), forget the ids above it that are not running (the
+        hub drains the running ones); on every tick, add the missing ids below it."""
+        try:
+            target = read_generator_target(self.run_dir)
+        except (ValueError, OSError) as e:  # damaged by hand, or a shared filesystem hiccup: keep what we have
+            if str(e) != self.bad_target:
+                self.say(f"{e}; keeping {self.target} generator(s)")
+                self.bad_target = str(e)
+            return
+        self.bad_target = ""
+        if target is not None and (target.revision, target.generators) != (self.revision, self.target):
+            if self.revision is not None:
+                self.say(f"scaling to {target.generators} generator(s) (was {self.target})")
+            self.target, self.revision = target.generators, target.revision
+            for s in [s for s in self.gens.values() if s.gen_id >= self.target and not s.running]:
+                self.backend.release(s)  # waiting for a (re)start, or finished: no longer wanted
+                del self.gens[s.gen_id]
+        self.add_missing()
+
+    def add_missing(self) -> None:
+        """Add the generators below the target that have no spec; one that cannot be placed is said once and tried
+        again each tick."""
+        for i in range(self.target):
+            if i in self.gens:
+                continue
+            try:
+                self.gens[i] = self.make_generator(i, self.target)
+            except PlacementError as e:
+                if str(e) != self.unplaced:
+                    self.say(f"cannot start generator {i}: {e}; trying again while the run goes on")
+                    self.unplaced = str(e)
+                return
+        self.unplaced = ""
+
+    def follow_verdicts(self) -> None:
+        """Stop the process group of every running generator the hub declared lost (matched by pid, so a verdict on
+        an incarnation already replaced stops nothing); its exit is then handled as any failure: a restart."""
+        for v in self.lost.new():
+            if v.why == "restarted":  # a new incarnation replaced it: nothing left to stop
+                continue
+            s = self.gens.get(v.gen_id)
+            if s is not None and s.running and self.backend.stop_lost(s, v.pid):
+                self.stopped[s.name] = f"the hub declared it lost ({v.why}: {v.detail})"
+                self.say(f"{s.name} (pid {v.pid}) is being stopped: {self.stopped[s.name]}")
+        for line in self.lost.damaged:
+            self.say(line)
+        self.lost.damaged.clear()
+
+    def start_due(self) -> None:
+        for s in self.roles():
+            if not s.running and not s.done and due(s, self.run_dir):
+                self.backend.start(s)
+                s.running = True
+
+    def poll(self) -> int | None:
+        """One tick: follow the target, (re)start what is due, react to exits. The run's exit code once it ends."""
+        self.follow_target()
+        self.follow_verdicts()
+        self.start_due()
+        for s in self.roles():
+            if not s.running:
+                continue
+            code = self.backend.poll(s)
+            if code is None:
+                continue
+            s.running = False
+            if (stop := self._exited(s, code)) is not None:
+                return stop
+        self.progress.update()
+        if all(s.done for s in self.learners):
+            # Learners finished: generators got Stop from the hub; give them a moment to exit.
+            deadline = time.monotonic() + GRACE_S
+            while time.monotonic() < deadline and any(s.running and self.backend.poll(s) is None
+                                                      for s in self.gens.values()):
+                time.sleep(0.2)
+            return 0
+        return None
+
+    def _exited(self, s: RoleSpec, code: int) -> int | None:
+        stopped = self.stopped.pop(s.name, None)  # killed on a verdict: say why rather than its log's last line
+        if not s.is_generator:  # a learner rank: its failure ends the run
+            if code != 0:
+                self.say(f"{s.name} {self.backend.describe(s, code)}; stopping the run: {log_cause(self.run_dir, s.name)}")
+                return 1
+            s.done = True
+        elif code == EXIT_DRAINED or (code != 0 and s.gen_id >= self.target):
+            # Drained; or it ended (refused, killed) after the run was scaled below its id: it left, not failed.
+            # A fresh one starts on the next tick if the target has grown past its id again.
+            self.backend.release(s)
+            del self.gens[s.gen_id]
+        elif code == 0:
+            s.done = True
+        elif s.restarts < s.max_restarts:
+            s.restarts += 1
+            delay = 2.0 ** s.restarts
+            self.say(f"{s.name} {self.backend.describe(s, code)}; restart {s.restarts}/{s.max_restarts} in {delay:.0f}s: "
+                     f"{stopped or log_cause(self.run_dir, s.name)}")
+            s.next_start = time.monotonic() + delay
+        else:
+            self.say(f"{s.name} failed {s.restarts + 1} times ({self.backend.describe(s, code)}); stopping the run: "
+                     f"{log_cause(self.run_dir, s.name)}")
+            return 1
+        return None
+
+    def say(self, message: str) -> None:
+        """A message on stderr, on a line of its own (the progress line is ended first)."""
+        self.progress.interrupt()
+        print(message, file=sys.stderr)
+
+    def run(self) -> int:
+        while True:
+            if (code := self.poll()) is not None:
+                return code
+            time.sleep(0.5)
+
+    def drain_learners(self, grace_s: float) -> None:
+        """Graceful stop: SIGTERM the learner ranks (they finish the step, checkpoint and exit) while the
+        generators keep serving them; wait up to `grace_s`."""
+        for s in self.backend.terminate([s for s in self.learners if s.running], grace_s):
+            print(f"{s.name} did not finish within run.stop_grace_s={grace_s:.0f}s; stopping it without a final "
+                  f"checkpoint", file=sys.stderr)
+
+
