@@ -2,7 +2,7 @@
 
 Three threads, one job each:
 - main: the actor loop below (request -> generate -> score -> send);
-- weights: blocks in the weight channel's broadcast and stages each version (`actors/weights.py`:
+- weights: blocks in the weight channel's broadcast and stages each version (`actors/weight_receiver.py`:
   `WeightReceiver`); the main thread swaps staged weights in before the next forward, so new
   weights take effect mid-generation and every token records its version;
 - heartbeat: its own socket, so the hub knows this process is alive even
@@ -35,7 +35,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from actors.weights import WeightReceiver
+from actors.weight_receiver import WeightReceiver
 from common import messages
 from common import weights
 from common.runfiles import EXIT_DRAINED, EXIT_LOST

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from common import messages as M
+from common import messages
 from common.config import Config, eval_sampling
 from common.data import Prompt
 from common.seeds import eval_seed
 
 
-def eval_params(cfg: Config, data_source: str) -> tuple[M.SamplingParams, int]:
+def eval_params(cfg: Config, data_source: str) -> tuple[messages.SamplingParams, int]:
     """(sampling parameters, samples per prompt) of one eval set."""
     t, k = eval_sampling(cfg, data_source)
-    return M.SamplingParams(temperature=t, top_p=cfg.eval.top_p,
+    return messages.SamplingParams(temperature=t, top_p=cfg.eval.top_p,
                             max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens), k
 
 
@@ -32,8 +32,9 @@ def eval_room(cfg: Config, k: int) -> int:
     return max(1, cfg.rollout.groups_per_request * cfg.rollout.group_size // k)
 
 
-def eval_item(cfg: Config, ticket: int, data_source: str, index: int, prompt: Prompt, prompt_ids: bytes) -> M.WorkItem:
-    return M.WorkItem(ticket=ticket, prompt_id=index, epoch=0, prompt_ids=prompt_ids, answer=prompt.answer,
+def eval_item(cfg: Config, ticket: int, data_source: str, index: int, prompt: Prompt,
+              prompt_ids: bytes) -> messages.WorkItem:
+    return messages.WorkItem(ticket=ticket, prompt_id=index, epoch=0, prompt_ids=prompt_ids, answer=prompt.answer,
                       data_source=data_source, seed=eval_seed(cfg.run.seed, data_source, index))
 
 
@@ -42,7 +43,7 @@ def correct(reward: float) -> bool:
     return reward >= 1.0
 
 
-def eval_metrics(results: dict[str, list[M.EvalResult]]) -> dict[str, float]:
+def eval_metrics(results: dict[str, list[messages.EvalResult]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for ds, res in sorted(results.items()):
         if not res:

@@ -164,15 +164,15 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("broker/hub.py", "*", "self.sock.send(..."):
         "non-blocking: HubSocket.send passes zmq.NOBLOCK (common/transport.py)",
     # ---- generators ----
-    ("actors/weights.py", "*", "with self.cv"):
+    ("actors/weight_receiver.py", "*", "with self.cv"):
         "local: WeightReceiver.cv is never held across a wait (receive_weights and load_flat run outside it)",
     ("actors/actor.py", "*", "sock.send(..."):
         "timeout: GeneratorSocket sets SNDTIMEO 30 s (common/transport.py): a send that cannot queue raises zmq.Again",
     ("actors/actor.py", "*", "self.sock.send(..."):
         "timeout: GeneratorSocket sets SNDTIMEO 30 s (common/transport.py): a send that cannot queue raises zmq.Again",
-    ("actors/weights.py", "WeightReceiver.run", "ch.receive_header(self.lay)"): GLOO_PAIR,
-    ("actors/weights.py", "WeightReceiver._receive", "self.engine.receive_weights(..."): ENGINE,
-    ("actors/weights.py", "WeightReceiver.apply", "self.engine.load_flat(staged[1], staged[0])"): ENGINE,
+    ("actors/weight_receiver.py", "WeightReceiver.run", "ch.receive_header(self.lay)"): GLOO_PAIR,
+    ("actors/weight_receiver.py", "WeightReceiver._receive", "self.engine.receive_weights(..."): ENGINE,
+    ("actors/weight_receiver.py", "WeightReceiver.apply", "self.engine.load_flat(staged[1], staged[0])"): ENGINE,
     ("actors/actor.py", "*", "engine.generate(..."): ENGINE,
     ("actors/actor.py", "*", "pool.score_batch(..."):
         "timeout: RewardPool kills an answer after reward.timeout_s, so a batch takes at most ceil(n / workers) x that",

@@ -323,7 +323,7 @@ def _publish(pub, engine, version):
 def test_the_receiver_stages_host_vectors_that_the_main_thread_loads(tmp_path):
     """The default path (torch engine, vLLM over rpc): each version arrives in a host vector; `wait_for` applies
     the newest; a version staged and never applied is skipped, its vector reused; the log has the checksum."""
-    from actors.weights import WeightReceiver
+    from actors.weight_receiver import WeightReceiver
     from learner.publisher import WeightPublisher
 
     engine, sender = _Recorder(), _Recorder()
@@ -349,7 +349,7 @@ def test_the_receiver_stages_host_vectors_that_the_main_thread_loads(tmp_path):
 def test_an_engine_that_receives_directly_joins_and_loads_through_the_same_interface(monkeypatch):
     """A direct engine's announcement makes the learner flag its versions FLAG_DIRECT; the receiver hands each
     to the engine (no host vector, nothing staged) and the version is the engine's at once."""
-    from actors.weights import WeightReceiver
+    from actors.weight_receiver import WeightReceiver
     from learner import nccl
     from learner.publisher import WeightPublisher
 
@@ -403,7 +403,7 @@ def test_the_engine_owns_the_version_and_the_receiver_reports_what_has_arrived()
     heartbeat's policy_version, what wait_for waits for) is a staged vector's version, or the one being swapped
     in, else the engine's: never behind the engine, never ahead of what was received."""
     from actors.actor import Heartbeat
-    from actors.weights import WeightReceiver
+    from actors.weight_receiver import WeightReceiver
     from common.transport import HubSocket
     from learner.publisher import WeightPublisher
 

@@ -112,3 +112,17 @@ def test_learner_imports_the_broker_only_in_its_composition_root():
                      if f.endswith(".py") and "broker" in _imports(os.path.join(root, f)))
     assert users == {"learner/__main__.py"}, sorted(users)
     assert set(EXCEPTIONS) == {("learner/__main__.py", "broker")}
+
+
+def test_no_two_modules_share_a_name():
+    """Each file is one room with a name of its own across the product's packages (`__init__` and `__main__`
+    apart), so a name in a log, a traceback or a review points at one place."""
+    seen: dict[str, list[str]] = {}
+    for pkg in PACKAGES:
+        for root, _, files in os.walk(os.path.join(REPO, pkg)):
+            for f in files:
+                if f.endswith(".py") and f not in ("__init__.py", "__main__.py"):
+                    seen.setdefault(f, []).append(os.path.relpath(os.path.join(root, f), REPO))
+    assert len(seen) > 50, "the walk found too few modules: the check would pass vacuously"
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not shared, f"modules sharing a name: {shared}"

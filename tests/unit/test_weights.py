@@ -12,7 +12,7 @@ from learner.nccl import wait_until
 
 def receive(ch: weights.WeightChannel, lay: weights.Layout, out: torch.Tensor | None = None):
     """A receiver's whole step, for tests: block for the next version -> (version, flat, checksum); None when the
-    learner says stop. (The generator's weight thread does the same in two calls, `actors/weights.py`.)"""
+    learner says stop. (The generator's weight thread does the same in two calls, `actors/weight_receiver.py`.)"""
     got = ch.receive_header(lay)
     if got is None:
         return None
