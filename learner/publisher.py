@@ -106,15 +106,20 @@ class Sends:
             try:
                 work.wait()
             except RuntimeError as e:  # gloo: the peer closed the connection, or the deadline passed
-                return True, f"weight channel failed: {str(e)[:200]}"
+                # gloo's own timer is this deadline too (started a moment later), and may fire before we look
+                late = f"{self._late()}; " if time.monotonic() >= self.deadline else ""
+                return True, f"{late}weight channel failed: {str(e)[:200]}"
             return True, None
         if self.gone(gen_id):
             _abandon(ch, work)
             return True, LOST
         if time.monotonic() >= self.deadline:
             _abandon(ch, work)
-            return True, f"a weight send was not taken within {self.timeout_s:.0f}s (transport.weight_send_timeout_s)"
+            return True, self._late()
         return False, None
+
+    def _late(self) -> str:
+        return f"a weight send was not taken within {self.timeout_s:.0f}s (transport.weight_send_timeout_s)"
 
 
 def _abandon(ch: weights.WeightChannel, work: dist.Work) -> None:
