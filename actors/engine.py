@@ -10,7 +10,7 @@ every model call so an actor can swap in new weights mid-generation; tokens
 after the swap carry the new version (PipelineRL-style in-flight updates; the
 KV cache of earlier tokens is kept, as there).
 
-`TorchEngine` (also importable as `CpuEngine`) is a torch sampler with a KV cache over a
+`TorchEngine` is a torch sampler with a KV cache over a
 transformers causal LM, on the CPU or on one CUDA device (`device=`; `actors/factory.load_engine` picks this process's GPU when
 the launcher gave it one). vLLM (actors/vllm_engine.py) is the fast GPU engine; the torch engine is the
 reference, the CPU engine, and the GPU fallback where vLLM cannot be installed (`generator.engine = "torch"`).
@@ -313,9 +313,6 @@ def _completions(N: int, n: int, tok: torch.Tensor, lp: torch.Tensor, ver: torch
                                     versions=ver_h[r, :L].copy(), finish_reason="stop" if done_h[r] else "length"))
         result.append(group)
     return result
-
-
-CpuEngine = TorchEngine  # the name tests and benchmarks import it by
 
 
 class _HfCache:

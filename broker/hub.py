@@ -27,7 +27,7 @@ Invariants
   incarnation; anything else is dropped with a counted reason. Malformed or
   unauthenticated frames never raise out of the loop.
 - Elastic generators: the run's generator *target* N (`generators()`, RUN_DIR/generators.json, which
-  `covrl-scale RUN_DIR --gens N` rewrites) is read again about every `target_poll_s`. Only ids 0..N-1 are
+  `covrl scale RUN_DIR --gens N` rewrites) is read again about every `target_poll_s`. Only ids 0..N-1 are
   welcomed; a connected generator whose id is >= N is *draining*: it gets no new work (training or eval), what it
   sends back for the tickets it holds is accepted as usual, and once it holds none the hub sends it
   `Stop(reason="drained")`, forgets it and calls `hooks.leave` (the publisher closes its weight channel). So a
@@ -414,7 +414,7 @@ class Hub:
         if not 0 <= msg.gen_id < self.target:
             reason = (f"gen_id {msg.gen_id} is outside 0..{self.target - 1}: the run's generator target is {self.target} "
                       f"(RUN_DIR/generators.json)" + ("" if msg.gen_id < 0 else
-                      f"; to run this generator, raise it with `covrl-scale RUN_DIR --gens {msg.gen_id + 1}`"))
+                      f"; to run this generator, raise it with `covrl scale RUN_DIR --gens {msg.gen_id + 1}`"))
             self.counts["hub/rejected/handshake"] += 1
             log.warning("refused generator %s (pid %s): %s", msg.gen_id, msg.pid, reason)
             self.sock.send(identity, messages.Refused(reason=reason))

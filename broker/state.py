@@ -9,7 +9,7 @@ from common import messages
 
 class ReadyState(msgspec.Struct, frozen=True):
     slot: int
-    issue_version: int
+    issue_version: int  # the policy version its slot was issued at; the name checkpoints already carry
     group: messages.RolloutGroup
 
 

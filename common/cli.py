@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import sys
 
-from common.runfiles import PlacementError
 from common.config import ConfigError
 from common.datasets import DatasetError
+from common.runfiles import PlacementError
 
 USER_ERRORS = (ConfigError, DatasetError, PlacementError, FileNotFoundError)
 EXIT_USAGE = 2  # as argparse exits on a bad flag
@@ -21,3 +21,4 @@ def fail(error: BaseException | str) -> int:
     text = " ".join(str(error).split())
     print(f"error: {text}", file=sys.stderr)
     return EXIT_USAGE
+

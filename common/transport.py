@@ -53,9 +53,37 @@ def load_secret(run_dir: str) -> bytes:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port of `host` that can be bound now, for a process that binds it later. Chosen below the kernel's
+    ephemeral range when it can be: a port from that range may be taken meanwhile by any outgoing connection on the
+    machine (seen as EADDRINUSE in a learner that bound its weight store a few seconds after the launcher chose it)."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = secrets.SystemRandom().randrange(max(1024, low - 16384), low) if low > 2048 else 0
+        if port in _GIVEN:  # handed out already in this process, perhaps not bound yet
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        _GIVEN.add(port)
+        return port
+    with socket.socket() as s:  # every try was taken: any port the kernel offers
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+_GIVEN: set[int] = set()  # the ports free_port returned in this process
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 0 where it cannot be read: then bind(0) is used)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def port_in_use(host: str, port: int) -> str | None:

@@ -216,9 +216,6 @@ class WeightChannel:
         """After a header without FLAG_DIRECT: one fp32 host bucket of `bucket_plan`, in order."""
         return self._start(bucket)
 
-    def send_header(self, version: int, lay: Layout, flags: int = 0) -> None:
-        self.start_header(version, lay, flags).wait()
-
     def start_stop(self) -> dist.Work:
         """The stop header: the receiver's `receive_header` returns None and its weight thread ends."""
         return self._start(torch.tensor([-1, 0, 0, FLAG_STOP], dtype=torch.int64))

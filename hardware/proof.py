@@ -101,6 +101,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+from common.paths import unwritable
 from launch.process_group import signal_group, stop_group
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -386,13 +387,8 @@ def preflight(args, scale: Scale) -> tuple[dict, list[str]]:
     if {"z1", "z3", "vllm-run"} & set(args.stages) and scale.gpus:
         facts["placement"] = cluster_placement(facts, scale)
     for d in {args.out, args.work}:
-        try:
-            os.makedirs(d, exist_ok=True)
-            probe_path = os.path.join(d, ".write-test")
-            open(probe_path, "w").close()
-            os.remove(probe_path)
-        except OSError as e:
-            refuse(f"{d} is not writable ({e.strerror}); pass a writable --out / --work")
+        if (why := unwritable(d)) is not None:
+            refuse(f"{d} is not writable ({why}); pass a writable --out / --work")
     need_gib = 6 if not args.rehearse_cpu and "throughput" in args.stages else 1
     free_gib = shutil.disk_usage(args.work).free / 2**30
     if free_gib < need_gib:
@@ -483,21 +479,21 @@ def child_env(args, **extra) -> dict:
 
 
 def package_versions(args) -> dict:
-    import importlib.metadata as md
+    import importlib.metadata as metadata
 
     out = {}
     for name in ("torch", "transformers", "deepspeed", "tokenizers", "safetensors", "huggingface-hub", "msgspec",
                  "pyzmq", "math-verify", "numpy", "pydantic", "pytest", "vllm", "flash-attn"):
         try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
             out[name] = None
     return out
 
 
 def version_warnings(args) -> list[str]:
     """The project's declared dependencies that the installed versions do not meet (pyproject.toml)."""
-    import importlib.metadata as md
+    import importlib.metadata as metadata
 
     try:
         import tomllib
@@ -511,8 +507,8 @@ def version_warnings(args) -> list[str]:
     for spec in deps:
         req = Requirement(spec)
         try:
-            have = md.version(req.name)
-        except md.PackageNotFoundError:
+            have = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
             out.append(f"{req.name}: not installed (pyproject asks {req.specifier})")
             continue
         if req.specifier and not req.specifier.contains(have, prereleases=True):

@@ -9,7 +9,7 @@ generators (`launch/roles.py`), shows a live progress line, and supervises them 
 generators are restarted, lost ones stopped and restarted, the generator count follows `covrl scale`.
 Ctrl-C / SIGTERM: the learners finish their step and write a checkpoint (up to run.stop_grace_s), then every role
 this launcher started is stopped, and only those; a second Ctrl-C stops at once. The end: the run's summary and
-plots (`launch/summary.py`); TensorBoard with --tensorboard (`launch/tensorboard.py`).
+plots (`launch/summary.py`); TensorBoard with --tensorboard (`launch/board.py`).
 """
 
 from __future__ import annotations
@@ -141,18 +141,18 @@ def start(args) -> int:
     tensorboard = None
     try:
         if args.tensorboard:
-            from launch.tensorboard import start_tensorboard
+            from launch.board import start_tensorboard
 
             tensorboard = start_tensorboard(prepared.path)
         code = supervised(args, sup, backend, prepared, gpus)
         if tensorboard is not None:
-            from launch.tensorboard import keep_serving
+            from launch.board import keep_serving
 
             keep_serving(tensorboard, prepared.path, code)
         return code
     finally:
         if tensorboard is not None:  # whatever ended the launcher: its whole group
-            from launch.tensorboard import stop_tensorboard
+            from launch.board import stop_tensorboard
 
             stop_tensorboard(tensorboard)
 

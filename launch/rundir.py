@@ -19,6 +19,7 @@ import msgspec
 from common.checkpoint_dirs import latest_checkpoint
 from common.config import ConfigError, load_config, to_toml, with_absolute_paths
 from common.data import check_inputs, resolve_model
+from common.paths import unwritable
 from common.runfiles import (ClusterInfo, Placement, check_colocation, place_gpus, read_cluster, read_generator_target,
                              write_cluster, write_generator_target)
 from common.transport import create_secret, free_port, port_in_use
@@ -167,13 +168,9 @@ def check_batch(cfg, learners: int) -> None:
 
 
 def check_writable(run_dir: str) -> None:
-    try:
-        os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-        probe = os.path.join(run_dir, ".write-test")
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"run directory {run_dir!r} is not writable ({e.strerror}); pass a writable --run-dir") from None
+    why = unwritable(run_dir) or unwritable(os.path.join(run_dir, "logs"))
+    if why is not None:
+        raise ConfigError(f"run directory {run_dir!r} is not writable ({why}); pass a writable --run-dir")
 
 
 def run_dir_of(args) -> str:

@@ -95,7 +95,7 @@ def main() -> int:
 
 class GeneratorTargetReader:
     """The run's generator target, read again at each call (the hub polls it about once a second):
-    RUN_DIR/generators.json, which `covrl-scale` rewrites while the run goes on, else cluster.json's count. A file
+    RUN_DIR/generators.json, which `covrl scale` rewrites while the run goes on, else cluster.json's count. A file
     that cannot be read, or that names fewer than one generator, keeps the last good value (and says so once)."""
 
     def __init__(self, run_dir: str, default: int):
@@ -109,7 +109,7 @@ class GeneratorTargetReader:
                 raise ValueError(f"generators={n}, and a run needs at least one")
         except (OSError, ValueError) as e:  # msgspec's DecodeError and ValidationError are ValueErrors
             if str(e) != self.warned:
-                log.warning("%s/generators.json: %s; the target stays %d (set it with covrl-scale RUN_DIR --gens N)",
+                log.warning("%s/generators.json: %s; the target stays %d (set it with covrl scale RUN_DIR --gens N)",
                             self.run_dir, e, self.last)
                 self.warned = str(e)
             return self.last

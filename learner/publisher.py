@@ -106,9 +106,9 @@ class Sends:
             try:
                 work.wait()
             except RuntimeError as e:  # gloo: the peer closed the connection, or the deadline passed
-                # gloo's own timer is this deadline too (started a moment later), and may fire before we look
-                late = f"{self._late()}; " if time.monotonic() >= self.deadline else ""
-                return True, f"{late}weight channel failed: {str(e)[:200]}"
+                # gloo's own timer is this deadline too (started a moment later) and may fire before we look
+                late = time.monotonic() >= self.deadline and "timed out" in str(e).lower()
+                return True, f"{self._late() + '; ' if late else ''}weight channel failed: {str(e)[:200]}"
             return True, None
         if self.gone(gen_id):
             _abandon(ch, work)

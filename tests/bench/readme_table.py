@@ -57,7 +57,7 @@ def rows(res: dict) -> list[str]:
             f"per sync", r))
     if r := res.get("generation"):
         out.append(_row(
-            "4. generation: CpuEngine vs transformers `generate`, demo model, 4 prompts x 8 samples x 64 tokens",
+            "4. generation: TorchEngine vs transformers `generate`, demo model, 4 prompts x 8 samples x 64 tokens",
             f"{r['tokens_per_s']['engine']:.0f} vs {r['tokens_per_s']['hf_generate']:.0f} tokens/s = "
             f"{_x(r['speedup_vs_hf_generate'])}; logprobs within {r['engine_logprob_max_abs_err_vs_forward']:.0e} of a "
             f"fresh forward", r))

@@ -15,7 +15,7 @@ Assumptions (the model; every number is a parameter of `Workload` / `Hardware`):
    Prefill, sampling and scoring are folded into those two constants. Time is fluid: a sequence admitted in the
    middle of an iteration starts at once. `generation="static"` is the alternative (covrl's CPU engine, HF generate):
    a generator takes a batch only when it is empty and returns it when its longest response is done, every
-   iteration costing the padded batch. `generation="static_compact"` is covrl's torch engine since issue 16: a
+   iteration costing the padded batch. `generation="static_compact"` is covrl's torch engine: a
    batch is taken whole and returned whole, but a finished row leaves it, so an iteration costs the rows still
    running.
 3. Learning: one data-parallel group of L ranks; a step costs `step_fixed_s + train_s_per_token * tokens / L`, tokens

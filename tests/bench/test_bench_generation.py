@@ -1,4 +1,4 @@
-"""Benchmark: CpuEngine tokens/s vs transformers `model.generate(do_sample=True)` on the demo model.
+"""Benchmark: TorchEngine tokens/s vs transformers `model.generate(do_sample=True)` on the demo model.
 
 Both sample the demo model (assets/arith-base, fp32, sdpa, one thread) for the same batch: the demo
 config's first `rollout.groups_per_request` arith prompts (as the hub renders and tokenises them), each
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from actors.engine import CpuEngine
+from actors.engine import TorchEngine
 from common.config import Config
 from common.data import PromptSource
 from common.messages import SamplingParams
@@ -57,7 +57,7 @@ def _hf_generate(model, prompts: list[list[int]], n: int, sp: SamplingParams, pa
     return out[:, width:]
 
 
-def _engine_logprob_error(engine: CpuEngine, prompt: list[int], sp: SamplingParams) -> float:
+def _engine_logprob_error(engine: TorchEngine, prompt: list[int], sp: SamplingParams) -> float:
     """Max |logprob - fresh forward| over one sampled row (the test suite's check, at benchmark length)."""
     c = engine.generate([prompt], 1, sp, [7])[0][0]
     ids = torch.tensor([prompt + c.token_ids.tolist()])
@@ -75,7 +75,7 @@ def test_engine_vs_hf_generate():
     ro = cfg.rollout
     tokenizer = AutoTokenizer.from_pretrained(DEMO)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    engine = CpuEngine(DEMO, eos_token_id=NEVER, pad_token_id=pad)
+    engine = TorchEngine(DEMO, eos_token_id=NEVER, pad_token_id=pad)
     prompts, seeds = _batch(cfg, tokenizer)
     sp = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
     rows = len(prompts) * ro.group_size
@@ -109,7 +109,7 @@ def test_engine_vs_hf_generate():
                  f"prompt lengths {sorted(map(len, prompts))}",
         "seconds": times, "tokens_per_s": tps, "speedup_vs_hf_generate": speedup,
         "engine_logprob_max_abs_err_vs_forward": err,
-        "target": f"CpuEngine >= {TARGET}x transformers generate(do_sample=True) tokens/s, logprobs within 1e-4 "
+        "target": f"TorchEngine >= {TARGET}x transformers generate(do_sample=True) tokens/s, logprobs within 1e-4 "
                   f"of a fresh forward",
         "verdict": verdict(met),
     })

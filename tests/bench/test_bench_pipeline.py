@@ -50,11 +50,11 @@ class Trainer(ref.Trainer):
     def train_step(self, batch, *a, **k):
         t = time.perf_counter(); out = super().train_step(batch, *a, **k); cur["train_s"] = time.perf_counter() - t
         cur["tokens"] = sum(len(s.input_ids) // 4 for s in batch.samples); return out
-class Engine(ref.CpuEngine):
+class Engine(ref.TorchEngine):
     def load_flat(self, flat, version):
         t = time.perf_counter(); super().load_flat(flat, version); end = time.perf_counter()
         rows.append({{**cur, "load_s": end - t, "t_end": end}}); cur.clear()
-ref.rollout, ref.Trainer, ref.CpuEngine = rollout, Trainer, Engine
+ref.rollout, ref.Trainer, ref.TorchEngine = rollout, Trainer, Engine
 ref.main(sys.argv[1], sys.argv[2])
 print("__ROWS__", json.dumps(rows))
 """

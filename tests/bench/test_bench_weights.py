@@ -106,7 +106,7 @@ def _sync_seconds(module: torch.nn.Module, spec: str, versions: int, raw: bool =
     try:
         pub.join(GEN_ID, INCARNATION)
         _wait_joined(pub, proc)
-        channel = pub.channels[GEN_ID][1]
+        channel = pub.channels[GEN_ID].channel
         times = []
         for v in range(1, versions + 1):
             with torch.no_grad():

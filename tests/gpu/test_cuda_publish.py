@@ -50,6 +50,6 @@ def test_a_cuda_learner_publishes_what_the_generator_receives(monkeypatch, dtype
         assert wait_until(lambda: len(got) >= version, 60, 0.01)
         v, flat, received = got[-1]
         assert v == version and torch.equal(flat, expected) and received == total == weights.checksum(expected, lay)
-    assert pub.latest.is_pinned()
+    assert pub.latest.flat.is_pinned()
     pub.stop()
     t.join(30)

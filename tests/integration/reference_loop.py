@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from actors.actor import rollout
-from actors.engine import CpuEngine
+from actors.engine import TorchEngine
 from broker.rules import GroupRules
 from common import messages
 from common import weights
@@ -35,7 +35,7 @@ def setup(cfg):
     init_distributed()
     path = model_dir(cfg)
     tok = AutoTokenizer.from_pretrained(path)
-    engine = CpuEngine(path, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    engine = TorchEngine(path, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     return tok, engine, Trainer(cfg, path), PromptSource(cfg, tok)
 
 

@@ -44,7 +44,7 @@ BLOCKING: dict[str, int | None] = {
     # covrl's own helpers that wait: the deadline is an argument, or the object's own (then ALLOWED says which)
     "wait_for": 1, "wait_until": 1, "take_batch": None, "handshake": 4, "join_weights": 2, "join_nccl": 3,
     "offer_address": 3, "read_address": 1, "receive_header": None, "receive_buckets": None,
-    "receive_weights": None, "receive_nccl": None, "send_header": None, "send_bucket": None, "score_batch": None,
+    "receive_weights": None, "receive_nccl": None, "send_bucket": None, "score_batch": None,
     "WeightChannel": 4, "NcclSender": 4, "VllmEngine": None, "_send_latest": None, "_send_bucket": None,
     "_connect_nccl": None,
 }
@@ -159,8 +159,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "timeout: run by _within(self.timeout_s, ...), which gives up on it past its deadline",
     # ---- the hub (a thread of learner rank 0) ----
     ("broker/hub.py", "*", "with self.cv"):
-        "local: the hub's cv is never held across a wait on another process (NOBLOCK sends; on_join, on_leave and "
-        "on_lost only mark, start threads or append one line to a file)",
+        "local: the hub's cv is never held across a wait on another process (NOBLOCK sends; the hooks join, leave and "
+        "lost only mark, start threads or append one line to a file)",
     ("broker/hub.py", "*", "self.sock.send(..."):
         "non-blocking: HubSocket.send passes zmq.NOBLOCK (common/transport.py)",
     # ---- generators ----
@@ -219,7 +219,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     **{("common/weights.py", func, call): "timeout: a gloo broadcast of this channel: its ProcessGroupGloo _timeout "
        "(set in __init__)" for func, call in (
            ("WeightChannel._bcast", "self._start(t).wait()"),
-           ("WeightChannel.send_header", "self.start_header(version, lay, flags).wait()"),
            ("WeightChannel.stop", "self.start_stop().wait()"))},
     ("common/transport.py", "*", "self.sock.recv_multipart(..."):
         "non-blocking: only after poll() reported a message (ZeroMQ delivers a multipart message whole)",

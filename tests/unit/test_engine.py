@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from actors.engine import CpuEngine, Engine, TorchEngine, gumbel_noise, row_seeds, sampling_logprobs
+from actors.engine import Engine, TorchEngine, gumbel_noise, row_seeds, sampling_logprobs
 from common import messages
 from common import vllm_weights
 from common import weights
@@ -21,7 +21,7 @@ def engine(tiny_model_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    return CpuEngine(tiny_model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return TorchEngine(tiny_model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
 
 
 SP = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=12)
@@ -165,7 +165,7 @@ def test_fast_decode_path_equals_the_transformers_cache_path(engine, monkeypatch
             assert a.finish_reason == b.finish_reason
 
 
-# Recorded with CpuEngine before it became TorchEngine(device=...) (tests/conftest.py tiny model; prompts [5, 6, 7]
+# Recorded with the torch engine on the CPU (tests/conftest.py tiny model; prompts [5, 6, 7]
 # and [8, 9, 10, 11, 12], seeds 3 and 4, n = 2, 10 tokens): the token ids and each completion's logprob sum.
 # Re-record only if the tiny model itself changes (a transformers upgrade that initialises Qwen2 differently).
 RECORDED = {
@@ -185,7 +185,6 @@ def _tiny_engine(tiny_model_dir, **kw):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_torch_engine_on_cpu_reproduces_the_recorded_cpu_engine_samples(tiny_model_dir, temperature):
-    assert CpuEngine is TorchEngine  # the old name stays importable
     engine = _tiny_engine(tiny_model_dir, device="cpu")
     assert engine.device == torch.device("cpu") and engine.stop_ids.device == engine.device
     sp = SamplingParams(temperature=temperature, top_p=1.0, max_new_tokens=10)
@@ -387,7 +386,7 @@ def test_a_direct_version_for_an_engine_without_a_direct_receiver_is_a_clear_err
 
     def learner():
         ch = weights.WeightChannel("127.0.0.1", port, 0, 2, 30)
-        ch.send_header(1, lay, weights.FLAG_DIRECT)
+        ch.start_header(1, lay, weights.FLAG_DIRECT).wait()
 
     t = threading.Thread(target=learner)
     t.start()

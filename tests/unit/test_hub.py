@@ -346,7 +346,7 @@ def test_scale_down_drains_a_generator_after_its_groups_are_in_and_trains_them_o
             held = b.recv(5.0).items  # slots 0, 1
             a.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
             first = a.recv(5.0).items  # slots 2, 3
-            target[0] = 1  # covrl-scale RUN_DIR --gens 1: generator 1 drains
+            target[0] = 1  # covrl scale RUN_DIR --gens 1: generator 1 drains
             _until(hub, cluster__generators=1.0, cluster__generators_target=1.0)
             b.send(messages.WorkRequest(gen_id=1, incarnation="b", max_groups=2))
             assert b.recv(0.5) is None  # no new work for a draining generator, and no Stop while it holds two groups
@@ -380,7 +380,7 @@ def test_scale_down_drains_a_generator_after_its_groups_are_in_and_trains_them_o
             # It may not come back while the target excludes it; the reason says how to allow it.
             refused = _hello(b, gen_id=1, inc="b2")
             assert isinstance(refused, messages.Refused)
-            assert "target is 1" in refused.reason and "covrl-scale RUN_DIR --gens 2" in refused.reason
+            assert "target is 1" in refused.reason and "covrl scale RUN_DIR --gens 2" in refused.reason
         finally:
             a.close()
             b.close()
@@ -426,7 +426,7 @@ def test_scale_up_welcomes_new_ids_and_a_draining_generator_stays_if_the_target_
             assert isinstance(_hello(a, gen_id=0, inc="a"), messages.Welcome)
             refused = _hello(b, gen_id=1, inc="b")
             assert isinstance(refused, messages.Refused) and "outside 0..0" in refused.reason
-            assert "covrl-scale RUN_DIR --gens 2" in refused.reason
+            assert "covrl scale RUN_DIR --gens 2" in refused.reason
             assert _until(hub, cluster__generators=1.0, cluster__generators_target=1.0)["hub/rejected/handshake"] == 1
             target[0] = 3
             _until(hub, cluster__generators_target=3.0)
@@ -493,7 +493,7 @@ def test_the_learners_target_reader_follows_generators_json_and_keeps_the_last_g
     (tmp_path / "generators.json").write_text('{"generators": 0}')  # by hand: not a target a run can have
     assert read() == 5 and "a run needs at least one" in caplog.text
     (tmp_path / "generators.json").write_text("{not json")
-    assert read() == 5 and "covrl-scale RUN_DIR --gens N" in caplog.text
+    assert read() == 5 and "covrl scale RUN_DIR --gens N" in caplog.text
     (tmp_path / "generators.json").write_text('{"generators": 2, "revision": 7}')
     assert read() == 2
 
@@ -623,3 +623,17 @@ def test_a_failed_weight_channel_is_the_hubs_verdict_and_a_stale_report_is_ignor
         c = hub.stats().counters
         assert len(lost) == 1 and c["hub/generator_lost/weight_channel"] == 1 and c["hub/reissued_prompts"] == 2
         a.close()
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_and_are_never_handed_out_twice():
+    """A port the launcher chooses is bound seconds later by another process (the hub, the weight store, the
+    learners' rendezvous): from the kernel's ephemeral range an outgoing connection could take it meanwhile."""
+    from common import transport
+
+    ports = [transport.free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    low = transport._ephemeral_low()
+    if low > 2048:  # Linux: the range is readable
+        assert all(max(1024, low - 16384) <= p < low for p in ports), (low, min(ports), max(ports))
+    for p in ports[:5]:
+        assert transport.port_in_use("127.0.0.1", p) is None

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from common import config as C
-from learner import losses as L
+from common import config
+from learner import losses
 from learner.objective import LOSSES, Objective, Surveyed, Tokens, loss_name, make_loss
 from learner.trainer import SUM_KEYS, StepStats, accumulate, micro_sums, step_metrics, sum_vector
 
@@ -32,7 +32,7 @@ class OneRank:
 
 
 def _lc(loss, **learner):
-    return C.LearnerConfig(loss=loss, **learner)
+    return config.LearnerConfig(loss=loss, **learner)
 
 
 def _step():
@@ -56,14 +56,14 @@ def _chosen(loss_cfg, seed=0, **learner):
 
 
 def test_registry_covers_every_configurable_loss():
-    tags = {loss_name(cls()) for cls in typing.get_args(C.LossConfig)}
+    tags = {loss_name(cls()) for cls in typing.get_args(config.LossConfig)}
     assert set(LOSSES) == tags
-    for cls in typing.get_args(C.LossConfig):
+    for cls in typing.get_args(config.LossConfig):
         assert isinstance(make_loss(_lc(cls())), LOSSES[loss_name(cls())])
 
 
 def test_unknown_loss_names_the_registered_ones():
-    class Mystery(C._Loss, tag="mystery"):
+    class Mystery(config._Loss, tag="mystery"):
         pass
 
     with pytest.raises(ValueError, match=r"'mystery'; registered: cispo, clip_cov, gspo, kl_cov, ppo"):
@@ -73,8 +73,8 @@ def test_unknown_loss_names_the_registered_ones():
 @pytest.mark.parametrize("scope", ["step", "micro_batch"])
 def test_only_covariance_losses_over_the_step_choose_step_wide(scope):
     has = {name: make_loss(_lc(cls(), cov_scope=scope)).select_step is not None
-           for name, cls in (("ppo", C.PPOLoss), ("clip_cov", C.ClipCovLoss), ("kl_cov", C.KLCovLoss),
-                             ("gspo", C.GSPOLoss), ("cispo", C.CISPOLoss))}
+           for name, cls in (("ppo", config.PPOLoss), ("clip_cov", config.ClipCovLoss), ("kl_cov", config.KLCovLoss),
+                             ("gspo", config.GSPOLoss), ("cispo", config.CISPOLoss))}
     want = scope == "step"
     assert has == {"ppo": False, "clip_cov": want, "kl_cov": want, "gspo": False, "cispo": False}
 
@@ -82,38 +82,38 @@ def test_only_covariance_losses_over_the_step_choose_step_wide(scope):
 def test_kl_cov_step_choice_hand_computed():
     # Eligible (Cov > 0): 1.375 and 1.125. k = max(1, int(f * 4 valid tokens)).
     none = [[False, False, False]]
-    assert _chosen(C.KLCovLoss(kl_fraction=0.25)) == [[[True, False, False]], none]  # k = 1: 1.375
-    assert _chosen(C.KLCovLoss(kl_fraction=0.5)) == [[[True, False, False]], [[True, False, False]]]  # k = 2
-    assert _chosen(C.KLCovLoss(kl_fraction=1.0)) == [[[True, False, False]], [[True, False, False]]]  # k = 4 > 2
+    assert _chosen(config.KLCovLoss(kl_fraction=0.25)) == [[[True, False, False]], none]  # k = 1: 1.375
+    assert _chosen(config.KLCovLoss(kl_fraction=0.5)) == [[[True, False, False]], [[True, False, False]]]  # k = 2
+    assert _chosen(config.KLCovLoss(kl_fraction=1.0)) == [[[True, False, False]], [[True, False, False]]]  # k = 4 > 2
     # Per micro-batch (cov_scope = "micro_batch") the same tokens have Cov 0: nothing is chosen.
     for e in _step():
-        _, m = L.kl_cov_loss(e.old, e.old, e.adv, e.mask, kl_fraction=1.0, kl_coef=1.0)
+        _, m = losses.kl_cov_loss(e.old, e.old, e.adv, e.mask, kl_fraction=1.0, kl_coef=1.0)
         assert m["cov_selected"].sum() == 0
 
 
 def test_clip_cov_step_choice_hand_computed():
     # Candidates: lb < Cov < ub. With lb 1.2 only 1.375 is one; k = 1.
-    assert _chosen(C.ClipCovLoss(cov_fraction=0.25, cov_lb=1.2)) == [[[True, False, False]], [[False, False, False]]]
+    assert _chosen(config.ClipCovLoss(cov_fraction=0.25, cov_lb=1.2)) == [[[True, False, False]], [[False, False, False]]]
     # lb 1.0: candidates 1.375 and 1.125; k = 2 takes both.
-    assert _chosen(C.ClipCovLoss(cov_fraction=0.5, cov_lb=1.0)) == [[[True, False, False]], [[True, False, False]]]
+    assert _chosen(config.ClipCovLoss(cov_fraction=0.5, cov_lb=1.0)) == [[[True, False, False]], [[True, False, False]]]
     # k = 1 of the 2: one of them, drawn from the step's generator (the same seed, the same choice).
-    one = _chosen(C.ClipCovLoss(cov_fraction=0.25, cov_lb=1.0), seed=3)
+    one = _chosen(config.ClipCovLoss(cov_fraction=0.25, cov_lb=1.0), seed=3)
     assert sum(row[0][0] for row in one) == 1 and not any(row[0][1] or row[0][2] for row in one)
-    assert _chosen(C.ClipCovLoss(cov_fraction=0.25, cov_lb=1.0), seed=3) == one
-    seen = {str(_chosen(C.ClipCovLoss(cov_fraction=0.25, cov_lb=1.0), seed=s)) for s in range(16)}
+    assert _chosen(config.ClipCovLoss(cov_fraction=0.25, cov_lb=1.0), seed=3) == one
+    seen = {str(_chosen(config.ClipCovLoss(cov_fraction=0.25, cov_lb=1.0), seed=s)) for s in range(16)}
     assert len(seen) == 2  # both candidates get drawn
 
 
 def test_objective_select_fills_the_step_choices():
     # High entropy: top 50 % of 4 valid tokens = 2 (0.9 and 0.7); the padded 5.0 never counts.
-    obj = Objective(_lc(C.KLCovLoss(kl_fraction=0.25), high_entropy_fraction=0.5), max_new_tokens=8)
+    obj = Objective(_lc(config.KLCovLoss(kl_fraction=0.25), high_entropy_fraction=0.5), max_new_tokens=8)
     assert obj.selects_over_step
     entries = _step()
     obj.select(entries, OneRank(), G(0))
     assert [e.keep.tolist() for e in entries] == [[[0.0, 1.0, 0.0]], [[0.0, 1.0, 0.0]]]
     assert [e.selected.tolist() for e in entries] == [[[True, False, False]], [[False, False, False]]]
     # Nothing step-wide: no survey is needed for it, and select leaves the entries alone.
-    plain = Objective(_lc(C.ClipCovLoss(), cov_scope="micro_batch"), max_new_tokens=8)
+    plain = Objective(_lc(config.ClipCovLoss(), cov_scope="micro_batch"), max_new_tokens=8)
     assert not plain.selects_over_step
     entries = _step()
     plain.select(entries, OneRank(), G(0))
@@ -132,12 +132,12 @@ def _tokens(adv, selected=None, seed=0):
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_every_registered_loss_gives_zero_loss_and_gradient_at_zero_advantage(name):
-    cfg = next(cls() for cls in typing.get_args(C.LossConfig) if loss_name(cls()) == name)
+    cfg = next(cls() for cls in typing.get_args(config.LossConfig) if loss_name(cls()) == name)
     loss = make_loss(_lc(cfg))
     selected = torch.zeros(1, 12, dtype=torch.bool) if loss.select_step is not None else None
     t = _tokens(0.0, selected)
     tok, metrics = loss(t, G(1))
-    L.aggregate(tok, t.mask, "token-mean", global_tokens=t.mask.sum()).backward()
+    losses.aggregate(tok, t.mask, "token-mean", global_tokens=t.mask.sum()).backward()
     assert_close(tok, torch.zeros(1, 12))
     assert_close(t.logp.grad, torch.zeros(1, 12))
     assert {"pg_clipfrac", "ppo_kl"} <= set(metrics) <= set(SUM_KEYS)
@@ -147,11 +147,11 @@ def test_registry_binds_the_config_knobs():
     # PPO: dual_clip_c = 0 turns dual-clip off. A = -1, r = e^2 = 7.39 > c: without the cap the loss is 7.39.
     t = Tokens(logp=torch.tensor([[2.0]]), entropy=torch.zeros(1, 1), old=torch.zeros(1, 1), behav=torch.zeros(1, 1),
                adv=-torch.ones(1, 1), mask=torch.ones(1, 1), seq_ids=torch.zeros(1, 1, dtype=torch.long), num_seqs=1)
-    assert_close(make_loss(_lc(C.PPOLoss(dual_clip_c=0.0)))(t, G())[0], torch.tensor([[torch.e ** 2]]))
-    assert_close(make_loss(_lc(C.PPOLoss(dual_clip_c=3.0)))(t, G())[0], torch.tensor([[3.0]]))
+    assert_close(make_loss(_lc(config.PPOLoss(dual_clip_c=0.0)))(t, G())[0], torch.tensor([[torch.e ** 2]]))
+    assert_close(make_loss(_lc(config.PPOLoss(dual_clip_c=3.0)))(t, G())[0], torch.tensor([[3.0]]))
     # KL-Cov with a step-wide choice: the penalty kl_coef * |logp - old| = 0.5 * 2 lands on the chosen token.
     t.selected = torch.ones(1, 1, dtype=torch.bool)
-    assert_close(make_loss(_lc(C.KLCovLoss(kl_coef=0.5)))(t, G())[0], torch.tensor([[torch.e ** 2 + 1.0]]))
+    assert_close(make_loss(_lc(config.KLCovLoss(kl_coef=0.5)))(t, G())[0], torch.tensor([[torch.e ** 2 + 1.0]]))
 
 
 def test_step_sums_are_gathered_by_name():

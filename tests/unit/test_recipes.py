@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from common import config as C
+from common import config
 from tests.conftest import REPO
 
 RECIPES = os.path.join(REPO, "launch", "recipes")
@@ -15,7 +15,7 @@ PAPER = [p for p in PAPER if "1gpu" not in p]
 
 def _load(name):
     # validate=False: the values, without the cross-field checks that need the data files (test below).
-    return C.load_config(os.path.join(RECIPES, name), validate=False)
+    return config.load_config(os.path.join(RECIPES, name), validate=False)
 
 
 def test_the_eight_paper_recipes_exist():
@@ -25,7 +25,7 @@ def test_the_eight_paper_recipes_exist():
 
 @pytest.mark.parametrize("path", PAPER, ids=os.path.basename)
 def test_paper_recipe_shared_values(path):
-    cfg = C.load_config(path, validate=False)
+    cfg = config.load_config(path, validate=False)
     size = "7b" if "-7b-" in path else "32b"
     assert cfg.model.path.endswith("Qwen2.5-7B" if size == "7b" else "Qwen2.5-32B") and cfg.model.dtype == "bfloat16"
     r, lr = cfg.rollout, cfg.learner
@@ -40,35 +40,35 @@ def test_paper_recipe_shared_values(path):
     # Validation: greedy, except AIME, AIME25 and AMC at 0.6 with avg@32.
     assert cfg.eval.temperature == 0 and cfg.eval.k == 32
     assert cfg.eval.temperatures == {"aime-2024": 0.6, "aime-2025": 0.6, "amc": 0.6}
-    assert C.eval_sampling(cfg, "math500") == (0.0, 1) and C.eval_sampling(cfg, "aime-2025") == (0.6, 32)
+    assert config.eval_sampling(cfg, "math500") == (0.0, 1) and config.eval_sampling(cfg, "aime-2025") == (0.6, 32)
 
 
 @pytest.mark.parametrize("size", ["7b", "32b"])
 def test_paper_recipe_loss_values(size):
     grpo, higher = _load(f"qwen2.5-{size}-grpo.toml").learner.loss, _load(f"qwen2.5-{size}-clip-higher.toml").learner.loss
-    assert isinstance(grpo, C.PPOLoss) and (grpo.clip_low, grpo.clip_high) == (0.2, 0.2)
-    assert isinstance(higher, C.PPOLoss) and (higher.clip_low, higher.clip_high) == (0.2, 0.28)
+    assert isinstance(grpo, config.PPOLoss) and (grpo.clip_low, grpo.clip_high) == (0.2, 0.2)
+    assert isinstance(higher, config.PPOLoss) and (higher.clip_low, higher.clip_high) == (0.2, 0.28)
     cc = _load(f"qwen2.5-{size}-clip-cov.toml").learner.loss
-    assert isinstance(cc, C.ClipCovLoss)
+    assert isinstance(cc, config.ClipCovLoss)
     assert (cc.cov_fraction, cc.cov_lb, cc.cov_ub, cc.clip_low, cc.clip_high) == (2e-4, 1.0, 5.0, 1.0, 1.0)
     kc = _load(f"qwen2.5-{size}-kl-cov.toml").learner.loss
-    assert isinstance(kc, C.KLCovLoss) and kc.kl_coef == 1.0
+    assert isinstance(kc, config.KLCovLoss) and kc.kl_coef == 1.0
     assert kc.kl_fraction == (2e-3 if size == "7b" else 2e-4)
 
 
 def test_small_gpu_recipe():
     cfg = _load("qwen2.5-1.5b-1gpu-kl-cov.toml")
-    assert cfg.model.path.endswith("Qwen2.5-1.5B") and isinstance(cfg.learner.loss, C.KLCovLoss)
+    assert cfg.model.path.endswith("Qwen2.5-1.5B") and isinstance(cfg.learner.loss, config.KLCovLoss)
     assert cfg.learner.loss.kl_fraction == 2e-3 and cfg.rollout.groups_per_step % cfg.learner.mini_batches == 0
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(RECIPES, "*.toml"))), ids=os.path.basename)
 def test_recipe_passes_every_check_once_its_data_exists(path, tmp_path, monkeypatch):
-    cfg = C.load_config(path, validate=False)
+    cfg = config.load_config(path, validate=False)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(C.ConfigError, match="does not exist"):
-        C.check(cfg)  # the data files are named, and missing here
+    with pytest.raises(config.ConfigError, match="does not exist"):
+        config.check(cfg)  # the data files are named, and missing here
     for f in cfg.data.train_files + cfg.data.eval_files:
         os.makedirs(os.path.dirname(f), exist_ok=True)
         open(f, "w").close()
-    C.check(cfg)
+    config.check(cfg)

@@ -1,5 +1,7 @@
 """TensorBoard for one run (`covrl run --tensorboard`): served on 127.0.0.1 while the run trains, in a session of its
-own so that stopping it stops its whole process group, and after the run kept serving only at a terminal."""
+own so that stopping it stops its whole process group, and after the run kept serving only at a terminal. Named
+board.py, not tensorboard.py: `python launch/cluster.py` puts launch/ first on the import path, where a
+tensorboard.py would shadow the tensorboard package."""
 
 from __future__ import annotations
 
