@@ -101,9 +101,6 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from common.paths import unwritable
-from launch.process_group import signal_group, stop_group
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 STAGES = ("vllm-kit", "vllm-tests", "vllm-run", "tests", "z1", "throughput", "z3")
@@ -331,6 +328,8 @@ def run_logged(argv: list[str], log: StageLog, timeout_s: float, env: dict | Non
             lines.append(line.rstrip("\n"))
             log.write(line)
 
+    from launch.process_group import signal_group, stop_group  # covrl's: preflight has checked it imports
+
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     timed_out = False
@@ -386,6 +385,8 @@ def preflight(args, scale: Scale) -> tuple[dict, list[str]]:
             refuse(f"{path} is missing: run from a complete checkout of the repository")
     if {"z1", "z3", "vllm-run"} & set(args.stages) and scale.gpus:
         facts["placement"] = cluster_placement(facts, scale)
+    from common.paths import unwritable
+
     for d in {args.out, args.work}:
         if (why := unwritable(d)) is not None:
             refuse(f"{d} is not writable ({why}); pass a writable --out / --work")

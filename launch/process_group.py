@@ -1,6 +1,7 @@
 """Stopping what the launcher started: every role (and TensorBoard, and each GPU-proof stage) runs in a session of
 its own, so its process group holds it and whatever it spawned (reward workers, engine workers), and nothing else.
-These two functions are the only place covrl signals such a group.
+These functions are the only place covrl signals such a group (a role ending its own group when its launcher is
+gone, common/lifeline.py, is the one exception: common/ cannot import launch/).
 """
 
 from __future__ import annotations

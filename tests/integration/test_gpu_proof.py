@@ -3,6 +3,7 @@ runs, checksums on both sides, checkpoint and resume, the throughput workers, th
 the CPU at toy scale, so a GPU lease is never spent finding a bug in the script."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -32,3 +33,16 @@ def test_the_gpu_proof_passes_its_cpu_rehearsal(tmp_path):
     assert full["checksums_equal"] == full["steps_logged"] == 4 and full["checkpoints"] == [2, 4]
     assert resume["resumed_from"] == 2 and resume["checksums_equal_after_resume"] == 3  # version 2 again, then 3, 4
     assert tput["figures"]["learner"]["tokens_per_s"] > 0 and tput["figures"]["generation"]["tokens_per_s"] > 0
+
+
+def test_run_as_a_file_it_refuses_in_one_line(tmp_path):
+    """`python3 hardware/proof.py` puts hardware/ first on the import path, so covrl's packages are not importable:
+    the proof says so in one line and how to run it, rather than failing on an import (its top level imports only
+    the standard library)."""
+    # -S: without site-packages, where .venv's editable install would make covrl importable from anywhere
+    out = subprocess.run([sys.executable, "-S", os.path.join(REPO, "hardware", "proof.py"), "--rehearse-cpu",
+                          "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "python3 -m hardware.proof" in out.stderr, out.stderr
+    assert not (tmp_path / "out").exists()  # refused before anything was written
