@@ -528,12 +528,13 @@ class Hub:
         it is forgotten (a late request gets Stop), counted, logged with what it held, and `hooks.lost` tells the
         weight publisher and the launcher."""
         gen = self.gens.pop(gen_id)
-        slots = sorted(t.slot for t in self.in_flight.values() if t.gen_id == gen_id)
-        for tid, t in list(self.in_flight.items()):
-            if t.gen_id == gen_id:
-                del self.in_flight[tid]
-                self.reissue.append(t)
-                self.counts["hub/reissued_prompts"] += 1
+        tickets = [t for t in self.in_flight.values() if t.gen_id == gen_id]
+        for t in tickets:
+            del self.in_flight[t.ticket]
+            self.reissue.append(t)
+        if tickets:  # a counter is only written once it counts something
+            self.counts["hub/reissued_prompts"] += len(tickets)
+        slots = sorted(t.slot for t in tickets)
         evals = self.evals.requeue(gen_id)
         if evals:
             self.counts["hub/reissued_eval_prompts"] += evals

@@ -144,13 +144,10 @@ class GlooPeer:
     incarnation: str
     channel: weights.WeightChannel
     blocking = False  # a bucket send returns at once: all such sends are waited for together (`Sends`)
+    flags = 0  # of each header: the buckets follow over this gloo channel
 
     def start_header(self, sends: "Sends", version: int, lay: weights.Layout) -> str | None:
         return sends.add(self.gen_id, self.channel, lambda: self.channel.start_header(version, lay, self.flags))
-
-    @property
-    def flags(self) -> int:
-        return 0
 
     def send_bucket(self, sends: "Sends", lay: weights.Layout, first: int, end: int, host: torch.Tensor,
                     bucket: torch.Tensor, cancelled: Callable[[], bool]) -> str | None:
@@ -174,10 +171,7 @@ class NcclPeer(GlooPeer):
     sender: nccl.NcclSender
     dtype: torch.dtype  # the generator's: each bucket is sent in it
     blocking = True  # a bucket send waits for its broadcast to land (with its own deadline)
-
-    @property
-    def flags(self) -> int:
-        return weights.FLAG_DIRECT
+    flags = weights.FLAG_DIRECT  # the buckets go over NCCL, straight into its vLLM workers
 
     def send_bucket(self, sends: "Sends", lay: weights.Layout, first: int, end: int, host: torch.Tensor,
                     bucket: torch.Tensor, cancelled: Callable[[], bool]) -> str | None:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from common.runfiles import apply_memory_fraction
-from common.config import Config
+from common.config import Config, TransportConfig
 from learner.batch import StepBatch, pack
 from learner.logprobs import install_token_forward
 from learner.objective import Objective, Surveyed, Tokens
@@ -51,7 +51,7 @@ def _quiet_deepspeed():
     return deepspeed
 
 
-def init_distributed(timeout_s: float = 2400.0) -> tuple[int, int]:
+def init_distributed(timeout_s: float = TransportConfig().learner_timeout_s) -> tuple[int, int]:
     """torch.distributed from the standard env (RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_RANK); every collective
     and the rendezvous wait at most `timeout_s` (transport.learner_timeout_s).
 
