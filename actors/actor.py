@@ -218,5 +218,6 @@ def evaluate(work: messages.EvalWork, *, engine, tokenizer, pool, receiver, gen_
         out.append(messages.EvalResult(gen_id=gen_id, incarnation=incarnation, ticket=it.ticket, policy_version=engine.version,
                                 rewards=[float(x.reward) for x in sc], lengths=[len(c.token_ids) for c in comps],
                                 score_status=[x.status for x in sc],
+                                entropies=[c.entropy for c in comps] if all(c.entropy is not None for c in comps) else [],
                                 texts=texts[i * work.k:(i + 1) * work.k] if it.prompt_id < work.keep_texts else []))
     return out

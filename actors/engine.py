@@ -65,6 +65,9 @@ class Completion:
     logprobs: np.ndarray  # float32 [T]
     versions: np.ndarray  # int32 [T]
     finish_reason: str  # "stop" | "length"
+    # Sum over the response's tokens of the sampling distribution's entropy (nats), under the version that generated
+    # them: held-out evaluations log it as on-policy entropy. None where the engine does not measure it (vLLM).
+    entropy: float | None = None
 
 
 class Engine(ABC):
@@ -224,6 +227,7 @@ class TorchEngine(Engine):
         out_tok = torch.full((B, T), self.pad, dtype=torch.long, device=dev)
         out_lp = torch.zeros((B, T), dtype=torch.float32, device=dev)
         out_ver = torch.zeros((B, T), dtype=torch.int32, device=dev)
+        out_ent = torch.zeros((B, T), dtype=torch.float32, device=dev)
         lengths = torch.full((B,), T, dtype=torch.long, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         # The benchmark workload: row r stops at forced[r] tokens exactly (stop token withheld before, emitted there).
@@ -240,14 +244,15 @@ class TorchEngine(Engine):
             tok, logp = self._choose(logits, t, sampling, a_seeds, a_forced)
             written = torch.where(a_done, self.pad, tok)
             lp = logp.gather(-1, tok[:, None])[:, 0]
+            ent = -(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)  # top-p's -inf: 0 * finite
             finished_now = torch.isin(tok, self.stop_ids) & ~a_done
             a_done = a_done | finished_now
             if rows is None:
-                out_tok[:, t], out_lp[:, t], out_ver[:, t] = written, lp, self.version
+                out_tok[:, t], out_lp[:, t], out_ver[:, t], out_ent[:, t] = written, lp, self.version, ent
                 lengths.masked_fill_(finished_now, t + 1)
                 done = a_done
             else:
-                out_tok[rows, t], out_lp[rows, t], out_ver[rows, t] = written, lp, self.version
+                out_tok[rows, t], out_lp[rows, t], out_ver[rows, t], out_ent[rows, t] = written, lp, self.version, ent
                 lengths[rows] = torch.where(finished_now, t + 1, lengths[rows])
                 done[rows] = a_done
             last = written[:, None]
@@ -265,7 +270,8 @@ class TorchEngine(Engine):
                 rows = keep if rows is None else rows[keep]
                 a_seeds, a_done, last = a_seeds[keep], a_done[keep], last[keep]
                 a_forced = a_forced[keep] if a_forced is not None else None
-        return _completions(len(prompts), n, out_tok[:, :steps], out_lp[:, :steps], out_ver[:, :steps], lengths, done)
+        return _completions(len(prompts), n, out_tok[:, :steps], out_lp[:, :steps], out_ver[:, :steps],
+                            out_ent[:, :steps], lengths, done)
 
     def _left_padded(self, prompts) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, P] ids and attention mask, one left-padded row per prompt, so every prompt's next token sits in the
@@ -297,11 +303,13 @@ class TorchEngine(Engine):
         return torch.where(t + 1 == forced, self.stop_ids[0], score.argmax(-1)), logp
 
 
-def _completions(N: int, n: int, tok: torch.Tensor, lp: torch.Tensor, ver: torch.Tensor, lengths: torch.Tensor,
-                 done: torch.Tensor) -> list[list[Completion]]:
+def _completions(N: int, n: int, tok: torch.Tensor, lp: torch.Tensor, ver: torch.Tensor, ent: torch.Tensor,
+                 lengths: torch.Tensor, done: torch.Tensor) -> list[list[Completion]]:
     """The written columns of the output buffers as each prompt's n completions, to the host once per generation
     (a no-op on the CPU)."""
     tok_h, lp_h, ver_h = tok.cpu().numpy(), lp.cpu().numpy(), ver.cpu().numpy()
+    keep = torch.arange(ent.shape[1], device=ent.device)[None, :] < lengths[:, None]
+    ent_h = (ent.double() * keep).sum(-1).cpu().tolist()  # the response's tokens only
     len_h, done_h = lengths.cpu().tolist(), done.cpu().tolist()
     result: list[list[Completion]] = []
     for i in range(N):
@@ -310,7 +318,8 @@ def _completions(N: int, n: int, tok: torch.Tensor, lp: torch.Tensor, ver: torch
             r = i * n + j
             L = len_h[r]
             group.append(Completion(token_ids=tok_h[r, :L].astype(np.int32), logprobs=lp_h[r, :L].copy(),
-                                    versions=ver_h[r, :L].copy(), finish_reason="stop" if done_h[r] else "length"))
+                                    versions=ver_h[r, :L].copy(), finish_reason="stop" if done_h[r] else "length",
+                                    entropy=ent_h[r]))
         result.append(group)
     return result
 

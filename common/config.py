@@ -146,11 +146,17 @@ class ClipCovLoss(_Loss, tag="clip_cov"):
     cov_fraction: Fraction01 = 2e-4
     cov_lb: float = 1.0
     cov_ub: float = 5.0
+    # "random": a control for the covariance choice. The same count of tokens a step as "covariance" would choose,
+    # drawn uniformly among all valid tokens (learner.cov_scope = "step" only).
+    selection: Literal["covariance", "random"] = "covariance"
 
 
 class KLCovLoss(_Loss, tag="kl_cov"):
     kl_fraction: Fraction01 = 2e-3  # 7B recipe; 2e-4 for 32B
     kl_coef: Annotated[float, Meta(ge=0)] = 1.0
+    # "random": a control for the covariance choice. The same count of tokens a step as "covariance" would choose,
+    # drawn uniformly among all valid tokens (learner.cov_scope = "step" only).
+    selection: Literal["covariance", "random"] = "covariance"
 
 
 class GSPOLoss(_Loss, tag="gspo"):
@@ -489,6 +495,9 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"learner.loss.dual_clip_c={loss.dual_clip_c} must be > 1 (published 3) or 0 to turn dual-clip off")
     if isinstance(loss, ClipCovLoss) and loss.cov_lb >= loss.cov_ub:
         raise ConfigError(f"learner.loss.cov_lb={loss.cov_lb} must be below cov_ub={loss.cov_ub} (paper: 1 and 5)")
+    if getattr(loss, "selection", "covariance") == "random" and cfg.learner.cov_scope != "step":
+        raise ConfigError("learner.loss.selection = \"random\" draws its tokens over the whole step; set "
+                          "learner.cov_scope = \"step\" (the default) or selection = \"covariance\"")
     imp = cfg.learner.importance
     if imp.lo >= imp.hi or imp.geo_lo >= imp.geo_hi:
         raise ConfigError(f"learner.importance: lo ({imp.lo}) must be below hi ({imp.hi}) and geo_lo ({imp.geo_lo}) below geo_hi ({imp.geo_hi})")

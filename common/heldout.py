@@ -53,4 +53,9 @@ def eval_metrics(results: dict[str, list[messages.EvalResult]]) -> dict[str, flo
         out[f"eval/{ds}/pass@k"] = float(np.mean([any(s) for s in solved]))
         out[f"eval/{ds}/response_length"] = float(np.mean([np.mean(x.lengths) for x in res]))
         out[f"eval/{ds}/score_failures"] = float(sum(st != "ok" for x in res for st in x.score_status))
+        measured = [x for x in res if x.entropies]
+        if measured and len(measured) == len(res):  # on-policy entropy: every sample's, under its own version
+            tokens = sum(sum(x.lengths) for x in res)
+            out[f"eval/{ds}/entropy"] = sum(sum(x.entropies) for x in res) / max(tokens, 1)
+            out[f"eval/{ds}/entropy_per_response"] = float(np.mean([e for x in res for e in x.entropies]))
     return out

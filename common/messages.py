@@ -22,7 +22,7 @@ import numpy as np
 
 # The version of this wire: a generator and a hub must agree on it (`Hello` is refused otherwise). Raise it with
 # any change to a message below; the policy version travels as `policy_version` in every message that carries it.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -97,6 +97,9 @@ class EvalResult(_Msg, tag="evalres"):
     lengths: list[int]  # response tokens per sample
     score_status: list[str]  # "ok" | "timeout" | "error" per sample
     texts: list[str] = []  # the decoded responses, only for prompts the work asked texts of (keep_texts)
+    # Per sample: its tokens' summed entropy (nats) under the sampling distribution of the version that generated
+    # them (on-policy entropy); empty where the engine does not measure it (vLLM).
+    entropies: list[float] = []
 
 
 # ---- hub -> generator --------------------------------------------------------

@@ -76,10 +76,14 @@ class Collectives(Protocol):
 
 def _select_top_covariance(entries: list[Surveyed], comm: Collectives, fraction: float,
                            score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                           floor: float) -> list[torch.Tensor]:
+                           floor: float, random: torch.Generator | None = None) -> list[torch.Tensor]:
     """Tokens with the k = max(1, int(fraction * n_valid)) largest `score(cov, mask)` of the step's batch on all
     ranks, Cov taken around the global means of log pi_prox and A (docs/DESIGN.md section 4). A token scoring
-    `floor` or less is never chosen. Bool [1, N] per entry."""
+    `floor` or less is never chosen. Bool [1, N] per entry.
+
+    `random` (`learner.loss.selection = "random"`, the control for the covariance choice): as many tokens as the
+    covariance rule would choose, min(k, tokens scoring above `floor`), drawn uniformly among all valid tokens
+    with this seeded stream instead."""
     sums = torch.zeros(3, dtype=torch.float64)
     for e in entries:
         sums += torch.stack([(e.old * e.mask).sum(), (e.adv * e.mask).sum(), e.mask.sum()]).double().cpu()
@@ -88,6 +92,13 @@ def _select_top_covariance(entries: list[Surveyed], comm: Collectives, fraction:
     means = (sums[0] / n, sums[1] / n)
     k = max(1, int(fraction * float(sums[2])))
     scores = [score(losses.covariance_score(e.old.double(), e.adv.double(), e.mask, means=means), e.mask) for e in entries]
+    if random is not None:
+        eligible = comm.sum_(torch.tensor([float(sum(int((s > floor).sum()) for s in scores))], dtype=torch.float64))
+        k = int(min(k, float(eligible)))
+        scores = [losses.clip_cov_keys(e.mask > 0, random).double() for e in entries]
+        floor = -1.0
+        if k == 0:
+            return [torch.zeros_like(s, dtype=torch.bool) for s in scores]
     above = [s[s > floor] for s in scores]
     kth = comm.kth_largest(torch.cat(above).cpu() if above else torch.zeros(0, dtype=torch.float64), k)
     return [(s >= kth) & (s > floor) for s in scores]
@@ -101,6 +112,42 @@ def select_high_entropy(entries: list[Surveyed], comm: Collectives, *, fraction:
     count = comm.sum_(torch.tensor([float(local.numel())], dtype=torch.float64))
     kth = comm.kth_largest(local, losses.high_entropy_count(float(count), fraction))
     return [losses.high_entropy_keep(e.entropy, e.mask, kth) for e in entries]
+
+
+# The top-K token counts whose share of the step's summed covariance is logged (actor/cov_top<K>_share).
+COV_TOP = (1, 10, 50, 200)
+
+
+def covariance_profile(entries: list[Surveyed], comm: Collectives, bounds: tuple[float, float]) -> dict[str, float]:
+    """How the step's summed covariance sum_t Cov_t (log pi at the step start, around the global means) is spread
+    over its tokens, on all ranks (every rank returns the same values): the sum (`cov_sum`), the share the tokens
+    the loss selected carry (`cov_selected_share`; `Surveyed.selected`, 0 without a selection), the share the K
+    largest carry (`cov_top<K>_share`, exact under ties) and how many tokens lie in Clip-Cov's candidate band
+    (`cov_candidates`, `bounds` = (cov_lb, cov_ub)). The shares are absent when the sum is not positive."""
+    sums = torch.zeros(3, dtype=torch.float64)
+    for e in entries:
+        sums += torch.stack([(e.old * e.mask).sum(), (e.adv * e.mask).sum(), e.mask.sum()]).double().cpu()
+    comm.sum_(sums)
+    n = sums[2].clamp(min=1.0)
+    covs = [losses.covariance_score(e.old.double(), e.adv.double(), e.mask, means=(sums[0] / n, sums[1] / n)).cpu()
+            for e in entries]
+    flat = torch.cat([c[e.mask.cpu() > 0] for c, e in zip(covs, entries)]) if entries else torch.zeros(0, dtype=torch.float64)
+    selected = sum(float(c[(e.selected.cpu() & (e.mask.cpu() > 0))].sum()) for c, e in zip(covs, entries)
+                   if e.selected is not None)
+    kths = [comm.kth_largest(flat, k) for k in COV_TOP]
+    local = [float(flat.sum()), selected, float(((flat > bounds[0]) & (flat < bounds[1])).sum())]
+    for kth in kths:
+        above = flat > kth
+        local += [float(flat[above].sum()), float(above.sum())]
+    total, selected, candidates, *tops = comm.sum_(torch.tensor(local, dtype=torch.float64)).tolist()
+    out = {"cov_sum": total, "cov_candidates": candidates}
+    if total > 0:
+        out["cov_selected_share"] = selected / total
+        for k, kth, above_sum, above_n in zip(COV_TOP, kths, tops[0::2], tops[1::2]):
+            # Tokens tied at the k-th value: count only as many as make k (the sum over more than k would inflate it).
+            top = above_sum + (k - above_n) * float(kth) if torch.isfinite(kth) else above_sum
+            out[f"cov_top{k}_share"] = top / total
+    return out
 
 
 # ---- the registry of policy losses -----------------------------------------------
@@ -148,7 +195,8 @@ class ClipCov(PolicyLoss):
             candidate = losses.clip_cov_candidates(cov, mask, self.cfg.cov_lb, self.cfg.cov_ub)
             return losses.clip_cov_keys(candidate, generator).double()
 
-        return _select_top_covariance(entries, comm, self.cfg.cov_fraction, keys, floor=-1.0)
+        return _select_top_covariance(entries, comm, self.cfg.cov_fraction, keys, floor=-1.0,
+                                      random=generator if self.cfg.selection == "random" else None)
 
 
 class KLCov(PolicyLoss):
@@ -171,7 +219,8 @@ class KLCov(PolicyLoss):
             tie = 1e-12 * (comm.rank + pos) / comm.world
             return torch.where(losses.kl_cov_eligible(cov, mask), cov - tie, torch.full_like(cov, float("-inf")))
 
-        return _select_top_covariance(entries, comm, self.cfg.kl_fraction, score, floor=float("-inf"))
+        return _select_top_covariance(entries, comm, self.cfg.kl_fraction, score, floor=float("-inf"),
+                                      random=generator if self.cfg.selection == "random" else None)
 
 
 class GSPO(PolicyLoss):

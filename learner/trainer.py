@@ -29,16 +29,16 @@ import datetime
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from common.runfiles import apply_memory_fraction
-from common.config import Config, TransportConfig
+from common.config import ClipCovLoss, Config, TransportConfig
 from learner.batch import StepBatch, pack
 from learner.logprobs import install_token_forward
-from learner.objective import Objective, Surveyed, Tokens
+from learner.objective import Objective, Surveyed, Tokens, covariance_profile
 
 log = logging.getLogger("covrl.trainer")
 
@@ -107,7 +107,7 @@ def ds_config(cfg: Config) -> dict:
 SUM_KEYS = (
     "tokens", "entropy", "pg_loss", "pg_clipfrac", "ppo_kl", "is_weight", "is_weight_clipfrac",
     "logp", "adv", "logp_adv", "seq_tokens", "ranks", "cov_selected", "entropy_after", "kl_ref",
-    "entropy_sampled", "tokens_sampled",
+    "entropy_sampled", "tokens_sampled", "seqs",
 )
 
 
@@ -118,6 +118,8 @@ class StepStats:
     train_s: float
     entropy_delta_logged: bool
     skipped: list[bool]  # per optimizer step: skipped for a non-finite loss or gradient (same on every rank)
+    # learner.objective.covariance_profile of the step (the same on every rank); empty in tests that build stats
+    profile: dict[str, float] = field(default_factory=dict)
 
     def totals(self) -> dict[str, float]:
         """The step's sums by name."""
@@ -125,13 +127,14 @@ class StepStats:
 
 
 def micro_sums(t: Tokens, metrics: dict[str, torch.Tensor], entropy_before: torch.Tensor,
-               seq_tokens: int) -> dict[str, torch.Tensor]:
+               seq_tokens: int, seqs: int = 0) -> dict[str, torch.Tensor]:
     """One micro-batch's named contributions to the step's sums, 0-d tensors on its device: every per-token
-    metric of the objective summed over the tokens, plus the token count, the entropy before the update and
-    the log pi_prox / advantage sums behind actor/cov_mean."""
+    metric of the objective summed over the tokens, plus the token and response counts, the entropy before the
+    update and the log pi_prox / advantage sums behind actor/cov_mean."""
     lp, a = t.old * t.mask, t.adv * t.mask
     own = {"tokens": t.mask.sum(), "entropy": (entropy_before * t.mask).sum(), "logp": lp.sum(), "adv": a.sum(),
-           "logp_adv": (lp * a).sum(), "seq_tokens": t.mask.new_zeros(()) + float(seq_tokens)}
+           "logp_adv": (lp * a).sum(), "seq_tokens": t.mask.new_zeros(()) + float(seq_tokens),
+           "seqs": t.mask.new_zeros(()) + float(seqs)}
     return own | {name: v.sum() for name, v in metrics.items()}
 
 
@@ -210,6 +213,9 @@ class Trainer:
         self.rank = dist.get_rank()
         self.comm = DataParallel()
         self.objective = Objective(lc, cfg.rollout.max_new_tokens)
+        # Clip-Cov's candidate band, logged for every loss (actor/cov_candidates): the run's, else the published one.
+        band = lc.loss if isinstance(lc.loss, ClipCovLoss) else ClipCovLoss()
+        self.cov_band = (band.cov_lb, band.cov_ub)
         # With one mini-batch the training forward itself sees pi_prox and the entropy before the
         # update, so the survey pass is only paid for when something needs the whole step first.
         self.needs_survey = lc.mini_batches > 1 or self.objective.selects_over_step or self.ref is not None
@@ -291,6 +297,7 @@ class Trainer:
         self.engine.train()
         n_micro = [len(per_rank[self.rank]) for per_rank in batch.plan]
         sampled = self._entropy_sample(micro)
+        seen: list[Surveyed] = []  # each micro-batch at the step start, with the loss's choice: covariance_profile
         for i, (m, k, idx, mb) in enumerate(micro):
             self.engine.set_gradient_accumulation_boundary(k == n_micro[m] - 1)
             # We call the module, not engine.forward (which would also hook our outputs for loss scaling), so do
@@ -317,7 +324,9 @@ class Trainer:
                 loss = loss + 0.0 * sum(p.sum() for p in self.module.parameters())
             self.engine.backward(loss, scale_wrt_gas=False)
             with torch.no_grad():  # e.entropy: the policy *before* this step's updates
-                own = micro_sums(t, met, e.entropy, mb["input_ids"].numel() if idx else 0)
+                own = micro_sums(t, met, e.entropy, mb["input_ids"].numel() if idx else 0, len(idx))
+                chosen = met["cov_selected"] > 0 if "cov_selected" in met else None
+                seen.append(Surveyed(old=e.old.detach(), entropy=e.entropy, adv=mb["adv"], mask=mb["mask"], selected=chosen))
                 if i in sampled:  # the tokens whose entropy is measured again after the update
                     own |= {"entropy_sampled": own["entropy"], "tokens_sampled": own["tokens"]}
                 accumulate(totals, own)
@@ -333,8 +342,10 @@ class Trainer:
         totals["ranks"] = 1.0 if totals.get("tokens", 0.0) > 0 else 0.0
         sums = sum_vector(totals)
         dist.all_reduce(sums)
+        profile = covariance_profile(seen, self.comm, self.cov_band)
         return StepStats(sums=sums, grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
-                         train_s=time.perf_counter() - t0, entropy_delta_logged=logged_after, skipped=skipped)
+                         train_s=time.perf_counter() - t0, entropy_delta_logged=logged_after, skipped=skipped,
+                         profile=profile)
 
     def _entropy_sample(self, micro: list) -> set[int]:
         """Positions in `micro` of the micro-batches whose entropy is measured again after the update
@@ -367,6 +378,7 @@ def step_metrics(stats: StepStats) -> dict[str, float]:
         # with logp of pi_prox (the policy at the step start) over the whole step's batch.
         "actor/cov_mean": s["logp_adv"] / n - mean_lp * mean_a,
         "actor/cov_selected_frac": s["cov_selected"] / n,
+        "actor/entropy_per_response": s["entropy"] / max(s["seqs"], 1.0),
         "actor/pg_loss": s["pg_loss"] / n,
         "actor/pg_clipfrac": s["pg_clipfrac"] / n,
         "actor/ppo_kl": s["ppo_kl"] / n,
@@ -379,6 +391,7 @@ def step_metrics(stats: StepStats) -> dict[str, float]:
         "perf/learner_tokens_per_s": s["seq_tokens"] / max(stats.train_s, 1e-9),
         "timing_s/train": stats.train_s,
     }
+    out |= {f"actor/{name}": v for name, v in stats.profile.items()}
     if stats.entropy_delta_logged:  # over the sampled tokens (all of them with entropy_delta_stride = 1)
         n_sampled = max(s["tokens_sampled"], 1.0)
         out["actor/entropy_after"] = s["entropy_after"] / n_sampled
