@@ -8,6 +8,7 @@ flushed each step so a watcher (the launcher's progress line, a user's `tail
 from __future__ import annotations
 
 import json
+import lzma
 import math
 import os
 
@@ -104,7 +105,12 @@ def keep_metrics(run_dir: str, keep) -> int:
 
 
 def read_metrics(run_dir: str) -> list[dict]:
+    """A run's metrics rows: `metrics.jsonl`, or `metrics.jsonl.xz` where a finished run was archived compressed
+    (the studies under docs/); [] when neither exists."""
     path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path) and os.path.exists(path + ".xz"):
+        with lzma.open(path + ".xz", "rt") as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
     if not os.path.exists(path):
         return []
     with open(path) as f:
