@@ -122,8 +122,9 @@ def covariance_profile(entries: list[Surveyed], comm: Collectives, bounds: tuple
     """How the step's summed covariance sum_t Cov_t (log pi at the step start, around the global means) is spread
     over its tokens, on all ranks (every rank returns the same values): the sum (`cov_sum`), the share the tokens
     the loss selected carry (`cov_selected_share`; `Surveyed.selected`, 0 without a selection), the share the K
-    largest carry (`cov_top<K>_share`, exact under ties) and how many tokens lie in Clip-Cov's candidate band
-    (`cov_candidates`, `bounds` = (cov_lb, cov_ub)). The shares are absent when the sum is not positive."""
+    largest carry (`cov_top<K>_share`, exact under ties), and how many tokens lie in Clip-Cov's candidate band
+    (`cov_candidates`, `bounds` = (cov_lb, cov_ub)) and the share they carry together (`cov_candidates_share`).
+    The shares are absent when the sum is not positive."""
     sums = torch.zeros(3, dtype=torch.float64)
     for e in entries:
         sums += torch.stack([(e.old * e.mask).sum(), (e.adv * e.mask).sum(), e.mask.sum()]).double().cpu()
@@ -135,14 +136,16 @@ def covariance_profile(entries: list[Surveyed], comm: Collectives, bounds: tuple
     selected = sum(float(c[(e.selected.cpu() & (e.mask.cpu() > 0))].sum()) for c, e in zip(covs, entries)
                    if e.selected is not None)
     kths = [comm.kth_largest(flat, k) for k in COV_TOP]
-    local = [float(flat.sum()), selected, float(((flat > bounds[0]) & (flat < bounds[1])).sum())]
+    band = (flat > bounds[0]) & (flat < bounds[1])
+    local = [float(flat.sum()), selected, float(band.sum()), float(flat[band].sum())]
     for kth in kths:
         above = flat > kth
         local += [float(flat[above].sum()), float(above.sum())]
-    total, selected, candidates, *tops = comm.sum_(torch.tensor(local, dtype=torch.float64)).tolist()
+    total, selected, candidates, band_sum, *tops = comm.sum_(torch.tensor(local, dtype=torch.float64)).tolist()
     out = {"cov_sum": total, "cov_candidates": candidates}
     if total > 0:
         out["cov_selected_share"] = selected / total
+        out["cov_candidates_share"] = band_sum / total
         for k, kth, above_sum, above_n in zip(COV_TOP, kths, tops[0::2], tops[1::2]):
             # Tokens tied at the k-th value: count only as many as make k (the sum over more than k would inflate it).
             top = above_sum + (k - above_n) * float(kth) if torch.isfinite(kth) else above_sum

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 from common.config import ConfigError, load_config
 from common.metrics import read_metrics
+from study.arms import ARMS
+from study.dose_report import write_dose_report
 from study.report import write_report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,6 +53,11 @@ PRESETS = {
         "learner.lr=2e-5",
         "learner.par.target_entropy_relative=0.5"]},
 }
+# The dose-response study (docs/study-dose/PLAN.md): the chain regime at 8 updates per batch and the lr the pilots
+# chose by the plan's rule, 60 steps, an evaluation every 10; its arms are study/arms.py's.
+PRESETS["dose"] = {"steps": 60, "overrides": [
+    *PRESETS["chain"]["overrides"][:4], "learner.mini_batches=8", "eval.every_steps=10", "learner.lr=5e-5"]}
+
 
 # Methods: the config overrides that make each method; published defaults, unchanged (no per-method tuning).
 METHODS = {
@@ -66,6 +73,11 @@ METHODS = {
     "par": ["learner.loss.type=ppo", "learner.loss.clip_low=0.2", "learner.loss.clip_high=0.2",
             "learner.par.schedule=entropy_guided"],
 }
+
+
+def method_overrides(name: str) -> list[str]:
+    """The overrides of a method (METHODS) or of a dose-study arm (study/arms.py ARMS, labelled departures)."""
+    return METHODS[name] if name in METHODS else ARMS[name].overrides
 
 
 class StudyError(ValueError):
@@ -94,6 +106,7 @@ class Plan:
     staleness_methods: list[str]
     gens: int
     learners: int
+    jobs: int  # runs at a time
     user_overrides: list[str]
     study_dir: str  # absolute
     report_only: bool
@@ -103,11 +116,14 @@ class Plan:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="covrl study", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="arith", help=f"one of {', '.join(PRESETS)} (default arith)")
-    ap.add_argument("--methods", help=f"comma-separated, in run order (default all: {','.join(METHODS)})")
+    ap.add_argument("--methods", help=f"comma-separated, in run order (default all: {','.join(METHODS)}; with "
+                                      f"--preset dose, the arms of study/arms.py: {','.join(ARMS)})")
     ap.add_argument("--steps", type=int, help="learner steps per method (default: the preset's)")
     ap.add_argument("--study-dir", help="output directory (default runs/study-<YYYYmmdd-HHMMSS>)")
     ap.add_argument("--gens", type=int, default=1, help="generator processes per run (default 1)")
     ap.add_argument("--learners", type=int, default=1, help="learner ranks per run (default 1)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1; each run's output then goes to "
+                                                        "STUDY_DIR/logs/<run>.log when above 1)")
     ap.add_argument("--seed", type=int, default=0, help="run.seed of every method (default 0; see --seeds)")
     ap.add_argument("--seeds", help="comma-separated run.seed values: every method runs once per seed "
                                     "(default: --seed alone); the report shows the spread")
@@ -124,15 +140,16 @@ def make_plan(args: argparse.Namespace, command: str, now: datetime.datetime) ->
     """Validate the arguments (raising StudyError with the fix) and resolve the defaults."""
     if args.preset not in PRESETS:
         raise StudyError(f"unknown --preset {args.preset!r}; valid presets: {', '.join(PRESETS)}")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods is not None else list(METHODS)
-    unknown = [m for m in methods if m not in METHODS]
+    default = list(ARMS) if args.preset == "dose" else list(METHODS)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods is not None else default
+    unknown = [m for m in methods if m not in METHODS and m not in ARMS]
     if unknown or not methods:
         raise StudyError(f"unknown method(s) {', '.join(unknown) or '(none given)'} in --methods; "
-                         f"valid methods: {', '.join(METHODS)}")
+                         f"valid methods: {', '.join(METHODS)}; dose-study arms: {', '.join(ARMS)}")
     if len(set(methods)) != len(methods):
         raise StudyError(f"--methods lists a method twice ({args.methods}); each method runs once per study")
     steps = args.steps if args.steps is not None else PRESETS[args.preset]["steps"]
-    for name, value in (("--steps", steps), ("--gens", args.gens), ("--learners", args.learners)):
+    for name, value in (("--steps", steps), ("--gens", args.gens), ("--learners", args.learners), ("--jobs", args.jobs)):
         if value < 1:
             raise StudyError(f"{name} must be at least 1, got {value}")
     for kv in args.set:
@@ -153,7 +170,8 @@ def make_plan(args: argparse.Namespace, command: str, now: datetime.datetime) ->
         raise StudyError("--report-only needs --study-dir: the report is rebuilt from an existing study's runs")
     study_dir = args.study_dir or os.path.join("runs", f"study-{now:%Y%m%d-%H%M%S}")
     plan = Plan(preset=args.preset, methods=methods, steps=steps, seeds=seeds, staleness=staleness,
-                staleness_methods=stale_methods, gens=args.gens, learners=args.learners, user_overrides=list(args.set),
+                staleness_methods=stale_methods, gens=args.gens, learners=args.learners, jobs=args.jobs,
+                user_overrides=list(args.set),
                 study_dir=os.path.abspath(study_dir), report_only=args.report_only, command=command)
     for name in run_names(plan):  # each run's config, checked before the study directory exists
         try:
@@ -193,14 +211,15 @@ def run_variant(name: str) -> list[str]:
     """What the report lists as a run's own overrides: its method's, and its seed or staleness if it varies them."""
     method, seed, k = parse_run(name)
     extra = [f"run.seed={seed}"] if seed is not None else [f"rollout.max_staleness_steps={k}"] if k is not None else []
-    return [*METHODS.get(method, []), *extra]
+    known = method in METHODS or method in ARMS
+    return [*(method_overrides(method) if known else []), *extra]
 
 
 def run_overrides(plan: Plan, name: str) -> list[str]:
     """The config overrides that make one run, in order: its seed, the preset's, its method's, the user's, its
     staleness."""
     method, seed, k = parse_run(name)
-    out = [f"run.seed={plan.seeds[0] if seed is None else seed}", *PRESETS[plan.preset]["overrides"], *METHODS[method],
+    out = [f"run.seed={plan.seeds[0] if seed is None else seed}", *PRESETS[plan.preset]["overrides"], *method_overrides(method),
            *plan.user_overrides]
     return out + ([f"rollout.max_staleness_steps={k}"] if k is not None else [])
 
@@ -263,6 +282,11 @@ def _read_json(path: str) -> dict | None:
         return json.load(f)
 
 
+def _responses_per_step(plan: Plan, name: str) -> int:
+    rollout = load_config(None, run_overrides(plan, name)).rollout
+    return rollout.group_size * rollout.groups_per_step
+
+
 def new_meta(plan: Plan, previous: dict | None, now: datetime.datetime) -> dict:
     """study.json contents before any method runs; wall-clock times of earlier invocations are kept."""
     old_wall = (previous or {}).get("wall_clock_s", {})
@@ -270,8 +294,9 @@ def new_meta(plan: Plan, previous: dict | None, now: datetime.datetime) -> dict:
     return {"preset": plan.preset, "methods": plan.methods, "runs": runs, "steps": plan.steps, "seed": plan.seeds[0],
             "seeds": plan.seeds, "staleness": plan.staleness, "staleness_methods": plan.staleness_methods,
             "gens": plan.gens, "learners": plan.learners,
-            "overrides": {"preset": PRESETS[plan.preset]["overrides"], "methods": {m: METHODS[m] for m in plan.methods},
+            "overrides": {"preset": PRESETS[plan.preset]["overrides"], "methods": {m: method_overrides(m) for m in plan.methods},
                           "user": plan.user_overrides},
+            "responses_per_step": _responses_per_step(plan, runs[0]),
             "command": plan.command, "start_time": now.isoformat(timespec="seconds"), "end_time": None,
             "wall_clock_s": {m: old_wall.get(m) for m in runs}, "status": {},
             "run_commands": {m: shlex.join(cluster_command(plan, m)) for m in runs}}
@@ -291,35 +316,90 @@ def run_method(cmd: list[str]) -> int:
         raise
 
 
-def run_study(plan: Plan, status: dict[str, str], meta: dict) -> None:
-    """Run every method not yet complete, updating study.json after each; raises RunFailed on a failed run
-    and Interrupted on Ctrl-C."""
-    path = os.path.join(plan.study_dir, "study.json")
+def start_logged(plan: Plan, name: str) -> subprocess.Popen:
+    """Start one run's cluster command with its output in STUDY_DIR/logs/<run>.log (several runs at a time)."""
+    os.makedirs(os.path.join(plan.study_dir, "logs"), exist_ok=True)
+    with open(os.path.join(plan.study_dir, "logs", f"{name}.log"), "w") as log:
+        return subprocess.Popen(cluster_command(plan, name), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish_run(plan: Plan, meta: dict, name: str, code: int, seconds: float) -> str | None:
+    """Record a finished run in study.json; returns why it failed, or None."""
+    run_dir = os.path.join(plan.study_dir, name)
+    meta["wall_clock_s"][name] = round(seconds, 1)
+    meta["status"][name] = "ran" if code == 0 else f"failed (exit {code})"
+    _write_json(os.path.join(plan.study_dir, "study.json"), meta)
+    if code != 0:
+        return (f"method {name}: the cluster run exited with code {code}; see its logs in "
+                f"{os.path.join(run_dir, 'logs')}. Fix the cause, delete {run_dir}, and rerun the same command to "
+                f"resume (finished methods are skipped)")
+    if run_status(run_dir, plan.steps) != "complete":
+        return (f"method {name}: the cluster run exited 0 but {run_dir}/metrics.jsonl has no step {plan.steps}; "
+                f"see {os.path.join(run_dir, 'logs')}")
+    return None
+
+
+def _announce(plan: Plan, meta: dict, name: str) -> None:
     runs = run_names(plan)
-    for i, m in enumerate(runs, 1):
-        run_dir = os.path.join(plan.study_dir, m)
-        if status[m] == "complete":
-            print(f"study: [{i}/{len(runs)}] {m}: {run_dir} already holds a complete {plan.steps}-step run; skipping",
-                  flush=True)
-            meta["status"][m] = "complete before this invocation"
-            continue
-        print(f"study: [{i}/{len(runs)}] {m} -> {run_dir}\n  {meta['run_commands'][m]}", flush=True)
+    print(f"study: [{runs.index(name) + 1}/{len(runs)}] {name} -> {os.path.join(plan.study_dir, name)}\n"
+          f"  {meta['run_commands'][name]}", flush=True)
+
+
+def run_study(plan: Plan, status: dict[str, str], meta: dict) -> None:
+    """Run every run not yet complete, updating study.json after each; raises RunFailed on a failed run
+    and Interrupted on Ctrl-C. With `plan.jobs` > 1, up to that many at a time (`run_parallel`)."""
+    runs = run_names(plan)
+    pending = []
+    for i, name in enumerate(runs, 1):
+        if status[name] == "complete":
+            print(f"study: [{i}/{len(runs)}] {name}: {os.path.join(plan.study_dir, name)} already holds a complete "
+                  f"{plan.steps}-step run; skipping", flush=True)
+            meta["status"][name] = "complete before this invocation"
+        else:
+            pending.append(name)
+    if plan.jobs > 1:
+        return run_parallel(plan, pending, meta)
+    for name in pending:
+        _announce(plan, meta, name)
         t0 = time.monotonic()
         try:
-            code = run_method(cluster_command(plan, m))
+            code = run_method(cluster_command(plan, name))
         except KeyboardInterrupt:
-            raise Interrupted(f"interrupted while running {m}: {run_dir} is incomplete. To resume, delete it and "
-                              f"rerun with --study-dir {plan.study_dir} and the same settings") from None
-        meta["wall_clock_s"][m] = round(time.monotonic() - t0, 1)
-        meta["status"][m] = "ran" if code == 0 else f"failed (exit {code})"
-        _write_json(path, meta)
-        if code != 0:
-            raise RunFailed(f"method {m}: the cluster run exited with code {code}; see its logs in "
-                            f"{os.path.join(run_dir, 'logs')}. Fix the cause, delete {run_dir}, and rerun the same "
-                            f"command to resume (finished methods are skipped)")
-        if run_status(run_dir, plan.steps) != "complete":
-            raise RunFailed(f"method {m}: the cluster run exited 0 but {run_dir}/metrics.jsonl has no step "
-                            f"{plan.steps}; see {os.path.join(run_dir, 'logs')}")
+            raise Interrupted(f"interrupted while running {name}: {os.path.join(plan.study_dir, name)} is incomplete. "
+                              f"To resume, delete it and rerun with --study-dir {plan.study_dir} and the same "
+                              f"settings") from None
+        if why := finish_run(plan, meta, name, code, time.monotonic() - t0):
+            raise RunFailed(why)
+
+
+def _reap(plan: Plan, meta: dict, running: dict[str, tuple[subprocess.Popen, float]]) -> list[str]:
+    """Record and forget the runs in `running` that have ended; returns why each failed one failed."""
+    ended = [(name, code, t0) for name, (proc, t0) in running.items() if (code := proc.poll()) is not None]
+    for name, _, _ in ended:
+        del running[name]
+    return [why for name, code, t0 in ended if (why := finish_run(plan, meta, name, code, time.monotonic() - t0))]
+
+
+def run_parallel(plan: Plan, pending: list[str], meta: dict) -> None:
+    """Up to `plan.jobs` runs at a time, in run order; after a failure no new run starts, the ones in flight
+    finish, then RunFailed names every failure."""
+    running: dict[str, tuple[subprocess.Popen, float]] = {}
+    failures: list[str] = []
+    try:
+        while (pending and not failures) or running:
+            while pending and len(running) < plan.jobs and not failures:
+                name = pending.pop(0)
+                _announce(plan, meta, name)
+                running[name] = (start_logged(plan, name), time.monotonic())
+            time.sleep(0.5)
+            failures += _reap(plan, meta, running)
+    except KeyboardInterrupt:
+        for proc, _ in running.values():
+            proc.wait()
+        raise Interrupted(f"interrupted while running {', '.join(running)}: incomplete. To resume, delete those run "
+                          f"directories and rerun with --study-dir {plan.study_dir} and the same settings") from None
+    if failures:
+        raise RunFailed("; ".join(failures))
 
 
 # ---------------------------------------------------------------------------
@@ -358,7 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         print(f"\nstudy: {e}", file=sys.stderr)
         return 130
-    path = write_report(plan.study_dir, runs, meta, method_overrides={r: run_variant(r) for r in runs})
+    if ((meta.get("preset") if plan.report_only else None) or plan.preset) == "dose":
+        path = write_dose_report(plan.study_dir, runs, meta)
+    else:
+        path = write_report(plan.study_dir, runs, meta, method_overrides={r: run_variant(r) for r in runs})
     print(f"study: report {path}")
     return 0
 

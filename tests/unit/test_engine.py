@@ -106,6 +106,24 @@ def test_weights_swapped_mid_generation_stamp_new_version(engine):
     assert out.versions.tolist() == expected[:n]
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_each_completion_reports_the_summed_entropy_of_its_sampling_distribution(engine, top_p):
+    """On-policy entropy for held-out evaluations: the sum over the response's own tokens (none past its end) of the
+    entropy of the distribution each token was drawn from (temperature and top-p applied)."""
+    # Forced lengths: rows end at different steps, so tokens past a row's end would show up in its sum.
+    sp = SamplingParams(temperature=0.7, top_p=top_p, max_new_tokens=10, forced_length_median=5, forced_length_sigma=1.0)
+    prompt = [5, 6, 7, 8]
+    completions = engine.generate([prompt], 6, sp, [3])[0]
+    for c in completions:
+        ids = torch.tensor([prompt + c.token_ids.tolist()])
+        with torch.no_grad():
+            logp = sampling_logprobs(engine.model(ids).logits[0, len(prompt) - 1 : -1], 0.7, top_p)
+        want = float(-(logp.exp() * logp.clamp(min=-1e30)).sum())
+        assert c.entropy == pytest.approx(want, rel=1e-4, abs=1e-5)
+        assert c.entropy > 0
+    assert len({len(c.token_ids) for c in completions}) > 1
+
+
 def test_temperature_zero_is_greedy_with_untempered_logprobs(engine):
     sp = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=8)
     prompt = [5, 6, 7, 8]

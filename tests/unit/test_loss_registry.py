@@ -12,7 +12,7 @@ from torch.testing import assert_close
 
 from common import config
 from learner import losses
-from learner.objective import LOSSES, Objective, Surveyed, Tokens, loss_name, make_loss
+from learner.objective import LOSSES, Objective, Surveyed, Tokens, covariance_profile, loss_name, make_loss
 from learner.trainer import SUM_KEYS, StepStats, accumulate, micro_sums, step_metrics, sum_vector
 
 G = lambda s=0: torch.Generator().manual_seed(s)  # noqa: E731
@@ -104,6 +104,84 @@ def test_clip_cov_step_choice_hand_computed():
     assert len(seen) == 2  # both candidates get drawn
 
 
+def _wide_step(seed=0):
+    """One micro-batch of 40 token slots, the last 8 padding, with covariance of both signs."""
+    g = G(seed)
+    mask = torch.ones(1, 40)
+    mask[0, -8:] = 0.0
+    return [Surveyed(old=-torch.rand(1, 40, generator=g) * 3, entropy=torch.ones(1, 40),
+                     adv=torch.randn(1, 40, generator=g), mask=mask)]
+
+
+@pytest.mark.parametrize("loss_cfg", [config.KLCovLoss(kl_fraction=0.2, selection="random"),
+                                      config.ClipCovLoss(cov_fraction=0.2, cov_lb=-10.0, cov_ub=10.0,
+                                                         selection="random")])
+def test_random_selection_draws_the_count_asked_among_valid_tokens_seeded(loss_cfg):
+    """The control for the covariance choice: k = int(0.2 * 32 valid) = 6 tokens, never padding, the same for the
+    same seed, and spread over tokens the covariance rule would never take (negative covariance)."""
+    entries = _wide_step()
+    loss = make_loss(_lc(loss_cfg))
+    cov = losses.covariance_score(entries[0].old.double(), entries[0].adv.double(), entries[0].mask)
+    picks = [loss.select_step(_wide_step(), OneRank(), G(s))[0] for s in range(12)]
+    for chosen in picks:
+        assert int(chosen.sum()) == 6
+        assert not bool((chosen & (entries[0].mask == 0)).any())
+    assert torch.equal(loss.select_step(_wide_step(), OneRank(), G(3))[0], picks[3])
+    assert len({tuple(p.flatten().tolist()) for p in picks}) == 12
+    assert any(bool((p & (cov < 0)).any()) for p in picks)
+
+
+def test_random_selection_takes_as_many_as_the_covariance_rule_would():
+    """Clip-Cov with 2 candidates in its band and k = 3: covariance selection can take only 2, so random takes 2."""
+    cfg = dict(cov_fraction=0.75, cov_lb=1.0)
+    by_cov = _chosen(config.ClipCovLoss(**cfg))
+    by_chance = _chosen(config.ClipCovLoss(**cfg, selection="random"), seed=5)
+    assert sum(map(sum, (r[0] for r in by_cov))) == 2 == sum(map(sum, (r[0] for r in by_chance)))
+    assert not any(r[0][2] for r in by_chance)  # the padded slot
+
+
+def test_random_selection_needs_the_step_scope():
+    bad = config.load_config(None, ["learner.loss.type=kl_cov", "learner.loss.selection=random"])
+    assert bad.learner.loss.selection == "random"
+    with pytest.raises(config.ConfigError, match=r"selection = \"random\" draws its tokens over the whole step; set "
+                                                 r"learner.cov_scope = \"step\""):
+        config.load_config(None, ["learner.loss.type=kl_cov", "learner.loss.selection=random",
+                                  "learner.cov_scope=micro_batch"])
+
+
+def test_covariance_profile_hand_computed():
+    """_step's Cov over the step: [[1.375, -0.625, pad], [1.125, -0.375, pad]], sum 1.5."""
+    entries = _step()
+    entries[1].selected = torch.tensor([[True, False, True]])  # the padded slot never counts
+    out = covariance_profile(entries, OneRank(), bounds=(1.0, 5.0))
+    assert out["cov_sum"] == pytest.approx(1.5)
+    assert out["cov_candidates"] == 2  # 1.375 and 1.125 lie in (1, 5)
+    assert out["cov_candidates_share"] == pytest.approx(2.5 / 1.5)
+    assert out["cov_selected_share"] == pytest.approx(1.125 / 1.5)
+    assert out["cov_top1_share"] == pytest.approx(1.375 / 1.5)
+    assert out["cov_top10_share"] == pytest.approx(1.0)  # fewer than 10 valid tokens: all of them
+    assert covariance_profile(_step(), OneRank(), bounds=(1.2, 5.0))["cov_candidates"] == 1
+
+
+def test_covariance_profile_counts_tied_tokens_only_up_to_k():
+    """Two identical responses give tied top scores: the top-1 share is one of them, not both."""
+    mask = torch.ones(1, 4)
+    tied = [Surveyed(old=torch.tensor([[-0.5, -0.5, -3.0, -2.0]]), entropy=torch.ones(1, 4),
+                     adv=torch.tensor([[1.0, 1.0, -1.0, -1.0]]), mask=mask)]
+    # means: logp -1.5, A 0 -> Cov [1, 1, 1.5, 0.5], sum 4; the top-1 is 1.5, the top-2 is 1.5 + one tied 1
+    assert covariance_profile(tied, OneRank(), bounds=(1.0, 5.0))["cov_top1_share"] == pytest.approx(1.5 / 4)
+    tied[0].old = torch.tensor([[-0.5, -0.5, -2.5, -2.5]])  # Cov [1, 1, 1, 1]: every token ties
+    assert covariance_profile(tied, OneRank(), bounds=(0.0, 5.0))["cov_top1_share"] == pytest.approx(0.25)
+
+
+def test_covariance_profile_leaves_shares_out_when_the_sum_is_not_positive():
+    flat = _step()
+    for e in flat:
+        e.adv = torch.zeros_like(e.adv)
+    out = covariance_profile(flat, OneRank(), bounds=(1.0, 5.0))
+    assert out["cov_sum"] == 0 and "cov_top1_share" not in out and "cov_selected_share" not in out
+
+
 def test_objective_select_fills_the_step_choices():
     # High entropy: top 50 % of 4 valid tokens = 2 (0.9 and 0.7); the padded 5.0 never counts.
     obj = Objective(_lc(config.KLCovLoss(kl_fraction=0.25), high_entropy_fraction=0.5), max_new_tokens=8)
@@ -159,10 +237,11 @@ def test_step_sums_are_gathered_by_name():
     metrics = {"pg_loss": t.mask * 2.0, "pg_clipfrac": t.mask * 0.5, "ppo_kl": t.mask, "is_weight": t.mask,
                "is_weight_clipfrac": torch.zeros(1, 12)}
     totals = {}
-    accumulate(totals, micro_sums(t, metrics, entropy_before=torch.full((1, 12), 0.25), seq_tokens=13))
-    accumulate(totals, micro_sums(t, metrics, entropy_before=torch.full((1, 12), 0.25), seq_tokens=13))
+    accumulate(totals, micro_sums(t, metrics, entropy_before=torch.full((1, 12), 0.25), seq_tokens=13, seqs=2))
+    accumulate(totals, micro_sums(t, metrics, entropy_before=torch.full((1, 12), 0.25), seq_tokens=13, seqs=2))
     totals["ranks"] = 1.0
-    stats = StepStats(sums=sum_vector(totals), grad_norm=1.0, train_s=2.0, entropy_delta_logged=False, skipped=[False])
+    stats = StepStats(sums=sum_vector(totals), grad_norm=1.0, train_s=2.0, entropy_delta_logged=False, skipped=[False],
+                      profile={"cov_sum": 3.0, "cov_top1_share": 0.5})
     s = stats.totals()
     # 10 valid tokens per micro-batch, two micro-batches; names absent from every micro-batch sum to 0.
     assert (s["tokens"], s["entropy"], s["pg_loss"], s["pg_clipfrac"], s["seq_tokens"]) == (20.0, 5.0, 40.0, 10.0, 26.0)
@@ -170,5 +249,7 @@ def test_step_sums_are_gathered_by_name():
     m = step_metrics(stats)
     assert (m["actor/entropy"], m["actor/pg_loss"], m["actor/pg_clipfrac"], m["perf/learner_tokens_per_s"]) == \
         (0.25, 2.0, 0.5, 13.0)
+    assert m["actor/entropy_per_response"] == 5.0 / 4  # summed token entropy over 4 responses
+    assert (m["actor/cov_sum"], m["actor/cov_top1_share"]) == (3.0, 0.5)
     with pytest.raises(KeyError, match="'surprise'.*SUM_KEYS"):
         sum_vector(totals | {"surprise": 1.0})

@@ -1,0 +1,62 @@
+"""The arms of the dose-response study (`covrl study --preset dose`, docs/study-dose/PLAN.md).
+
+Each arm is one set of config overrides on top of the preset (lr*, 8 updates per batch), run at every seed. An arm
+at a published setting says so; every other dose is a departure, labelled with the share of the step's summed
+covariance it was chosen to act on (measured on the lr* pilot, docs/study-dose/PLAN.md "Doses"). The study's
+questions are fixed here too: which arms form each method's dose ladder, which random control sits at its top
+dose, and which arms vary the updates per batch (Jin et al.'s off-policy factor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Arm:
+    overrides: list[str]
+    family: str  # the method: grpo, ppo_clip1, clip_cov, kl_cov
+    label: str  # what the report prints: the dose (published / a share) or the factor varied
+    departure: str = ""  # empty at published settings; else what departs from them
+
+
+GRPO = ["learner.loss.type=ppo", "learner.loss.clip_low=0.2", "learner.loss.clip_high=0.2"]
+CLIP_COV = ["learner.loss.type=clip_cov"]
+KL_COV = ["learner.loss.type=kl_cov"]
+RANDOM = ["learner.loss.selection=random"]
+
+# Doses by share of the step's summed covariance, from the lr* pilot (docs/study-dose/PLAN.md "Doses").
+CLIP_COV_D10 = "learner.loss.cov_fraction=0.002"  # set from the calibration run (PLAN.md "Doses")
+CLIP_COV_D35 = "learner.loss.cov_fraction=0.01"  # set from the calibration run (PLAN.md "Doses")
+KL_COV_D10 = "learner.loss.kl_fraction=0.0002"  # 1 token a step: the top token carries 11 % (the paper's 32B recipe)
+KL_COV_D35 = "learner.loss.kl_fraction=0.0006"  # 3 tokens a step: ~35 % on the pilot's top-K curve
+
+ARMS: dict[str, Arm] = {
+    "grpo": Arm(GRPO, "grpo", "GRPO, clip 0.2 / 0.2, 8 updates per batch"),
+    # The Cov methods' own trust region (clip ratios 1) without any covariance choice.
+    "ppo_clip1": Arm(["learner.loss.type=ppo", "learner.loss.clip_low=1.0", "learner.loss.clip_high=1.0",
+                      "learner.loss.dual_clip_c=0"], "ppo_clip1", "PPO, clip 1 / 1, no dual clip, no selection",
+                     "control: the Clip-Cov trust region without its token choice"),
+    "clip_cov": Arm(CLIP_COV, "clip_cov", "published dose (cov_fraction 2e-4)"),
+    "clip_cov_d10": Arm([*CLIP_COV, CLIP_COV_D10], "clip_cov", "~10 % of the covariance", "dose"),
+    "clip_cov_d35": Arm([*CLIP_COV, CLIP_COV_D35], "clip_cov", "~35 % of the covariance", "dose"),
+    "clip_cov_d35_random": Arm([*CLIP_COV, CLIP_COV_D35, *RANDOM], "clip_cov", "top dose, random tokens",
+                               "control: the top dose's count drawn uniformly"),
+    "kl_cov_d10": Arm([*KL_COV, KL_COV_D10], "kl_cov", "~10 % of the covariance (kl_fraction 2e-4)",
+                      "dose (the paper's 32B recipe, below its 7B one)"),
+    "kl_cov_d35": Arm([*KL_COV, KL_COV_D35], "kl_cov", "~35 % of the covariance (kl_fraction 6e-4)", "dose"),
+    "kl_cov": Arm(KL_COV, "kl_cov", "published 7B dose (kl_fraction 2e-3), ~63 % of the covariance"),
+    "kl_cov_random": Arm([*KL_COV, *RANDOM], "kl_cov", "top (published) dose, random tokens",
+                         "control: the top dose's count drawn uniformly"),
+    "grpo_mb1": Arm([*GRPO, "learner.mini_batches=1"], "grpo", "1 update per batch", "off-policy factor"),
+    "grpo_mb4": Arm([*GRPO, "learner.mini_batches=4"], "grpo", "4 updates per batch", "off-policy factor"),
+    "grpo_mb16": Arm([*GRPO, "learner.mini_batches=16"], "grpo", "16 updates per batch", "off-policy factor"),
+}
+
+# Each Cov method's doses, smallest first, and its random control: (top dose, the same count drawn at random).
+# KL-Cov's published dose already carries more than the shares asked for (~63 %), so it is its top dose.
+LADDERS = {"clip_cov": ["clip_cov", "clip_cov_d10", "clip_cov_d35"], "kl_cov": ["kl_cov_d10", "kl_cov_d35", "kl_cov"]}
+PUBLISHED = {"clip_cov": "clip_cov", "kl_cov": "kl_cov"}
+RANDOM_CONTROLS = {"clip_cov": ("clip_cov_d35", "clip_cov_d35_random"), "kl_cov": ("kl_cov", "kl_cov_random")}
+# Updates per batch -> arm (8 is the preset's, so GRPO itself).
+OFF_POLICY = {1: "grpo_mb1", 4: "grpo_mb4", 8: "grpo", 16: "grpo_mb16"}

@@ -1,0 +1,348 @@
+"""The report of the dose-response study (`covrl study --preset dose`): STUDY_DIR/report.md and its PNGs.
+
+The endpoints, arms and verdict rules were written before the runs (docs/study-dose/PLAN.md; the arms in
+study/arms.py). Per run: end entropy (mean `actor/entropy` over the last 10 % of steps), steps to half entropy (the
+first step at or below half the first 10 % mean; censored at the last step), held-out accuracy (mean of the last 3
+evaluations over the data sources), and the dose it received (tokens a step and share of the step's summed
+covariance, as measured). Per arm: means over seeds with 95 % t-intervals; per contrast: the paired-by-seed
+difference with its 95 % t-interval and the minimum detectable effect at the seeds used. The mechanism is claimed
+for a method only where both pre-registered contrasts exclude 0; every verdict can come out "does not hold".
+`render` is pure; `write_dose_report` writes the plots and report.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from dataclasses import dataclass
+
+from common.metrics import read_metrics
+from study.arms import ARMS, LADDERS, OFF_POLICY, RANDOM_CONTROLS
+from study.lawfit import key_series, mean_eval_acc, merge_rows, row_value
+from study.stats import diff_interval, min_detectable_effect, t_interval
+
+HEAD_TAIL = 0.1  # end entropy: the last 10 % of steps; the half-entropy reference: the first 10 %
+LAST_EVALS = 3  # held-out accuracy: mean of the last 3 evaluations
+PILOT_CLIMB = 0.05  # lr* rule: accuracy (mean of the last 3 evals) above step 0's by at least this ...
+PILOT_CLIPFRAC = 1e-3  # ... and mean actor/pg_clipfrac at least this
+PLOTS = ["entropy_by_arm.png", "dose_response.png"]
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    end_entropy: float
+    half_step: int  # first step at or below half the start entropy; the last step when censored
+    censored: bool
+    acc: float | None
+    dose_tokens: float  # tokens the loss selected a step (mean over steps)
+    dose_share: float | None  # share of the step's summed covariance they carried (mean over steps)
+    clipfrac: float
+    entropy_per_response: tuple[float, float] | None  # first 10 % -> last 10 %
+    eval_entropy: float | None  # on-policy held-out entropy at the last evaluation (mean over data sources)
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _head_tail(values: list[float]) -> tuple[float, float]:
+    k = max(1, round(len(values) * HEAD_TAIL))
+    return sum(values[:k]) / k, sum(values[-k:]) / k
+
+
+def endpoints(rows: list[dict], responses_per_step: int) -> Endpoints | None:
+    """The pre-registered endpoints of one run; None when it has no training rows."""
+    rows = merge_rows(rows)
+    entropy = key_series(rows, "actor/entropy")
+    if not entropy:
+        return None
+    start, end = _head_tail([h for _, h in entropy])
+    below = [s for s, h in entropy if h <= start / 2]
+    evals = [a for r in rows if (a := mean_eval_acc(r)) is not None]
+    train = [r for r in rows if row_value(r, "actor/entropy") is not None]
+    tokens = [row_value(r, "actor/cov_selected_frac") * row_value(r, "response_length/mean") * responses_per_step
+              for r in train if row_value(r, "response_length/mean") is not None]
+    per_response = [h for _, h in key_series(rows, "actor/entropy_per_response")]
+    eval_rows = [r for r in rows if mean_eval_acc(r) is not None]
+    last_eval = [v for k, v in (eval_rows[-1].items() if eval_rows else [])
+                 if k.startswith("eval/") and k.endswith("/entropy") and isinstance(v, float)]
+    return Endpoints(
+        end_entropy=end, half_step=below[0] if below else entropy[-1][0], censored=not below,
+        acc=_mean(evals[-LAST_EVALS:]) if len(evals) >= LAST_EVALS else None,
+        dose_tokens=_mean(tokens) or 0.0, dose_share=_mean([v for _, v in key_series(rows, "actor/cov_selected_share")]),
+        clipfrac=_mean([v for _, v in key_series(rows, "actor/pg_clipfrac")]) or 0.0,
+        entropy_per_response=_head_tail(per_response) if per_response else None, eval_entropy=_mean(last_eval))
+
+
+# ---------------------------------------------------------------------------
+# Runs by arm and seed
+# ---------------------------------------------------------------------------
+
+def seed_of(name: str, first_seed: int) -> tuple[str, int]:
+    """(arm, seed) of a run name: `arm` is the first seed's run, `arm@s<seed>` another seed's."""
+    arm, _, variant = name.partition("@")
+    return arm, int(variant[1:]) if variant.startswith("s") else first_seed
+
+
+def by_arm(study_dir: str, names: list[str], first_seed: int, responses_per_step: int) -> dict[str, dict[int, Endpoints]]:
+    """{arm: {seed: endpoints}} of every complete run."""
+    out: dict[str, dict[int, Endpoints]] = {}
+    for name in names:
+        arm, seed = seed_of(name, first_seed)
+        ends = endpoints(read_metrics(os.path.join(study_dir, name)), responses_per_step)
+        if ends is not None:
+            out.setdefault(arm, {})[seed] = ends
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Statistics and their text
+# ---------------------------------------------------------------------------
+
+def _f(x: float | None, digits: int = 4) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _ci(values: list[float], digits: int = 4) -> str:
+    if not values:
+        return "n/a"
+    mean, lo, hi = t_interval(values)
+    return f"{mean:.{digits}f} [{_f(lo, digits)}, {_f(hi, digits)}]"
+
+
+@dataclass(frozen=True)
+class Contrast:
+    label: str
+    n: int  # seeds present in both arms
+    mean: float | None
+    lo: float | None
+    hi: float | None
+    mde: float | None
+
+    def excludes_zero(self, direction: int) -> bool:
+        """The interval lies wholly above 0 (direction 1) or below it (-1)."""
+        if self.lo is None or self.hi is None or math.isnan(self.lo):
+            return False
+        return self.lo > 0 if direction > 0 else self.hi < 0
+
+    def text(self, digits: int = 4) -> str:
+        if self.mean is None:
+            return f"{self.label}: n/a (no seed in both arms)"
+        return (f"{self.label}: {self.mean:+.{digits}f} [{_f(self.lo, digits)}, {_f(self.hi, digits)}] over "
+                f"{self.n} seeds (minimum detectable effect {_f(self.mde, digits)})")
+
+
+def contrast(arms: dict[str, dict[int, Endpoints]], a: str, b: str, value, label: str) -> Contrast:
+    """`value(a) - value(b)`, paired by seed over the seeds both arms ran."""
+    seeds = sorted(set(arms.get(a, {})) & set(arms.get(b, {})))
+    pairs = [(value(arms[a][s]), value(arms[b][s])) for s in seeds]
+    pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
+    if not pairs:
+        return Contrast(label, 0, None, None, None, None)
+    xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
+    mean, lo, hi = diff_interval(xs, ys, paired=True)
+    diffs = [x - y for x, y in pairs]
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) if len(diffs) > 1 else float("nan")
+    return Contrast(label, len(pairs), mean, lo, hi, min_detectable_effect(sd, len(pairs), paired=True)
+                    if len(pairs) > 1 else None)
+
+
+def end_entropy(e: Endpoints) -> float:
+    return e.end_entropy
+
+
+def half_step(e: Endpoints) -> float:
+    return float(e.half_step)
+
+
+# ---------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                     + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def section_header(meta: dict, now: datetime.datetime, names: list[str]) -> str:
+    wall = meta.get("wall_clock_s", {})
+    rows = [[n, str(wall.get(n, "n/a")), meta.get("status", {}).get(n, "n/a")] for n in names]
+    shared = ", ".join(f"`{o}`" for o in meta.get("overrides", {}).get("preset", []))
+    return "\n".join([
+        "# Dose-response study of the entropy mechanism", "",
+        "The plan, its endpoints and verdict rules were committed before the runs: [PLAN.md](PLAN.md).", "",
+        f"- Report written {now:%Y-%m-%d %H:%M:%S}; study started {meta.get('start_time', 'n/a')}, ended "
+        f"{meta.get('end_time', 'n/a')}",
+        f"- Command: `{meta.get('command', 'n/a')}`",
+        f"- Steps {meta.get('steps', 'n/a')}, seeds {meta.get('seeds', 'n/a')}; overrides shared by every run: {shared}",
+        "", _table(["run", "wall-clock (s)", "status"], rows)])
+
+
+def pilot_rows(pilot_dirs: dict[str, str]) -> list[tuple[str, float | None, float | None, float, bool]]:
+    """(lr, step-0 accuracy, accuracy at the end, mean pg_clipfrac, meets both lr* rules) per pilot."""
+    out = []
+    for lr, run_dir in pilot_dirs.items():
+        rows = merge_rows(read_metrics(run_dir))
+        evals = [a for r in rows if (a := mean_eval_acc(r)) is not None]
+        clip = _mean([v for _, v in key_series(rows, "actor/pg_clipfrac")]) or 0.0
+        first, last = (evals[0], _mean(evals[-LAST_EVALS:])) if len(evals) > LAST_EVALS else (None, None)
+        climbs = first is not None and last - first >= PILOT_CLIMB
+        out.append((lr, first, last, clip, climbs and clip >= PILOT_CLIPFRAC))
+    return out
+
+
+def section_pilots(pilot_dirs: dict[str, str]) -> str:
+    rows = pilot_rows(pilot_dirs)
+    table = _table(["lr", "held-out acc step 0", "acc, last 3 evals", "mean pg_clipfrac", "meets both rules"],
+                   [[lr, _f(a), _f(b), f"{c:.2e}", "yes" if ok else "no"] for lr, a, b, c, ok in rows])
+    return "\n".join(["## 1. Pilots and lr*", "",
+                      f"GRPO, seed 0, at each lr. Rule (PLAN.md): lr* is the largest lr whose accuracy climbs (last 3 "
+                      f"evals at least {PILOT_CLIMB} above step 0) and whose mean `actor/pg_clipfrac` is at least "
+                      f"{PILOT_CLIPFRAC:g}.", "", table])
+
+
+def arm_row(arm: str, seeds: dict[int, Endpoints]) -> list[str]:
+    ends = list(seeds.values())
+    per_response = [e.entropy_per_response for e in ends if e.entropy_per_response]
+    censored = sum(e.censored for e in ends)
+    spec = ARMS.get(arm)
+    return [arm, spec.label if spec else "n/a", spec.departure or "published" if spec else "n/a", str(len(ends)),
+            _f(_mean([e.dose_tokens for e in ends]), 1), _f(_mean([e.dose_share for e in ends if e.dose_share is not None]), 3),
+            _ci([e.end_entropy for e in ends]),
+            _ci([float(e.half_step) for e in ends], 1) + (f" ({censored} censored)" if censored else ""),
+            _ci([e.acc for e in ends if e.acc is not None], 3),
+            f"{_mean([e.clipfrac for e in ends]):.1e}",
+            f"{_f(_mean([p[0] for p in per_response]), 2)} → {_f(_mean([p[1] for p in per_response]), 2)}"
+            if per_response else "n/a"]
+
+
+def section_arms(arms: dict[str, dict[int, Endpoints]]) -> str:
+    header = ["arm", "what", "published or departure", "seeds", "dose: tokens a step", "dose: share of covariance",
+              "end entropy [95 % CI]", "steps to half entropy", "held-out acc, last 3 evals", "pg_clipfrac",
+              "entropy per response, first → last 10 %"]
+    return "\n".join(["## 2. Arms: endpoints over seeds", "",
+                      "Means over seeds with 95 % t-intervals. The dose is what the run's loss actually selected "
+                      "(`actor/cov_selected_frac` x tokens, `actor/cov_selected_share`), mean over steps.", "",
+                      _table(header, [arm_row(a, arms[a]) for a in ARMS if a in arms])])
+
+
+def _verdict(holds: bool) -> str:
+    return "**holds**" if holds else "**does not hold at this scale**"
+
+
+def claim_mechanism(arms: dict[str, dict[int, Endpoints]], method: str) -> str:
+    """PLAN.md: end entropy rises from the lowest to the top dose under covariance selection, and the top dose
+    beats random selection of the same count (both paired-difference intervals above 0)."""
+    top, random_arm = RANDOM_CONTROLS[method]
+    lowest = LADDERS[method][0]
+    dose = contrast(arms, top, lowest, end_entropy, f"end entropy, {top} − {lowest}")
+    chance = contrast(arms, top, random_arm, end_entropy, f"end entropy, {top} − {random_arm}")
+    ladder = "; ".join(f"{a} ({ARMS[a].label}): {_ci([e.end_entropy for e in arms[a].values()])}"
+                       for a in LADDERS[method] if a in arms)
+    holds = dose.excludes_zero(1) and chance.excludes_zero(1)
+    return (f"{method}: the covariance choice raises entropy with dose and beats random tokens: {_verdict(holds)}. "
+            f"End entropy by dose, {ladder}. {dose.text()}; {chance.text()}.")
+
+
+def claim_off_policy(arms: dict[str, dict[int, Endpoints]]) -> str:
+    """PLAN.md (Jin et al.): 16 updates per batch end lower in entropy than 1 and halve it in fewer steps."""
+    many, one = OFF_POLICY[16], OFF_POLICY[1]
+    end = contrast(arms, many, one, end_entropy, f"end entropy, {many} − {one}")
+    half = contrast(arms, many, one, half_step, f"steps to half entropy, {many} − {one}")
+    by_k = "; ".join(f"{k} updates: end entropy {_ci([e.end_entropy for e in arms[a].values()])}, steps to half "
+                     f"{_ci([float(e.half_step) for e in arms[a].values()], 1)}" for k, a in OFF_POLICY.items() if a in arms)
+    holds = end.excludes_zero(-1) and half.excludes_zero(-1)
+    return (f"Jin et al.: more off-policy updates per batch make entropy fall faster: {_verdict(holds)}. {by_k}. "
+            f"{end.text()}; {half.text(1)}.")
+
+
+def section_verdicts(arms: dict[str, dict[int, Endpoints]]) -> str:
+    lines = [claim_mechanism(arms, m) for m in LADDERS] + [claim_off_policy(arms)]
+    return "\n".join(["## 3. Verdicts (rules of PLAN.md)", ""] + [f"- {line}" for line in lines])
+
+
+def section_against_grpo(arms: dict[str, dict[int, Endpoints]]) -> str:
+    """Every arm against GRPO, paired by seed: what each difference is, and the smallest one these seeds could see."""
+    rows = []
+    for arm in ARMS:
+        if arm == "grpo" or arm not in arms:
+            continue
+        h = contrast(arms, arm, "grpo", end_entropy, "end entropy")
+        a = contrast(arms, arm, "grpo", lambda e: e.acc, "accuracy")
+        rows.append([arm, f"{_f(h.mean)} [{_f(h.lo)}, {_f(h.hi)}]", _f(h.mde), f"{_f(a.mean, 3)} [{_f(a.lo, 3)}, {_f(a.hi, 3)}]",
+                     _f(a.mde, 3), str(h.n)])
+    return "\n".join(["## 4. Each arm against GRPO", "",
+                      "Paired-by-seed differences (arm − GRPO) with 95 % t-intervals, and the minimum detectable effect "
+                      "(two-sided 5 %, power 80 %) at the seeds used: a difference smaller than it can not be told from "
+                      "seed noise here.", "",
+                      _table(["arm", "end entropy diff [95 % CI]", "MDE", "accuracy diff [95 % CI]", "MDE", "seeds"], rows)])
+
+
+def implementation_checks(arms: dict[str, dict[int, Endpoints]]) -> str:
+    """Checks of the machinery, not claims: they cannot tell anything about the mechanism."""
+    lines = []
+    for method, (top, random_arm) in RANDOM_CONTROLS.items():
+        if top in arms and random_arm in arms:
+            a = _mean([e.dose_tokens for e in arms[top].values()])
+            b = _mean([e.dose_tokens for e in arms[random_arm].values()])
+            lines.append(f"{random_arm} selected {_f(b, 1)} tokens a step against {_f(a, 1)} for {top} (the control keeps "
+                         f"the count; the runs' token counts differ as their responses do)")
+    return "\n".join(["## 5. Implementation checks (not claims)", ""] + [f"- {line}" for line in lines])
+
+
+def render(arms: dict[str, dict[int, Endpoints]], meta: dict, now: datetime.datetime, names: list[str],
+           pilot_dirs: dict[str, str]) -> str:
+    return "\n\n".join([
+        section_header(meta, now, names), section_pilots(pilot_dirs), section_arms(arms), section_verdicts(arms),
+        section_against_grpo(arms), implementation_checks(arms),
+        "## 6. Plots\n\n" + "\n\n".join(f"![{p.removesuffix('.png')}]({p})" for p in PLOTS)]) + "\n"
+
+
+def _mean_curve(study_dir: str, names: list[str]) -> list[tuple[float, float]]:
+    """actor/entropy by step, mean over the runs named."""
+    by_step: dict[int, list[float]] = {}
+    for name in names:
+        for step, h in key_series(merge_rows(read_metrics(os.path.join(study_dir, name))), "actor/entropy"):
+            by_step.setdefault(step, []).append(h)
+    return [(s, sum(v) / len(v)) for s, v in sorted(by_step.items())]
+
+
+def write_plots(study_dir: str, names: list[str], arms: dict[str, dict[int, Endpoints]], first_seed: int) -> None:
+    from study.plots import plot_lines
+
+    runs_of = {arm: [n for n in names if seed_of(n, first_seed)[0] == arm] for arm in arms}
+    groups = {"Clip-Cov": ["grpo", "ppo_clip1", *LADDERS["clip_cov"], RANDOM_CONTROLS["clip_cov"][1]],
+              "KL-Cov": ["grpo", *LADDERS["kl_cov"], RANDOM_CONTROLS["kl_cov"][1]],
+              "updates per batch": list(OFF_POLICY.values())}
+    panels = {g: {a: _mean_curve(study_dir, runs_of[a]) for a in members if a in arms} for g, members in groups.items()}
+    plot_lines(panels, os.path.join(study_dir, PLOTS[0]), xlabel="step", ylabel="actor/entropy (mean over seeds)",
+               title="entropy vs step by arm")
+    dose = {m: {"covariance": [(e.dose_share, e.end_entropy) for a in LADDERS[m] for e in arms.get(a, {}).values()
+                               if e.dose_share is not None],
+                "random": [(e.dose_share, e.end_entropy) for e in arms.get(RANDOM_CONTROLS[m][1], {}).values()
+                           if e.dose_share is not None]} for m in LADDERS}
+    plot_lines(dose, os.path.join(study_dir, PLOTS[1]), xlabel="share of the step's covariance selected",
+               ylabel="end entropy", title="dose-response: end entropy per run")
+
+
+def study_pilots(study_dir: str) -> dict[str, str]:
+    """{lr: run dir} of the pilots under STUDY_DIR/pilots/lr<lr>/grpo, smallest lr first."""
+    root = os.path.join(study_dir, "pilots")
+    if not os.path.isdir(root):
+        return {}
+    found = {d.removeprefix("lr"): os.path.join(root, d, "grpo") for d in os.listdir(root) if d.startswith("lr")}
+    return dict(sorted(found.items(), key=lambda kv: float(kv[0])))
+
+
+def write_dose_report(study_dir: str, names: list[str], meta: dict, now: datetime.datetime | None = None) -> str:
+    """Write STUDY_DIR/report.md and its PNGs; returns the report path."""
+    first_seed = (meta.get("seeds") or [0])[0]
+    arms = by_arm(study_dir, names, first_seed, responses_per_step=meta.get("responses_per_step", 128))
+    write_plots(study_dir, names, arms, first_seed)
+    path = os.path.join(study_dir, "report.md")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(render(arms, meta, now or datetime.datetime.now(), names, study_pilots(study_dir)))
+    os.replace(tmp, path)
+    return path

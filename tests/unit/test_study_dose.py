@@ -1,0 +1,125 @@
+"""The dose-response study (study/arms.py, study/dose_report.py, `covrl study --preset dose --jobs N`): endpoints
+on hand-built rows, verdicts that must flip with the data, and several runs at a time as real processes."""
+
+import datetime
+import json
+import os
+import sys
+
+import pytest
+
+from study import dose_report
+from study import runs as study_runs
+from study.arms import ARMS, LADDERS, OFF_POLICY, RANDOM_CONTROLS
+
+NOW = datetime.datetime(2026, 11, 26, 12, 0, 0)
+
+
+def rows_for(entropies, *, evals=None, selected_frac=0.0, share=None, length=20.0):
+    """metrics.jsonl rows: row 0 holds the base model's eval; row s (1..n) its training metrics and, where `evals`
+    has one, the eval of version s."""
+    evals = evals or {}
+    out = [{"step": 0, "eval/a/acc": evals.get(0, 0.3), "eval/b/acc": evals.get(0, 0.3)}]
+    for s, h in enumerate(entropies, 1):
+        row = {"step": s, "actor/entropy": h, "actor/cov_selected_frac": selected_frac, "response_length/mean": length,
+               "actor/pg_clipfrac": 1e-3}
+        if share is not None:
+            row["actor/cov_selected_share"] = share
+        if s in evals:
+            row |= {"eval/a/acc": evals[s], "eval/b/acc": evals[s]}
+        out.append(row)
+    return out
+
+
+def test_endpoints_hand_computed():
+    # 20 steps: the first 10 % (2 steps) average 0.1, so half is 0.05, first reached at step 7; the last 2 average 0.02.
+    entropies = [0.1, 0.1, 0.09, 0.08, 0.07, 0.06, 0.05, 0.04] + [0.03] * 10 + [0.02, 0.02]
+    e = dose_report.endpoints(rows_for(entropies, evals={10: 0.5, 15: 0.6, 20: 0.7}, selected_frac=0.01, share=0.3),
+                              responses_per_step=8)
+    assert e.end_entropy == pytest.approx(0.02) and e.half_step == 7 and not e.censored
+    assert e.acc == pytest.approx(0.6)  # the mean of the last 3 evaluations (steps 10, 15, 20)
+    assert e.dose_tokens == pytest.approx(0.01 * 20.0 * 8) and e.dose_share == pytest.approx(0.3)
+    never = dose_report.endpoints(rows_for([0.1] * 20), responses_per_step=8)
+    assert never.censored and never.half_step == 20 and never.acc is None  # one eval only: no last-3 mean
+
+
+def arms_from(end_entropy: dict[str, list[float]]) -> dict:
+    """{arm: {seed: Endpoints}} with these end entropies per seed (other endpoints fixed)."""
+    def ends(h, half=10):
+        return dose_report.Endpoints(end_entropy=h, half_step=half, censored=False, acc=0.8, dose_tokens=5.0,
+                                     dose_share=0.3, clipfrac=1e-3, entropy_per_response=(2.0, 1.0), eval_entropy=0.03)
+    return {arm: {seed: ends(h) for seed, h in enumerate(values)} for arm, values in end_entropy.items()}
+
+
+@pytest.mark.parametrize("method", sorted(LADDERS))
+def test_mechanism_holds_only_when_dose_and_covariance_both_matter(method):
+    top, random_arm = RANDOM_CONTROLS[method]
+    published = LADDERS[method][0]  # the lowest dose
+    works = arms_from({published: [0.030, 0.031, 0.029], top: [0.050, 0.052, 0.049], random_arm: [0.031, 0.030, 0.030]})
+    assert "**holds**" in dose_report.claim_mechanism(works, method)
+    # Random tokens of the same count raise entropy as much: the count, not the covariance, did it.
+    count_only = works | arms_from({random_arm: [0.050, 0.053, 0.048]})
+    assert "does not hold" in dose_report.claim_mechanism(count_only, method)
+    # No dose effect at all.
+    flat = arms_from({published: [0.030, 0.031, 0.029], top: [0.031, 0.029, 0.030], random_arm: [0.030, 0.030, 0.031]})
+    assert "does not hold" in dose_report.claim_mechanism(flat, method)
+
+
+def test_off_policy_claim_flips_with_the_data():
+    def arms(end16, half16):
+        base = {OFF_POLICY[1]: {s: dose_report.Endpoints(0.04 + 0.001 * s, 20 + s, False, 0.8, 0, None, 0, None, None)
+                                for s in range(3)}}
+        return base | {OFF_POLICY[16]: {s: dose_report.Endpoints(end16 + 0.001 * s, half16 + s, False, 0.8, 0, None, 0,
+                                                                 None, None) for s in range(3)}}
+
+    assert "**holds**" in dose_report.claim_off_policy(arms(0.02, 10))
+    assert "does not hold" in dose_report.claim_off_policy(arms(0.04, 20))  # no difference
+    assert "does not hold" in dose_report.claim_off_policy(arms(0.02, 25))  # lower at the end but slower to halve
+
+
+def test_report_renders_every_arm_with_intervals_and_the_pilot_rule(tmp_path):
+    pilots = {}
+    for lr, late_acc, clip in (("2e-5", 0.7, 5e-4), ("5e-5", 0.75, 2e-3), ("1e-4", 0.2, 5e-3)):
+        d = tmp_path / "pilots" / f"lr{lr}" / "grpo"
+        d.mkdir(parents=True)
+        rows = rows_for([0.1] * 30, evals={10: late_acc, 20: late_acc, 30: late_acc})
+        for r in rows[1:]:
+            r["actor/pg_clipfrac"] = clip
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        pilots[lr] = str(d)
+    assert dose_report.study_pilots(str(tmp_path)) == pilots
+    assert [ok for *_, ok in dose_report.pilot_rows(pilots)] == [False, True, False]  # lr* = 5e-5
+    arms = arms_from({a: [0.03, 0.031, 0.032] for a in ARMS})
+    text = dose_report.render(arms, {"command": "covrl study --preset dose"}, NOW, list(ARMS), pilots)
+    for arm in ARMS:
+        assert f"| {arm} |" in text
+    assert "0.0310 [" in text and "minimum detectable effect" in text
+
+
+def test_every_arm_is_a_valid_config_and_every_departure_says_so():
+    from common.config import load_config
+
+    for name, arm in ARMS.items():
+        cfg = load_config(None, [*study_runs.PRESETS["dose"]["overrides"], *arm.overrides])
+        assert cfg.learner.mini_batches in OFF_POLICY
+        published = name in ("grpo", "clip_cov", "kl_cov")
+        assert (arm.departure == "") == published, name
+
+
+def test_jobs_run_several_runs_at_once_as_processes(tmp_path, monkeypatch, capsys):
+    """--jobs 2: every run starts as its own process with its output in STUDY_DIR/logs; a failed run stops new
+    starts, the one in flight finishes, and both outcomes are in study.json."""
+    script = ("import json, os, sys, time; d = sys.argv[1]; time.sleep(0.3); os.makedirs(d);"
+              "code = 3 if d.endswith('kl_cov') else 0;"
+              "open(os.path.join(d, 'metrics.jsonl'), 'w').write(json.dumps({'step': 5, 'actor/entropy': 0.1}) + '\\n')"
+              " if code == 0 else None; print('ran', d); sys.exit(code)")
+    monkeypatch.setattr(study_runs, "cluster_command",
+                        lambda plan, name: [sys.executable, "-c", script, os.path.join(plan.study_dir, name)])
+    monkeypatch.setattr(study_runs, "write_report", lambda *a, **k: str(tmp_path / "report.md"))
+    args = ["--methods", "grpo,kl_cov,par", "--steps", "5", "--study-dir", str(tmp_path), "--jobs", "2"]
+    assert study_runs.main(args) == 1
+    assert "method kl_cov: the cluster run exited with code 3" in capsys.readouterr().err
+    meta = json.load(open(tmp_path / "study.json"))
+    assert meta["status"] == {"grpo": "ran", "kl_cov": "failed (exit 3)"}  # par never started
+    assert (tmp_path / "logs" / "grpo.log").read_text().startswith("ran ")
+    assert study_runs.main(["--methods", "grpo", "--steps", "5", "--study-dir", str(tmp_path / "x"), "--jobs", "0"]) == 2
