@@ -9,6 +9,10 @@ within 0.9 % RMSE; `early_prediction` makes that check on any run.
 held-out accuracy paired with the entropy of the evaluated policy version, or the
 training reward paired with the step's batch entropy. `pearson` is the plain
 sample correlation used for the covariance check (Cov(log pi, A) vs entropy change).
+
+`judge_law` asks whether the fit can be told from a clock (time-only models, a shuffled-pairing control, and
+the across-run correlation at equal step); `early_bias` judges the early prediction over many runs for bias
+(signed errors, their t-interval, the sign test) rather than by its RMSE alone.
 """
 
 from __future__ import annotations
