@@ -694,8 +694,19 @@ def _summed_fall(rows: list[dict], steps: list[int]) -> float | None:
     return -100 * sum(deltas) / h0
 
 
-def par_zero_rows(study: Study) -> list[tuple[str, int, int, float, float]]:
-    """Per PAR run with a same-seed GRPO run: (run, steps with λ = 0, steps, PAR's summed fall over those steps,
+def step_ranges(steps: list[int]) -> str:
+    """Sorted steps as runs of consecutive ones: [1, 41, 42, 43, 45] -> "1, 41–43, 45"."""
+    spans: list[list[int]] = []
+    for s in steps:
+        if spans and s == spans[-1][1] + 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in spans)
+
+
+def par_zero_rows(study: Study) -> list[tuple[str, list[int], int, float, float]]:
+    """Per PAR run with a same-seed GRPO run: (run, the steps with λ = 0, steps, PAR's summed fall over those steps,
     GRPO's over the same step numbers)."""
     out = []
     for r in study.runs:
@@ -708,7 +719,7 @@ def par_zero_rows(study: Study) -> list[tuple[str, int, int, float, float]]:
             continue
         mine, theirs = _summed_fall(r.rows, zero), _summed_fall(base.rows, zero)
         if mine is not None and theirs is not None:
-            out.append((r.name, len(zero), len(lams), mine, theirs))
+            out.append((r.name, zero, len(lams), mine, theirs))
     return out
 
 
@@ -727,12 +738,13 @@ def claim_par_zero(study: Study) -> str:
     negative = ("" if clearly or math.isnan(hi) else
                 " With positive-advantage tokens at weight 0, entropy fell about as much as under GRPO: a negative "
                 "for Jin et al.'s mechanism claim at this scale.")
-    per = "; ".join(f"{n}: λ = 0 on {z} of {t} steps, entropy fell {p:.0f} % vs {g:.0f} % for the same-seed grpo run"
-                    for n, z, t, p, g in rows)
+    per = "; ".join(f"{n}: λ = 0 on {len(z)} of {t} steps ({step_ranges(z)}), entropy fell {p:.0f} % vs {g:.0f} % "
+                    f"for the same-seed grpo run" for n, z, t, p, g in rows)
     return (f"{title}. Paper (Jin et al. 2025): entropy collapse is driven by the positive-advantage tokens, so a "
             f"step that gives them weight λ = 0 (training only on negative-advantage tokens) lowers entropy less. "
             f"Measured, over exactly the steps with λ = 0, the summed same-batch entropy change of the updates "
-            f"(−Σ actor/entropy_delta, in % of the entropy at the first such step), PAR against the same-seed GRPO run "
+            f"(−Σ actor/entropy_delta, each the entropy change of one update on its own batch, in % of actor/entropy at "
+            f"the first such step), PAR against the same-seed GRPO run "
             f"over the same step numbers: {per}. PAR − GRPO: mean {mean:+.1f} points, {_pc(LEVEL)} CI "
             f"{_ci(lo, hi, 1)} over {len(rows)} seed(s). Holds when PAR's fall is clearly smaller (interval below 0): "
             f"{verdict}.{negative}")

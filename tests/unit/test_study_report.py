@@ -352,6 +352,11 @@ def test_seeds_are_paired_and_judged_by_their_interval(tmp_path):
     assert lo < mean < hi
 
 
+def test_step_ranges():
+    assert study_report.step_ranges([1, 41, 42, 43, 45]) == "1, 41–43, 45"
+    assert study_report.step_ranges([]) == "" and study_report.step_ranges([7]) == "7"
+
+
 def test_a_duplicate_run_is_flagged_and_counted_once(tmp_path):
     """clip_higher repeats grpo's trajectory exactly (the clip never bound): flagged in the run table and the seeds
     table, left out of the pooled fits, and its paired difference with grpo is exactly 0."""
@@ -393,7 +398,7 @@ def test_the_par_lambda_zero_result_flips(tmp_path):
         for name, scale in zip(names[3:], scales):
             _set_par_lambda(root / name, 20, scale)
         f3 = claim(render_names(root, names), "f3")
-        assert "par: λ = 0 on 20 of 40 steps" in f3 and "over 3 seed(s)" in f3
+        assert "par: λ = 0 on 20 of 40 steps (21–40)" in f3 and "over 3 seed(s)" in f3
         if case == "smaller":
             assert f3.endswith("**holds**.")
         else:
@@ -478,3 +483,21 @@ def test_covariance_claim_needs_a_correlation_beyond_chance():
     weak, strong = study_report.claim_cov(-0.009, 1520), study_report.claim_cov(-0.2, 1520)
     assert "r < −0.051" in weak and "does not hold at this scale" in weak
     assert "**holds**" in strong
+
+
+def test_early_prediction_flips_between_noise_and_bias(tmp_path):
+    """Six GRPO seeds on the law. Finals moved ±0.01 in turn: errors symmetric and small, (h) holds. Finals all moved
+    up by 0.01: the sign test finds the bias (6 of 6 above: p = 2 / 64 = 0.031) and (h) fails although every error
+    is within 0.02."""
+    for case, shift in (("noise", lambda i: 0.01 if i % 2 else -0.01), ("bias", lambda i: 0.01)):
+        names = write_seeds(tmp_path / case, "grpo", [0.01 * i for i in range(6)])
+        for i, name in enumerate(names):
+            last = lambda s, i=i: -A * math.exp(ENTROPY["grpo"](s) + 0.01 * i) + B + (shift(i) if s == STEPS else 0)
+            _with_eval_accuracy(tmp_path / case / name, last)
+        h = claim(render_names(tmp_path / case, names), "h")
+        assert "mean absolute error 0.0100" in h
+        if case == "noise":
+            assert "3 of 6 above the prediction, sign test p = 1.0000" in h and "(p ≥ 0.05): **holds**." in h
+        else:
+            assert "6 of 6 above the prediction, sign test p = 0.0312" in h
+            assert "**does not hold at this scale**: a bias, the early fit predicts too low" in h
