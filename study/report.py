@@ -847,10 +847,10 @@ def section_staleness(study: Study) -> str:
                       "run's steps saw; entropy: mean of the first → last 10 % of steps.", "",
                       _table(["method", "run", "k", "entropy first → last", "change", "mean actor/cov_mean",
                               "final mean eval accuracy"], rows), "", *findings, "",
-                      "With one seed per k, a difference between two values of k is a difference between two seeds as "
-                      "well: against a spread estimated from the plain runs' seeds it comes out \"beyond the spread\" "
-                      "about half the time with no effect at all. Finding an effect of k needs several seeds at each "
-                      "k and a paired interval, as section 7 does for the methods."])
+                      "With one run per k, a difference between two values of k also carries one run's own noise, "
+                      "whose size the plain runs' seed spread shows: judged against that spread, the range over k "
+                      "comes out \"beyond the spread\" about half the time with no effect at all. An effect of k needs "
+                      "several seeds at each k and a paired interval, as section 7 gives for the methods."])
 
 
 def render_report(runs: list[MethodRun], meta: dict, now: datetime.datetime, *,
