@@ -9,6 +9,10 @@ within 0.9 % RMSE; `early_prediction` makes that check on any run.
 held-out accuracy paired with the entropy of the evaluated policy version, or the
 training reward paired with the step's batch entropy. `pearson` is the plain
 sample correlation used for the covariance check (Cov(log pi, A) vs entropy change).
+
+`judge_law` asks whether the fit can be told from a clock (time-only models, a shuffled-pairing control, and
+the across-run correlation at equal step); `early_bias` judges the early prediction over many runs for bias
+(signed errors, their t-interval, the sign test) rather than by its RMSE alone.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+
+from study.stats import linear_r2, permutation_p, sign_test, t_interval, t_quantile
 
 MIN_FIT_POINTS = 3  # a 2-point fit always has R^2 = 1 and says nothing; reports and the CLI ask for 3
 
@@ -68,14 +74,7 @@ def early_prediction(entropies: list[float], rewards: list[float], fraction: flo
     return fit, rmse
 
 
-# Two-sided 95 % Student-t quantiles by degrees of freedom; between listed dofs the smaller dof's (wider) value.
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
 FEW_EARLY_POINTS = 5  # an early fit on fewer points gets a warning: its interval is wide or undefined
-
-
-def t975(dof: int) -> float:
-    return _T975[max(d for d in _T975 if d <= dof)] if dof < 120 else 1.96
 
 
 def prediction_interval(entropies: list[float], rewards: list[float], fit: LawFit, entropy: float) -> float | None:
@@ -89,7 +88,7 @@ def prediction_interval(entropies: list[float], rewards: list[float], fit: LawFi
     mx = sum(xs) / n
     sxx = sum((x - mx) ** 2 for x in xs)
     s2 = sum((r - fit.predict(h)) ** 2 for h, r in zip(entropies, rewards)) / (n - 2)
-    return t975(n - 2) * math.sqrt(s2 * (1 + 1 / n + (math.exp(entropy) - mx) ** 2 / sxx))
+    return t_quantile(0.975, n - 2) * math.sqrt(s2 * (1 + 1 / n + (math.exp(entropy) - mx) ** 2 / sxx))
 
 
 # ---------------------------------------------------------------------------
@@ -197,3 +196,235 @@ def pearson(xs: list[float], ys: list[float]) -> float | None:
     if sxx == 0 or syy == 0:
         return None
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / math.sqrt(sxx * syy)
+
+
+# ---------------------------------------------------------------------------
+# Judging the law: can it be told from a clock? (pure; numpy via study.stats)
+#
+# A fit of accuracy on exp(H) over runs whose entropy falls while accuracy climbs
+# has a high R^2 whatever drives the climb: any monotone function of the step fits
+# too. So the fit is compared with time-only models fitted the same way (least
+# squares of accuracy on g(step)), with the eval response length, with the linear
+# form a*H + b, and with a "shuffled pairing" control (run i's accuracy against
+# run j's entropy at the same step). The test that separates the law from a clock
+# is across runs at equal step: if entropy drives accuracy, the run with the
+# lower entropy at a step has the higher accuracy at that step.
+# ---------------------------------------------------------------------------
+
+MIN_RUNS_PER_STEP = 3  # the across-run test uses only steps evaluated in at least this many runs
+PERMUTATIONS = 10000  # within-step permutations for the across-run test's p-value
+EXP_LINEAR_TESTED = 0.01  # exp(H) and 1 + H closer than this (relative) over the data: the exponential is not tested
+
+
+@dataclass(frozen=True)
+class EvalPoint:
+    run: str
+    step: int
+    entropy: float
+    acc: float
+    length: float | None  # mean eval response length over data sources, None when not logged
+
+
+@dataclass(frozen=True)
+class LawJudgement:
+    n: int  # pooled points
+    runs: int
+    r2: dict[str, float]  # model name -> R^2 of acc = a * feature + b on the pooled points
+    shuffled_r2: float  # mean R^2 of exp(H) over every cyclic re-pairing of runs (nan with one run)
+    within_r: float  # correlation of exp(H) with accuracy after demeaning both within each step
+    within_p: float  # two-sided within-step permutation p of within_r
+    within_points: int
+    within_steps: int
+    entropy_range: tuple[float, float]
+    exp_linear_gap: float  # max over the range of (exp(H) - (1 + H)) / exp(H)
+
+    @property
+    def time_models(self) -> list[str]:
+        return [m for m in self.r2 if m.startswith("time:")]
+
+    @property
+    def beats_clock(self) -> bool:
+        return all(self.r2["exp(H)"] > self.r2[m] for m in self.time_models)
+
+    @property
+    def across_runs(self) -> bool:
+        return self.within_r < 0 and self.within_p < 0.05
+
+    @property
+    def holds(self) -> bool:
+        return self.beats_clock and self.across_runs
+
+    @property
+    def exp_form_tested(self) -> bool:
+        return self.exp_linear_gap >= EXP_LINEAR_TESTED
+
+
+def eval_lengths(rows: list[dict]) -> dict[int, float]:
+    """step -> mean of the row's eval/<ds>/response_length values, for eval rows that log them."""
+    out = {}
+    for row in merge_rows(rows):
+        vals = [v for k in row if k.startswith("eval/") and k.endswith("/response_length")
+                and (v := row_value(row, k)) is not None]
+        if vals:
+            out[row["step"]] = sum(vals) / len(vals)
+    return out
+
+
+def run_eval_points(name: str, rows: list[dict]) -> list[EvalPoint]:
+    """A run's eval points (see `eval_points`) with its eval response lengths."""
+    lengths = eval_lengths(rows)
+    return [EvalPoint(name, s, h, a, lengths.get(s)) for s, h, a in eval_points(rows)]
+
+
+def _model_r2(points: list[EvalPoint]) -> dict[str, float]:
+    """R^2 of acc = a * feature + b for the law's exp(H), the linear form, the time-only models and the eval response
+    length (when every point has one and it varies)."""
+    acc = [p.acc for p in points]
+    features = {"exp(H)": [math.exp(p.entropy) for p in points], "H (linear)": [p.entropy for p in points],
+                "time: sqrt(step)": [math.sqrt(p.step) for p in points],
+                "time: log(1 + step)": [math.log1p(p.step) for p in points]}
+    if all(p.length is not None for p in points):
+        features["eval response length"] = [p.length for p in points]
+    return {name: linear_r2(xs, acc) for name, xs in features.items() if max(xs) > min(xs)}  # a constant explains nothing
+
+
+def shuffled_r2(by_run: dict[str, list[EvalPoint]]) -> float:
+    """Mean R^2 of acc = a exp(H) + b when run i's accuracy is paired with run (i + s)'s entropy at the same step,
+    over every shift s = 1 .. runs - 1 (steps one of the pair lacks are left out); nan with fewer than 2 runs."""
+    names = list(by_run)
+    entropy = {n: {p.step: p.entropy for p in by_run[n]} for n in names}
+    r2s = []
+    for shift in range(1, len(names)):
+        pairs = [(math.exp(entropy[names[(i + shift) % len(names)]][p.step]), p.acc)
+                 for i, n in enumerate(names) for p in by_run[n] if p.step in entropy[names[(i + shift) % len(names)]]]
+        if len(pairs) >= MIN_FIT_POINTS:
+            r2s.append(linear_r2([x for x, _ in pairs], [y for _, y in pairs]))
+    return sum(r2s) / len(r2s) if r2s else math.nan
+
+
+def within_step_points(points: list[EvalPoint]) -> tuple[list[float], list[float], list[int]]:
+    """(exp(H), accuracy, step) of the points at steps evaluated in >= MIN_RUNS_PER_STEP runs, exp(H) and accuracy
+    demeaned within each step: what is left once the step (the clock) is taken out."""
+    by_step: dict[int, list[EvalPoint]] = {}
+    for p in points:
+        by_step.setdefault(p.step, []).append(p)
+    xs, ys, groups = [], [], []
+    for step, pts in sorted(by_step.items()):
+        if len(pts) < MIN_RUNS_PER_STEP:
+            continue
+        mx = sum(math.exp(p.entropy) for p in pts) / len(pts)
+        my = sum(p.acc for p in pts) / len(pts)
+        xs += [math.exp(p.entropy) - mx for p in pts]
+        ys += [p.acc - my for p in pts]
+        groups += [step] * len(pts)
+    return xs, ys, groups
+
+
+def within_step(points: list[EvalPoint], seed: int = 0) -> tuple[float, float, int, int]:
+    """(r, p, points, steps): the Pearson r of `within_step_points` and its two-sided permutation p (accuracy
+    shuffled across runs within each step, seeded)."""
+    xs, ys, groups = within_step_points(points)
+    if len(xs) < MIN_FIT_POINTS:
+        return math.nan, math.nan, len(xs), len(set(groups))
+    r, p = permutation_p(xs, ys, groups=groups, n_perm=PERMUTATIONS, seed=seed)
+    return r, p, len(xs), len(set(groups))
+
+
+def judge_law(by_run: dict[str, list[EvalPoint]], seed: int = 0) -> LawJudgement | None:
+    """The law against the clock on the pooled points of `by_run` (one entry per distinct run); None with fewer than
+    MIN_FIT_POINTS points or no spread in entropy or step."""
+    points = [p for pts in by_run.values() for p in pts]
+    if len(points) < MIN_FIT_POINTS or len({p.entropy for p in points}) < 2 or len({p.step for p in points}) < 2:
+        return None
+    lo, hi = min(p.entropy for p in points), max(p.entropy for p in points)
+    gap = max((math.exp(h) - 1 - h) / math.exp(h) for h in (lo, hi))  # 1 - (1 + h) e^-h: smallest at 0, so an end
+    r, p, n_within, n_steps = within_step(points, seed)
+    return LawJudgement(n=len(points), runs=len(by_run), r2=_model_r2(points), shuffled_r2=shuffled_r2(by_run),
+                        within_r=r, within_p=p, within_points=n_within, within_steps=n_steps,
+                        entropy_range=(lo, hi), exp_linear_gap=gap)
+
+
+# ---------------------------------------------------------------------------
+# Early prediction, judged for bias: fit each run's first points, predict its final accuracy
+# ---------------------------------------------------------------------------
+
+EARLY_FRACTION = 0.15  # fit on the first 15 % of a run's eval points (at least MIN_FIT_POINTS) ...
+EARLY_MAE = 0.02  # ... the prediction holds when the mean absolute error of the finals is within 2 points ...
+EARLY_SIGN_P = 0.05  # ... and the sign test finds no bias (p >= this)
+
+
+@dataclass(frozen=True)
+class EarlyRun:
+    run: str
+    k: int  # points fitted
+    n: int  # points in the run
+    predicted: float  # the early fit's accuracy at the run's final entropy
+    final: float  # the measured final accuracy
+    pi_half: float | None  # 95 % prediction half-width of the early fit at the final entropy
+    acc_range: float  # max - min of the run's eval accuracies
+    pooled_predicted: float | None  # the pooled early fit's prediction at the final entropy
+
+    @property
+    def error(self) -> float:
+        """Signed: final - predicted (positive: the fit predicted too low)."""
+        return self.final - self.predicted
+
+
+@dataclass(frozen=True)
+class EarlyBias:
+    runs: list[EarlyRun]
+    mean: float  # mean signed error
+    lo: float
+    hi: float  # 95 % t-interval of the mean signed error
+    sign_p: float
+    mae: float
+    pooled: LawFit | None  # one law fitted on every run's early points
+
+    @property
+    def holds(self) -> bool:
+        return self.mae <= EARLY_MAE and self.sign_p >= EARLY_SIGN_P
+
+    @property
+    def biased(self) -> bool:
+        return self.sign_p < EARLY_SIGN_P
+
+
+def early_k(n: int) -> int:
+    """Points the early fit uses out of n: the first EARLY_FRACTION, at least MIN_FIT_POINTS."""
+    return max(MIN_FIT_POINTS, math.ceil(n * EARLY_FRACTION))
+
+
+def early_run(name: str, points: list[tuple[float, float]]) -> EarlyRun | None:
+    """The early fit of one run's (entropy, accuracy) points and its prediction of the final; None when too few."""
+    k = early_k(len(points))
+    if len(points) <= k:
+        return None
+    hs, rs = [h for h, _ in points[:k]], [r for _, r in points[:k]]
+    try:
+        fit = fit_law(hs, rs)
+    except ValueError:
+        return None
+    h_end, r_end = points[-1]
+    accs = [r for _, r in points]
+    return EarlyRun(name, k, len(points), fit.predict(h_end), r_end, prediction_interval(hs, rs, fit, h_end),
+                    max(accs) - min(accs), None)
+
+
+def early_bias(points_by_run: dict[str, list[tuple[float, float]]]) -> EarlyBias | None:
+    """Per run (one entry per distinct run), the early fit's prediction of the final accuracy from the final entropy;
+    the signed errors' mean, 95 % t-interval, sign test and mean absolute error; and the errors of one pooled early fit
+    (every run's early points together). None when no run has enough points."""
+    runs = [e for name, pts in points_by_run.items() if (e := early_run(name, pts)) is not None]
+    if not runs:
+        return None
+    early = [p for pts in points_by_run.values() if len(pts) > early_k(len(pts)) for p in pts[:early_k(len(pts))]]
+    try:
+        pooled = fit_law([h for h, _ in early], [r for _, r in early])
+    except ValueError:
+        pooled = None
+    if pooled is not None:
+        runs = [EarlyRun(**{**e.__dict__, "pooled_predicted": pooled.predict(points_by_run[e.run][-1][0])})
+                for e in runs]
+    errors = [e.error for e in runs]
+    mean, lo, hi = t_interval(errors)
+    return EarlyBias(runs, mean, lo, hi, sign_test(errors), sum(abs(x) for x in errors) / len(errors), pooled)

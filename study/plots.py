@@ -101,12 +101,15 @@ def _curve(fit: LawFit, lo: float, hi: float, n: int = 50) -> tuple[list[float],
 
 
 def plot_law_fit(points: Series, fits: dict[str, LawFit | None], path: str, *, pooled: LawFit | None = None,
-                 ylabel: str = "accuracy", title: str = "R = -a exp(H) + b") -> str:
+                 ylabel: str = "accuracy", title: str = "R = -a exp(H) + b",
+                 within: list[tuple[float, float]] | None = None) -> str:
     """Scatter of (entropy, reward) points per label, each label's fitted curve (dashed, over its own
-    entropy range) and the pooled fit (black, over all points' range); returns `path`."""
+    entropy range) and the pooled fit (black, over all points' range); returns `path`. With `within`, a second
+    panel: exp(H) against accuracy, both demeaned within each step across runs (the law's test at equal step)."""
     many = len(points) > 6  # a study with seeds and staleness runs: legend beside the plot, 20 distinct colours
-    fig = _figure(11.5 if many else 7.5, 5)
-    ax = fig.subplots()
+    fig = _figure((11.5 if many else 7.5) + (4.5 if within is not None else 0), 5)
+    axes = fig.subplots(1, 2, width_ratios=[2.2, 1]) if within is not None else [fig.subplots()]
+    ax = axes[0]
     all_h = [h for pts in points.values() for h, _ in pts]
     for i, (label, pts) in enumerate(points.items()):
         if not pts:
@@ -121,8 +124,9 @@ def plot_law_fit(points: Series, fits: dict[str, LawFit | None], path: str, *, p
     if pooled is not None and all_h and max(all_h) > min(all_h):
         ax.plot(*_curve(pooled, min(all_h), max(all_h)), "-", color="black", linewidth=2,
                 label=f"pooled fit: a={pooled.a:.3g} b={pooled.b:.3g} R²={pooled.r2:.2f}")
-    if all_h and many:
-        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if all_h and many:  # beside the figure, right of any second panel
+        handles, labels = ax.get_legend_handles_labels()
+        fig.legend(handles, labels, fontsize="x-small", loc="upper left", bbox_to_anchor=(1.0, 0.94))
     elif all_h:
         ax.legend(fontsize="small")
     else:
@@ -131,7 +135,24 @@ def plot_law_fit(points: Series, fits: dict[str, LawFit | None], path: str, *, p
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize="medium")
     ax.grid(alpha=0.3)
+    if within is not None:
+        _within_panel(axes[1], within)
     return _save(fig, path)
+
+
+def _within_panel(ax, within: list[tuple[float, float]]) -> None:
+    """exp(H) against accuracy after removing each step's mean across runs: the law predicts a falling cloud."""
+    if within:
+        xs, ys = zip(*within)
+        ax.scatter(xs, ys, s=12, color="C0", alpha=0.7)
+        ax.axhline(0, color="grey", linewidth=0.8)
+        ax.axvline(0, color="grey", linewidth=0.8)
+    else:
+        _no_data(ax, "no step evaluated in 3 runs")
+    ax.set_xlabel("exp(H) − its step's mean")
+    ax.set_ylabel("accuracy − its step's mean")
+    ax.set_title("GRPO family at equal step", fontsize="medium")
+    ax.grid(alpha=0.3)
 
 
 def plot_scatter(points: Series, path: str, *, xlabel: str, ylabel: str, title: str) -> str:

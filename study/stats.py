@@ -198,12 +198,13 @@ def permutation_p(x, y, groups=None, n_perm: int = 10000, seed: int = 0) -> tupl
     labels = np.zeros(xs.size, dtype=int) if groups is None else np.unique(np.asarray(list(groups)), return_inverse=True)[1]
     if labels.size != xs.size:
         raise ValueError(f"permutation_p: {labels.size} group labels for {xs.size} points")
-    members = [np.flatnonzero(labels == g) for g in np.unique(labels)]
     rng = np.random.default_rng(seed)
-    hits = 0
-    shuffled = ys.copy()
-    for _ in range(n_perm):
-        for idx in members:
-            shuffled[idx] = ys[rng.permutation(idx)]
-        hits += abs(correlation(xs, shuffled)) >= abs(r) - 1e-12
+    shuffled = np.empty((n_perm, xs.size))  # [n_perm, n]: one permutation of y per row
+    for g in np.unique(labels):
+        idx = np.flatnonzero(labels == g)
+        shuffled[:, idx] = rng.permuted(np.tile(ys[idx], (n_perm, 1)), axis=1)
+    dx = xs - xs.mean()
+    dy = shuffled - shuffled.mean(axis=1, keepdims=True)
+    r_perm = (dy @ dx) / np.sqrt((dx @ dx) * np.einsum("ij,ij->i", dy, dy))
+    hits = int(np.sum(np.abs(r_perm) >= abs(r) - 1e-12))
     return r, (1 + hits) / (1 + n_perm)

@@ -150,3 +150,123 @@ def test_each_point_source_writes_its_own_files_and_few_early_points_warn(tmp_pa
     assert ev["source"] == "eval" and tr["source"] == "train"  # train did not overwrite eval's fit
     assert (tmp_path / "law_fit_eval.png").exists() and (tmp_path / "law_fit_train.png").exists()
     assert ev["early_prediction"]["interval_95"] is None and ev["early_prediction"]["step"] == 18
+
+
+# ---------------------------------------------------------------------------
+# Judging the law against the clock, and the early prediction for bias
+# ---------------------------------------------------------------------------
+
+STEPS = range(0, 41, 4)  # 11 evals per run
+
+
+def _points(run_offsets, acc, entropy):
+    """{run: [EvalPoint]} for runs whose entropy at step s is entropy(s, offset) and accuracy acc(s, H, offset)."""
+    from study.lawfit import EvalPoint
+
+    out = {}
+    for i, off in enumerate(run_offsets):
+        pts = []
+        for s in STEPS:
+            h = entropy(s, off)
+            pts.append(EvalPoint(f"run{i}", s, h, acc(s, h, off), 20.0 + s))
+        out[f"run{i}"] = pts
+    return out
+
+
+def test_a_clock_with_unrelated_entropies_fails_the_law():
+    """Accuracy follows the step only; each run's entropy is offset at every step by an amount that has nothing to do
+    with its accuracy (a wobble uncorrelated with the run's accuracy offset). exp(H) still fits well, but a time-only
+    model fits better and the across-run test at equal step finds nothing: the law does not hold."""
+    from study.lawfit import judge_law
+
+    offsets = [(-0.02, 0.01), (0.0, -0.01), (0.02, 0.0), (-0.01, -0.005), (0.01, 0.005)]  # (entropy, accuracy) offsets
+    by_run = _points(offsets, acc=lambda s, h, off: 0.3 + 0.08 * math.sqrt(s) + off[1] * ((s // 4) % 2 * 2 - 1),
+                     entropy=lambda s, off: 0.5 * math.exp(-s / 15) + 0.1 + off[0])
+    j = judge_law(by_run)
+    assert j.n == 55 and j.runs == 5 and j.within_steps == 11
+    assert j.r2["time: sqrt(step)"] == pytest.approx(1.0, abs=0.01) and j.r2["exp(H)"] < j.r2["time: sqrt(step)"]
+    assert not j.beats_clock and not j.holds
+    assert abs(j.within_r) < 0.3 and j.within_p > 0.05
+    assert j.r2["eval response length"] > 0.8  # length = 20 + step: a clock too
+
+
+def test_accuracy_driven_by_entropy_across_runs_passes_the_law():
+    """acc = -a exp(H) + b exactly, and H differs across runs at equal step (each run its own offset): exp(H) fits
+    perfectly, beats every time-only model, and at equal step the lower-entropy run has the higher accuracy."""
+    from study.lawfit import judge_law
+
+    by_run = _points([-0.15, -0.05, 0.0, 0.08, 0.2], acc=lambda s, h, off: -0.3 * math.exp(h) + 1.2,
+                     entropy=lambda s, off: 0.6 * math.exp(-s / 10) + 0.4 + off)
+    j = judge_law(by_run)
+    assert j.r2["exp(H)"] == pytest.approx(1.0) and j.beats_clock
+    assert j.within_r == pytest.approx(-1.0) and j.within_p < 0.001 and j.holds
+    # H spans [0.25, 1.2]: exp(H) and 1 + H differ by up to 1 - 2.2 e^-1.2 = 33.7 %: the form is tested.
+    assert j.entropy_range[1] == pytest.approx(1.2) and j.exp_form_tested
+    assert j.exp_linear_gap == pytest.approx(1 - 2.2 * math.exp(-1.2))
+
+
+def test_the_exponential_form_is_untested_over_a_small_entropy_range():
+    from study.lawfit import judge_law
+
+    by_run = _points([0.0, 0.01, 0.02], acc=lambda s, h, off: -2 * math.exp(h) + 3,
+                     entropy=lambda s, off: 0.1 * math.exp(-s / 10) + 0.02 + off)
+    j = judge_law(by_run)
+    # H in [0.02, 0.14]: 1 - 1.14 e^-0.14 = 0.89 % < 1 %.
+    assert j.exp_linear_gap == pytest.approx(1 - 1.14 * math.exp(-0.14)) and not j.exp_form_tested
+
+
+def test_shuffled_pairing_pairs_each_run_with_every_other_runs_entropy():
+    from study.lawfit import EvalPoint, shuffled_r2
+
+    # Two runs, three steps. Shift 1 pairs run a's accuracy with run b's entropy and vice versa.
+    a = [EvalPoint("a", s, h, y, None) for s, h, y in ((0, 0.0, 1.0), (1, 0.5, 2.0), (2, 1.0, 3.0))]
+    b = [EvalPoint("b", s, h, y, None) for s, h, y in ((0, 1.0, 1.0), (1, 0.5, 2.0), (2, 0.0, 3.0))]
+    # Pairs: (exp(b's H), a's acc) = (e, 1), (e^.5, 2), (1, 3) and (exp(a's H), b's acc) = (1, 1), (e^.5, 2), (e, 3):
+    # symmetric, so the pooled slope is 0 and R^2 = 0.
+    assert shuffled_r2({"a": a, "b": b}) == pytest.approx(0.0, abs=1e-12)
+    assert math.isnan(shuffled_r2({"a": a}))
+
+
+def test_eval_lengths_and_run_points():
+    from study.lawfit import eval_lengths, run_eval_points
+
+    rows = [{"step": 0, "eval/x/acc": 0.5, "eval/x/response_length": 10.0, "eval/y/response_length": 20.0},
+            {"step": 1, "actor/entropy": 0.3}]
+    assert eval_lengths(rows) == {0: 15.0}
+    (p,) = run_eval_points("r", rows)
+    assert (p.run, p.step, p.entropy, p.acc, p.length) == ("r", 0, 0.3, 0.5, 15.0)
+
+
+def _early_points(n_runs, final_shift):
+    """Runs on acc = -0.3 exp(H) + 1.2 (H from 1.0 down by 0.04 per eval, each run offset), 21 evals; the final eval
+    moved by final_shift(i)."""
+    out = {}
+    for i in range(n_runs):
+        hs = [1.0 - 0.04 * v + 0.01 * i for v in range(21)]
+        accs = [-0.3 * math.exp(h) + 1.2 for h in hs]
+        accs[-1] += final_shift(i)
+        out[f"run{i}"] = list(zip(hs, accs))
+    return out
+
+
+def test_an_unbiased_early_fit_passes():
+    from study.lawfit import early_bias
+
+    bias = early_bias(_early_points(8, lambda i: 0.01 if i % 2 else -0.01))  # symmetric noise on the finals
+    assert len(bias.runs) == 8 and all(e.k == 4 and e.n == 21 for e in bias.runs)
+    assert [round(e.error, 6) for e in bias.runs] == [-0.01, 0.01] * 4
+    assert bias.mean == pytest.approx(0.0, abs=1e-9) and bias.mae == pytest.approx(0.01)
+    assert bias.sign_p == 1.0 and bias.holds and not bias.biased
+    assert bias.lo < 0 < bias.hi
+    assert bias.pooled is not None and bias.runs[0].pooled_predicted == pytest.approx(bias.runs[0].predicted, abs=1e-6)
+
+
+def test_a_biased_early_fit_fails_even_when_close():
+    from study.lawfit import early_bias
+
+    bias = early_bias(_early_points(8, lambda i: 0.015))  # every final above its prediction, by less than 0.02
+    assert bias.mae == pytest.approx(0.015) and bias.sign_p == pytest.approx(2 / 2 ** 8)
+    assert bias.biased and not bias.holds and bias.lo > 0
+    far = early_bias(_early_points(8, lambda i: 0.05 if i % 2 else -0.05))  # unbiased but too far off
+    assert not far.biased and not far.holds
+    assert early_bias({"short": [(0.1, 0.2)] * 3}) is None
