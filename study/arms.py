@@ -26,8 +26,8 @@ KL_COV = ["learner.loss.type=kl_cov"]
 RANDOM = ["learner.loss.selection=random"]
 
 # Doses by share of the step's summed covariance, from the lr* pilot (docs/study-dose/PLAN.md "Doses").
-CLIP_COV_D10 = "learner.loss.cov_fraction=0.002"  # set from the calibration run (PLAN.md "Doses")
-CLIP_COV_D35 = "learner.loss.cov_fraction=0.01"  # set from the calibration run (PLAN.md "Doses")
+CLIP_COV_D10 = "learner.loss.cov_fraction=0.0015"  # ~7.5 candidates a step at 1.33 % each (the calibration run)
+CLIP_COV_D35 = "learner.loss.cov_fraction=0.0054"  # ~26 of the ~31 candidates a step (the calibration run)
 KL_COV_D10 = "learner.loss.kl_fraction=0.0002"  # 1 token a step: the top token carries 11 % (the paper's 32B recipe)
 KL_COV_D35 = "learner.loss.kl_fraction=0.0006"  # 3 tokens a step: ~35 % on the pilot's top-K curve
 
@@ -38,8 +38,8 @@ ARMS: dict[str, Arm] = {
                       "learner.loss.dual_clip_c=0"], "ppo_clip1", "PPO, clip 1 / 1, no dual clip, no selection",
                      "control: the Clip-Cov trust region without its token choice"),
     "clip_cov": Arm(CLIP_COV, "clip_cov", "published dose (cov_fraction 2e-4)"),
-    "clip_cov_d10": Arm([*CLIP_COV, CLIP_COV_D10], "clip_cov", "~10 % of the covariance", "dose"),
-    "clip_cov_d35": Arm([*CLIP_COV, CLIP_COV_D35], "clip_cov", "~35 % of the covariance", "dose"),
+    "clip_cov_d10": Arm([*CLIP_COV, CLIP_COV_D10], "clip_cov", "~10 % of the covariance (cov_fraction 1.5e-3)", "dose"),
+    "clip_cov_d35": Arm([*CLIP_COV, CLIP_COV_D35], "clip_cov", "~35 % of the covariance (cov_fraction 5.4e-3)", "dose"),
     "clip_cov_d35_random": Arm([*CLIP_COV, CLIP_COV_D35, *RANDOM], "clip_cov", "top dose, random tokens",
                                "control: the top dose's count drawn uniformly"),
     "kl_cov_d10": Arm([*KL_COV, KL_COV_D10], "kl_cov", "~10 % of the covariance (kl_fraction 2e-4)",
