@@ -172,3 +172,54 @@ def test_packed_vs_padded_train_throughput():
           f"{tps['padded']:.0f} tok/s in {len(padded)} batches, ratio {ratio:.2f} "
           f"(target >= 1: {verdict(ratio >= 1.0)})")
     assert all(t > 0 for v in times.values() for t in v)
+
+
+def test_entropy_delta_pass_cost_by_stride():
+    """What `actor/entropy_delta` costs: its pass is a no-grad forward (with the entropy head) over every S-th packed
+    micro-batch after the update. Measured against the step's forward+backward over the whole batch, at S = 8 (the
+    default) and S = 1 (exact: the whole batch)."""
+    torch.set_num_threads(1)
+    cfg = Config()
+    chunk = cfg.learner.logprob_chunk_tokens
+    model = _model()
+    pad_id = model.config.pad_token_id or 0
+    groups = _groups(model.config.vocab_size)
+    batch = build_step_batch(groups, scores(groups), version=0, ranks=1, mini_batches=1,
+                             micro_batch_tokens=cfg.learner.micro_batch_tokens)
+    packed = [pack(batch.samples, idx, pad_id) for idx in batch.plan[0][0]]
+
+    def forward(mb):
+        return model.model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).last_hidden_state
+
+    def train():
+        model.zero_grad(set_to_none=True)
+        for mb in packed:
+            _loss(model, forward(mb)[0, :-1], mb["targets"][0], mb["mask"][0], mb["adv"][0], chunk).backward()
+
+    def after(stride):
+        def run():
+            with torch.no_grad():
+                for mb in packed[::stride]:
+                    logprobs_and_entropy(model.lm_head, forward(mb)[0, :-1], mb["targets"][0], chunk=chunk)
+        return run
+
+    runs = {"train": train, "stride_8": after(8), "stride_1": after(1)}
+    times = {k: [] for k in runs}
+    for f in runs.values():
+        f()
+    for _ in range(REPEATS):
+        for k, f in runs.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    best = {k: min(v) for k, v in times.items()}
+    share = {k: best[k] / best["train"] for k in ("stride_8", "stride_1")}
+    record("entropy_delta_pass", {
+        "model": "assets/arith-base architecture, random init, fp32, sdpa, 1 thread",
+        "micro_batches": len(packed), "seconds_best": best,
+        "extra_over_train_fwd_bwd": share,
+        "note": "the after-update entropy pass of actor/entropy_delta, as a share of the step's forward+backward",
+    })
+    print(f"\nentropy_delta pass over {len(packed)} micro-batches: stride 8 adds {share['stride_8']:.1%}, stride 1 adds "
+          f"{share['stride_1']:.1%} of the step's forward+backward ({best['train']:.3f} s)")
+    assert share["stride_1"] > share["stride_8"] > 0
