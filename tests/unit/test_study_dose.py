@@ -123,3 +123,24 @@ def test_jobs_run_several_runs_at_once_as_processes(tmp_path, monkeypatch, capsy
     assert meta["status"] == {"grpo": "ran", "kl_cov": "failed (exit 3)"}  # par never started
     assert (tmp_path / "logs" / "grpo.log").read_text().startswith("ran ")
     assert study_runs.main(["--methods", "grpo", "--steps", "5", "--study-dir", str(tmp_path / "x"), "--jobs", "0"]) == 2
+
+
+def test_archive_keeps_complete_runs_config_and_compressed_metrics(tmp_path, capsys):
+    from common.metrics import read_metrics
+    from study import archive
+
+    src, dest = tmp_path / "study", tmp_path / "kept"
+    rows = rows_for([0.1, 0.08, 0.05])
+    for name, n in (("grpo", 4), ("kl_cov", 2)):  # kl_cov stopped one step short of the study's 3
+        d = src / name
+        d.mkdir(parents=True)
+        (d / "config.toml").write_text("[run]\nseed = 0\n")
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:n]))
+        (d / "rollouts").mkdir()
+    (src / "study.json").write_text(json.dumps({"runs": ["grpo", "kl_cov"], "steps": 3}))
+    assert archive.main([str(src), str(dest)]) == 0
+    assert sorted(os.listdir(dest)) == ["grpo", "study.json"]
+    assert sorted(os.listdir(dest / "grpo")) == ["config.toml", "metrics.jsonl.xz"]
+    assert read_metrics(str(dest / "grpo")) == rows
+    assert archive.main([str(tmp_path / "nowhere"), str(dest)]) == 2
+    assert "has no study.json" in capsys.readouterr().err

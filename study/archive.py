@@ -1,0 +1,64 @@
+"""Keep a finished study in the repository: each run's config and metrics, compressed, and the study's own files.
+
+    python -m study.archive STUDY_DIR DEST
+
+Copies STUDY_DIR/study.json and, for every run it names that is complete (a metrics row at the study's last
+step), RUN/config.toml and RUN/metrics.jsonl as RUN/metrics.jsonl.xz (common.metrics.read_metrics reads either),
+into DEST; checkpoints, rollouts, logs and TensorBoard files stay behind. Run it again as runs finish: it rewrites
+what changed. `covrl study --report-only --study-dir DEST` then rebuilds the report from DEST alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import os
+import shutil
+import sys
+
+from common.metrics import read_metrics
+
+
+def complete(run_dir: str, steps: int) -> bool:
+    return any(r.get("step") == steps for r in read_metrics(run_dir))
+
+
+def archive_run(src: str, dest: str) -> None:
+    """RUN/config.toml and RUN/metrics.jsonl (as .xz) from src into dest."""
+    os.makedirs(dest, exist_ok=True)
+    shutil.copyfile(os.path.join(src, "config.toml"), os.path.join(dest, "config.toml"))
+    with open(os.path.join(src, "metrics.jsonl"), "rb") as f, lzma.open(os.path.join(dest, "metrics.jsonl.xz"), "wb",
+                                                                         preset=9) as out:
+        shutil.copyfileobj(f, out)
+
+
+def archive(study_dir: str, dest: str) -> list[str]:
+    """Archive every complete run of the study; returns their names."""
+    with open(os.path.join(study_dir, "study.json")) as f:
+        meta = json.load(f)
+    done = [name for name in meta.get("runs", meta.get("methods", []))
+            if complete(os.path.join(study_dir, name), meta["steps"])]
+    for name in done:
+        archive_run(os.path.join(study_dir, name), os.path.join(dest, name))
+    os.makedirs(dest, exist_ok=True)
+    shutil.copyfile(os.path.join(study_dir, "study.json"), os.path.join(dest, "study.json"))
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m study.archive", description=__doc__.split("\n")[0])
+    ap.add_argument("study_dir")
+    ap.add_argument("dest")
+    args = ap.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.study_dir, "study.json")):
+        print(f"study.archive: error: {args.study_dir} has no study.json; pass a study directory (covrl study "
+              f"--study-dir)", file=sys.stderr)
+        return 2
+    done = archive(args.study_dir, args.dest)
+    print(f"study.archive: {len(done)} complete run(s) into {args.dest}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
