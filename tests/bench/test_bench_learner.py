@@ -108,15 +108,20 @@ def _packing_isolation_error(model, samples, rows: list[list[int]], pad_id: int)
     return err
 
 
-def test_packed_vs_padded_train_throughput():
+def _setup():
+    """(config, model, the step batch of `_groups` planned into packed micro-batches), on one thread."""
     torch.set_num_threads(1)
     cfg = Config()
-    chunk = cfg.learner.logprob_chunk_tokens
     model = _model()
-    pad_id = model.config.pad_token_id or 0
     groups = _groups(model.config.vocab_size)
     batch = build_step_batch(groups, scores(groups), version=0, ranks=1, mini_batches=1,
                              micro_batch_tokens=cfg.learner.micro_batch_tokens)
+    return cfg, model, batch
+
+
+def test_packed_vs_padded_train_throughput():
+    cfg, model, batch = _setup()
+    chunk, pad_id = cfg.learner.logprob_chunk_tokens, model.config.pad_token_id or 0
     samples = batch.samples
     lengths = [len(s.input_ids) // 4 for s in samples]
     real_tokens = sum(lengths)
@@ -178,14 +183,8 @@ def test_entropy_delta_pass_cost_by_stride():
     """What `actor/entropy_delta` costs: its pass is a no-grad forward (with the entropy head) over every S-th packed
     micro-batch after the update. Measured against the step's forward+backward over the whole batch, at S = 8 (the
     default) and S = 1 (exact: the whole batch)."""
-    torch.set_num_threads(1)
-    cfg = Config()
-    chunk = cfg.learner.logprob_chunk_tokens
-    model = _model()
-    pad_id = model.config.pad_token_id or 0
-    groups = _groups(model.config.vocab_size)
-    batch = build_step_batch(groups, scores(groups), version=0, ranks=1, mini_batches=1,
-                             micro_batch_tokens=cfg.learner.micro_batch_tokens)
+    cfg, model, batch = _setup()
+    chunk, pad_id = cfg.learner.logprob_chunk_tokens, model.config.pad_token_id or 0
     packed = [pack(batch.samples, idx, pad_id) for idx in batch.plan[0][0]]
 
     def forward(mb):
