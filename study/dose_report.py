@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from common.metrics import read_metrics
 from study.arms import ARMS, LADDERS, OFF_POLICY, RANDOM_CONTROLS
-from study.lawfit import key_series, mean_eval_acc, merge_rows, row_value
+from study.lawfit import EvalPoint, eval_lengths, judge_law, key_series, mean_eval_acc, merge_rows, row_value
 from study.stats import diff_interval, min_detectable_effect, t_interval
 
 HEAD_TAIL = 0.1  # end entropy: the last 10 % of steps; the half-entropy reference: the first 10 %
@@ -291,11 +291,42 @@ def implementation_checks(arms: dict[str, dict[int, Endpoints]]) -> str:
     return "\n".join(["## 5. Implementation checks (not claims)", ""] + [f"- {line}" for line in lines])
 
 
+def on_policy_points(name: str, rows: list[dict]) -> list[EvalPoint]:
+    """A run's eval points with the on-policy held-out entropy (mean over data sources of eval/<ds>/entropy: the
+    evaluated version's own samples) as H; rows without it are left out."""
+    lengths = eval_lengths(rows)
+    out = []
+    for row in merge_rows(rows):
+        hs = [v for k in row if k.startswith("eval/") and k.endswith("/entropy") and (v := row_value(row, k)) is not None]
+        if hs and (acc := mean_eval_acc(row)) is not None:
+            out.append(EvalPoint(name, row["step"], sum(hs) / len(hs), acc, lengths.get(row["step"])))
+    return out
+
+
+def section_law(points: dict[str, list[EvalPoint]]) -> str:
+    """The law R = -a exp(H) + b where the arms move entropy on purpose: at equal step, across runs, the arm that holds
+    entropy up should score lower if accuracy follows entropy and not the clock (study.lawfit.judge_law)."""
+    j = judge_law({n: p for n, p in points.items() if p})
+    title = "## 3.1 The law R = −a·exp(H) + b, tested by intervention"
+    if j is None:
+        return f"{title}\n\nSkipped: too few eval points with on-policy entropy."
+    models = ", ".join(f"{m} {r2:.3f}" for m, r2 in j.r2.items())
+    lo, hi = j.entropy_range
+    form = "" if j.exp_form_tested else (f" The exponential form is not tested: over H in [{lo:.3f}, {hi:.3f}] exp(H) and "
+                                         f"1 + H differ by at most {100 * j.exp_linear_gap:.2f} %.")
+    verdict = "**holds**" if j.holds else "**does not hold at this scale**"
+    return (f"{title}\n\nH is the on-policy held-out entropy of each evaluated version (`eval/<ds>/entropy`), over "
+            f"the {j.n} eval points of {j.runs} runs. R² of acc = a·f + b: {models}; shuffled pairing {j.shuffled_r2:.3f}. "
+            f"Across runs at equal step (the arms set entropy apart on purpose): r(exp(H), accuracy) = {j.within_r:.3f}, "
+            f"permutation p = {j.within_p:.3f} ({j.within_steps} steps, {j.within_points} points). The law holds only if "
+            f"exp(H) beats every time-only model and the within-step r is negative with p < 0.05: {verdict}.{form}")
+
+
 def render(arms: dict[str, dict[int, Endpoints]], meta: dict, now: datetime.datetime, names: list[str],
-           pilot_dirs: dict[str, str]) -> str:
+           pilot_dirs: dict[str, str], law_points: dict[str, list[EvalPoint]] | None = None) -> str:
     return "\n\n".join([
         section_header(meta, now, names), section_pilots(pilot_dirs), section_arms(arms), section_verdicts(arms),
-        section_against_grpo(arms), implementation_checks(arms),
+        section_law(law_points or {}), section_against_grpo(arms), implementation_checks(arms),
         "## 6. Plots\n\n" + "\n\n".join(f"![{p.removesuffix('.png')}]({p})" for p in PLOTS)]) + "\n"
 
 
@@ -343,6 +374,7 @@ def write_dose_report(study_dir: str, names: list[str], meta: dict, now: datetim
     path = os.path.join(study_dir, "report.md")
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        f.write(render(arms, meta, now or datetime.datetime.now(), names, study_pilots(study_dir)))
+        points = {n: on_policy_points(n, read_metrics(os.path.join(study_dir, n))) for n in names}
+        f.write(render(arms, meta, now or datetime.datetime.now(), names, study_pilots(study_dir), points))
     os.replace(tmp, path)
     return path

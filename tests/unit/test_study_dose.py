@@ -3,6 +3,7 @@ on hand-built rows, verdicts that must flip with the data, and several runs at a
 
 import datetime
 import json
+import math
 import os
 import sys
 
@@ -144,3 +145,23 @@ def test_archive_keeps_complete_runs_config_and_compressed_metrics(tmp_path, cap
     assert read_metrics(str(dest / "grpo")) == rows
     assert archive.main([str(tmp_path / "nowhere"), str(dest)]) == 2
     assert "has no study.json" in capsys.readouterr().err
+
+
+def test_the_law_by_intervention_flips_with_the_data():
+    """Arms that hold entropy apart at equal step: accuracy that follows -exp(H) passes, accuracy that follows only
+    the step fails."""
+    from study.lawfit import EvalPoint
+
+    def points(follows_entropy):
+        out = {}
+        for run, offset in enumerate((0.0, 0.02, 0.04, 0.06)):
+            pts = []
+            for step in range(10, 70, 10):
+                h = 0.12 - 0.001 * step + offset + 0.003 * ((run * 7 + step) % 5)
+                acc = 2.0 - 1.6 * math.exp(h) if follows_entropy else 0.3 + 0.008 * step
+                pts.append(EvalPoint(f"r{run}", step, h, acc + 0.001 * ((run + step) % 3), None))
+            out[f"r{run}"] = pts
+        return out
+
+    assert "**holds**" in dose_report.section_law(points(True))
+    assert "does not hold" in dose_report.section_law(points(False))
