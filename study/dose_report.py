@@ -167,13 +167,13 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def section_header(meta: dict, now: datetime.datetime, names: list[str]) -> str:
     wall = meta.get("wall_clock_s", {})
-    rows = [[n, str(wall.get(n, "n/a")), meta.get("status", {}).get(n, "n/a")] for n in names]
+    rows = [[n, "n/a" if wall.get(n) is None else str(wall[n]), meta.get("status", {}).get(n, "n/a")] for n in names]
     shared = ", ".join(f"`{o}`" for o in meta.get("overrides", {}).get("preset", []))
     return "\n".join([
         "# Dose-response study of the entropy mechanism", "",
         "The plan, its endpoints and verdict rules were committed before the runs: [PLAN.md](PLAN.md).", "",
-        f"- Report written {now:%Y-%m-%d %H:%M:%S}; study started {meta.get('start_time', 'n/a')}, ended "
-        f"{meta.get('end_time', 'n/a')}",
+        f"- Report written {now:%Y-%m-%d %H:%M:%S}; study started {meta.get('start_time') or 'n/a'}, ended "
+        f"{meta.get('end_time') or 'n/a'}",
         f"- Command: `{meta.get('command', 'n/a')}`",
         f"- Steps {meta.get('steps', 'n/a')}, seeds {meta.get('seeds', 'n/a')}; overrides shared by every run: {shared}",
         "", _table(["run", "wall-clock (s)", "status"], rows)])
@@ -227,7 +227,10 @@ def section_arms(arms: dict[str, dict[int, Endpoints]]) -> str:
                       _table(header, [arm_row(a, arms[a]) for a in ARMS if a in arms])])
 
 
-def _verdict(holds: bool) -> str:
+def _verdict(holds: bool, *contrasts: Contrast) -> str:
+    """A verdict needs every contrast over at least 2 seeds (an interval); without, it is undetermined."""
+    if any(c.n < 2 for c in contrasts):
+        return "**undetermined** (an arm has fewer than 2 seeds in common with its control)"
     return "**holds**" if holds else "**does not hold at this scale**"
 
 
@@ -241,7 +244,8 @@ def claim_mechanism(arms: dict[str, dict[int, Endpoints]], method: str) -> str:
     ladder = "; ".join(f"{a} ({ARMS[a].label}): {_ci([e.end_entropy for e in arms[a].values()])}"
                        for a in LADDERS[method] if a in arms)
     holds = dose.excludes_zero(1) and chance.excludes_zero(1)
-    return (f"{method}: the covariance choice raises entropy with dose and beats random tokens: {_verdict(holds)}. "
+    return (f"{method}: the covariance choice raises entropy with dose and beats random tokens: "
+            f"{_verdict(holds, dose, chance)}. "
             f"End entropy by dose, {ladder}. {dose.text()}; {chance.text()}.")
 
 
@@ -253,7 +257,7 @@ def claim_off_policy(arms: dict[str, dict[int, Endpoints]]) -> str:
     by_k = "; ".join(f"{k} updates: end entropy {_ci([e.end_entropy for e in arms[a].values()])}, steps to half "
                      f"{_ci([float(e.half_step) for e in arms[a].values()], 1)}" for k, a in OFF_POLICY.items() if a in arms)
     holds = end.excludes_zero(-1) and half.excludes_zero(-1)
-    return (f"Jin et al.: more off-policy updates per batch make entropy fall faster: {_verdict(holds)}. {by_k}. "
+    return (f"Jin et al.: more off-policy updates per batch make entropy fall faster: {_verdict(holds, end, half)}. {by_k}. "
             f"{end.text()}; {half.text(1)}.")
 
 
@@ -279,9 +283,22 @@ def section_against_grpo(arms: dict[str, dict[int, Endpoints]]) -> str:
                       _table(["arm", "end entropy diff [95 % CI]", "MDE", "accuracy diff [95 % CI]", "MDE", "seeds"], rows)])
 
 
-def implementation_checks(arms: dict[str, dict[int, Endpoints]]) -> str:
+def reproduces_pilot(study_dir: str, first_run: str, pilot_dir: str | None) -> str | None:
+    """Whether the study's GRPO run at the first seed repeats the lr* pilot (the same config) to the bit."""
+    if pilot_dir is None:
+        return None
+    keys = ("actor/entropy", "critic/score/mean", "eval/chain_long/acc", "eval/chain_short/acc")
+    mine, pilot = (merge_rows(read_metrics(d)) for d in (os.path.join(study_dir, first_run), pilot_dir))
+    if not mine or not pilot:
+        return None
+    same = len(mine) == len(pilot) and all(a.get(k) == b.get(k) for a, b in zip(mine, pilot) for k in keys)
+    return (f"grpo at the first seed {'repeats' if same else 'does NOT repeat'} the lr* pilot's entropy, reward and "
+            f"held-out accuracy at every step, to the bit (the same config, run.deterministic)")
+
+
+def implementation_checks(arms: dict[str, dict[int, Endpoints]], pilot_check: str | None = None) -> str:
     """Checks of the machinery, not claims: they cannot tell anything about the mechanism."""
-    lines = []
+    lines = [pilot_check] if pilot_check else []
     for method, (top, random_arm) in RANDOM_CONTROLS.items():
         if top in arms and random_arm in arms:
             a = _mean([e.dose_tokens for e in arms[top].values()])
@@ -323,10 +340,11 @@ def section_law(points: dict[str, list[EvalPoint]]) -> str:
 
 
 def render(arms: dict[str, dict[int, Endpoints]], meta: dict, now: datetime.datetime, names: list[str],
-           pilot_dirs: dict[str, str], law_points: dict[str, list[EvalPoint]] | None = None) -> str:
+           pilot_dirs: dict[str, str], law_points: dict[str, list[EvalPoint]] | None = None,
+           pilot_check: str | None = None) -> str:
     return "\n\n".join([
         section_header(meta, now, names), section_pilots(pilot_dirs), section_arms(arms), section_verdicts(arms),
-        section_law(law_points or {}), section_against_grpo(arms), implementation_checks(arms),
+        section_law(law_points or {}), section_against_grpo(arms), implementation_checks(arms, pilot_check),
         "## 6. Plots\n\n" + "\n\n".join(f"![{p.removesuffix('.png')}]({p})" for p in PLOTS)]) + "\n"
 
 
@@ -375,6 +393,9 @@ def write_dose_report(study_dir: str, names: list[str], meta: dict, now: datetim
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         points = {n: on_policy_points(n, read_metrics(os.path.join(study_dir, n))) for n in names}
-        f.write(render(arms, meta, now or datetime.datetime.now(), names, study_pilots(study_dir), points))
+        pilots = study_pilots(study_dir)
+        lr = next((o.split("=", 1)[1] for o in meta.get("overrides", {}).get("preset", []) if o.startswith("learner.lr=")), None)
+        check = reproduces_pilot(study_dir, "grpo", pilots.get(lr)) if "grpo" in names else None
+        f.write(render(arms, meta, now or datetime.datetime.now(), names, pilots, points, check))
     os.replace(tmp, path)
     return path

@@ -64,6 +64,7 @@ def test_mechanism_holds_only_when_dose_and_covariance_both_matter(method):
     # No dose effect at all.
     flat = arms_from({published: [0.030, 0.031, 0.029], top: [0.031, 0.029, 0.030], random_arm: [0.030, 0.030, 0.031]})
     assert "does not hold" in dose_report.claim_mechanism(flat, method)
+    assert "**undetermined**" in dose_report.claim_mechanism({top: works[top]}, method)  # no control ran
 
 
 def test_off_policy_claim_flips_with_the_data():
