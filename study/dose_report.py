@@ -335,7 +335,7 @@ def section_law(points: dict[str, list[EvalPoint]]) -> str:
     return (f"{title}\n\nH is the on-policy held-out entropy of each evaluated version (`eval/<ds>/entropy`), over "
             f"the {j.n} eval points of {j.runs} runs. R² of acc = a·f + b: {models}; shuffled pairing {j.shuffled_r2:.3f}. "
             f"Across runs at equal step (the arms set entropy apart on purpose): r(exp(H), accuracy) = {j.within_r:.3f}, "
-            f"permutation p = {j.within_p:.3f} ({j.within_steps} steps, {j.within_points} points). The law holds only if "
+            f"permutation p = {j.within_p:.2g} ({j.within_steps} steps, {j.within_points} points). The law holds only if "
             f"exp(H) beats every time-only model and the within-step r is negative with p < 0.05: {verdict}.{form}")
 
 
