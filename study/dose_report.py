@@ -336,7 +336,10 @@ def section_law(points: dict[str, list[EvalPoint]]) -> str:
             f"the {j.n} eval points of {j.runs} runs. R² of acc = a·f + b: {models}; shuffled pairing {j.shuffled_r2:.3f}. "
             f"Across runs at equal step (the arms set entropy apart on purpose): r(exp(H), accuracy) = {j.within_r:.3f}, "
             f"permutation p = {j.within_p:.2g} ({j.within_steps} steps, {j.within_points} points). The law holds only if "
-            f"exp(H) beats every time-only model and the within-step r is negative with p < 0.05: {verdict}.{form}")
+            f"exp(H) beats every time-only model and the within-step r is negative with p < 0.05: {verdict}.{form} "
+            f"Caveat: the arms differ in more than entropy (KL-Cov drops the PPO clip, Clip-Cov widens it to 1), so a "
+            f"within-step correlation across arms can come from the method itself rather than through entropy; "
+            f"section 4 shows whether any arm moved end entropy at all.")
 
 
 def render(arms: dict[str, dict[int, Endpoints]], meta: dict, now: datetime.datetime, names: list[str],
