@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from common.metrics import read_metrics
 from study.arms import ARMS, LADDERS, OFF_POLICY, RANDOM_CONTROLS
-from study.lawfit import EvalPoint, eval_lengths, judge_law, key_series, mean_eval_acc, merge_rows, row_value
+from study.lawfit import (EvalPoint, eval_lengths, judge_law, key_series, mean_eval_acc, merge_rows, row_value,
+                          run_eval_points)
 from study.stats import diff_interval, min_detectable_effect, t_interval
 
 HEAD_TAIL = 0.1  # end entropy: the last 10 % of steps; the half-entropy reference: the first 10 %
@@ -320,34 +321,43 @@ def on_policy_points(name: str, rows: list[dict]) -> list[EvalPoint]:
     return out
 
 
-def section_law(points: dict[str, list[EvalPoint]]) -> str:
-    """The law R = -a exp(H) + b where the arms move entropy on purpose: at equal step, across runs, the arm that holds
-    entropy up should score lower if accuracy follows entropy and not the clock (study.lawfit.judge_law)."""
+def law_line(label: str, points: dict[str, list[EvalPoint]]) -> str:
+    """One judgement of the law (study.lawfit.judge_law) on these points, as a sentence with its verdict."""
     j = judge_law({n: p for n, p in points.items() if p})
-    title = "## 3.1 The law R = −a·exp(H) + b, tested by intervention"
     if j is None:
-        return f"{title}\n\nSkipped: too few eval points with on-policy entropy."
+        return f"{label}: skipped (too few eval points)."
     models = ", ".join(f"{m} {r2:.3f}" for m, r2 in j.r2.items())
     lo, hi = j.entropy_range
-    form = "" if j.exp_form_tested else (f" The exponential form is not tested: over H in [{lo:.3f}, {hi:.3f}] exp(H) and "
-                                         f"1 + H differ by at most {100 * j.exp_linear_gap:.2f} %.")
+    form = "" if j.exp_form_tested else (f" The exponential form is not tested: over H in [{lo:.3f}, {hi:.3f}] exp(H) "
+                                         f"and 1 + H differ by at most {100 * j.exp_linear_gap:.2f} %.")
     verdict = "**holds**" if j.holds else "**does not hold at this scale**"
-    return (f"{title}\n\nH is the on-policy held-out entropy of each evaluated version (`eval/<ds>/entropy`), over "
-            f"the {j.n} eval points of {j.runs} runs. R² of acc = a·f + b: {models}; shuffled pairing {j.shuffled_r2:.3f}. "
-            f"Across runs at equal step (the arms set entropy apart on purpose): r(exp(H), accuracy) = {j.within_r:.3f}, "
-            f"permutation p = {j.within_p:.2g} ({j.within_steps} steps, {j.within_points} points). The law holds only if "
-            f"exp(H) beats every time-only model and the within-step r is negative with p < 0.05: {verdict}.{form} "
-            f"Caveat: the arms differ in more than entropy (KL-Cov drops the PPO clip, Clip-Cov widens it to 1), so a "
-            f"within-step correlation across arms can come from the method itself rather than through entropy; "
-            f"section 4 shows whether any arm moved end entropy at all.")
+    return (f"{label}, over the {j.n} eval points of {j.runs} runs: R² of acc = a·f + b: {models}; shuffled pairing "
+            f"{j.shuffled_r2:.3f}. Across runs at equal step: r(exp(H), accuracy) = {j.within_r:.3f}, permutation "
+            f"p = {j.within_p:.2g} ({j.within_steps} steps). Holds only if exp(H) beats every time-only model and the "
+            f"within-step r is negative with p < 0.05: {verdict}.{form}")
+
+
+def section_law(on_policy: dict[str, list[EvalPoint]], batch: dict[str, list[EvalPoint]]) -> str:
+    """The law R = -a exp(H) + b against the clock (study.lawfit.judge_law), with H measured two ways: the on-policy
+    held-out entropy, computed on the very samples the accuracy is scored on, and the training batch's entropy of the
+    same version, measured on other samples."""
+    return "\n".join([
+        "## 3.1 The law R = −a·exp(H) + b against the clock", "",
+        f"- {law_line('H = on-policy held-out entropy of the evaluated version (`eval/<ds>/entropy`)', on_policy)}",
+        f"- {law_line('H = the training batch entropy of the same version (`actor/entropy`, as in the chain study)', batch)}",
+        "", "How to read them: the doses did not move end entropy (section 3), so the spread of entropy across runs at "
+        "equal step is run-to-run variation (seeds, and methods that differ in more than entropy: KL-Cov drops the PPO "
+        "clip, Clip-Cov widens it to 1), not the intervention. The on-policy entropy is computed on the same samples "
+        "that are scored, so part of its correlation with accuracy can be shared sampling (a less certain response "
+        "is likelier wrong), not a law; the batch entropy of the same version, measured on other samples, is free of that. "
+        "Neither says that raising entropy would lower accuracy."])
 
 
 def render(arms: dict[str, dict[int, Endpoints]], meta: dict, now: datetime.datetime, names: list[str],
-           pilot_dirs: dict[str, str], law_points: dict[str, list[EvalPoint]] | None = None,
-           pilot_check: str | None = None) -> str:
+           pilot_dirs: dict[str, str], law_points: tuple[dict, dict] = ({}, {}), pilot_check: str | None = None) -> str:
     return "\n\n".join([
         section_header(meta, now, names), section_pilots(pilot_dirs), section_arms(arms), section_verdicts(arms),
-        section_law(law_points or {}), section_against_grpo(arms), implementation_checks(arms, pilot_check),
+        section_law(*law_points), section_against_grpo(arms), implementation_checks(arms, pilot_check),
         "## 6. Plots\n\n" + "\n\n".join(f"![{p.removesuffix('.png')}]({p})" for p in PLOTS)]) + "\n"
 
 
@@ -395,7 +405,8 @@ def write_dose_report(study_dir: str, names: list[str], meta: dict, now: datetim
     path = os.path.join(study_dir, "report.md")
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        points = {n: on_policy_points(n, read_metrics(os.path.join(study_dir, n))) for n in names}
+        rows = {n: read_metrics(os.path.join(study_dir, n)) for n in names}
+        points = ({n: on_policy_points(n, r) for n, r in rows.items()}, {n: run_eval_points(n, r) for n, r in rows.items()})
         pilots = study_pilots(study_dir)
         lr = next((o.split("=", 1)[1] for o in meta.get("overrides", {}).get("preset", []) if o.startswith("learner.lr=")), None)
         check = reproduces_pilot(study_dir, "grpo", pilots.get(lr)) if "grpo" in names else None
