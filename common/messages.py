@@ -98,7 +98,8 @@ class EvalResult(_Msg, tag="evalres"):
     score_status: list[str]  # "ok" | "timeout" | "error" per sample
     texts: list[str] = []  # the decoded responses, only for prompts the work asked texts of (keep_texts)
     # Per sample: its tokens' summed entropy (nats) under the sampling distribution of the version that generated
-    # them (on-policy entropy); empty where the engine does not measure it (vLLM).
+    # them (on-policy entropy; with greedy evaluation, the untempered distribution's); empty where the engine does
+    # not measure it (vLLM).
     entropies: list[float] = []
 
 

@@ -224,7 +224,9 @@ def section_arms(arms: dict[str, dict[int, Endpoints]]) -> str:
               "entropy per response, first → last 10 %"]
     return "\n".join(["## 2. Arms: endpoints over seeds", "",
                       "Means over seeds with 95 % t-intervals. The dose is what the run's loss actually selected "
-                      "(`actor/cov_selected_frac` x tokens, `actor/cov_selected_share`), mean over steps.", "",
+                      "(`actor/cov_selected_frac` x tokens, `actor/cov_selected_share`), mean over steps. For the Clip-Cov "
+                      "arms `pg_clipfrac` is the share of tokens Clip-Cov zeroed (its selection, as the paper logs "
+                      "it), not a PPO clip rate; KL-Cov has no clip (0).", "",
                       _table(header, [arm_row(a, arms[a]) for a in ARMS if a in arms])])
 
 

@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -382,7 +383,9 @@ def _reap(plan: Plan, meta: dict, running: dict[str, tuple[subprocess.Popen, flo
 
 def run_parallel(plan: Plan, pending: list[str], meta: dict) -> None:
     """Up to `plan.jobs` runs at a time, in run order; after a failure no new run starts, the ones in flight
-    finish, then RunFailed names every failure."""
+    finish, then RunFailed names every failure. On Ctrl-C, or any error here, the runs still going get SIGINT (each
+    then stops its roles) and are waited for, so no process is left behind; every run is recorded in study.json and
+    only the unfinished ones are named."""
     running: dict[str, tuple[subprocess.Popen, float]] = {}
     failures: list[str] = []
     try:
@@ -393,13 +396,29 @@ def run_parallel(plan: Plan, pending: list[str], meta: dict) -> None:
                 running[name] = (start_logged(plan, name), time.monotonic())
             time.sleep(0.5)
             failures += _reap(plan, meta, running)
-    except KeyboardInterrupt:
-        for proc, _ in running.values():
-            proc.wait()
-        raise Interrupted(f"interrupted while running {', '.join(running)}: incomplete. To resume, delete those run "
-                          f"directories and rerun with --study-dir {plan.study_dir} and the same settings") from None
+    except BaseException as e:
+        unfinished = _stop_all(plan, meta, running)
+        if isinstance(e, KeyboardInterrupt):
+            raise Interrupted(f"interrupted while running {', '.join(unfinished) or 'nothing'}: incomplete. To resume, "
+                              f"delete those run directories and rerun with --study-dir {plan.study_dir} and the same "
+                              f"settings") from None
+        raise
     if failures:
         raise RunFailed("; ".join(failures))
+
+
+def _stop_all(plan: Plan, meta: dict, running: dict[str, tuple[subprocess.Popen, float]]) -> list[str]:
+    """SIGINT the runs still going, wait for every one, record them all; returns the names of those that did not
+    finish complete."""
+    for proc, _ in running.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    for proc, _ in running.values():
+        proc.wait()
+    unfinished = [name for name, (proc, _) in running.items()
+                  if proc.returncode != 0 or run_status(os.path.join(plan.study_dir, name), plan.steps) != "complete"]
+    _reap(plan, meta, running)
+    return unfinished
 
 
 # ---------------------------------------------------------------------------

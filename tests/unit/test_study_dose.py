@@ -168,3 +168,33 @@ def test_the_law_by_intervention_flips_with_the_data():
     assert "does not hold" in dose_report.law_line("H", points(False))
     both = dose_report.section_law(points(True), points(False))
     assert both.count("**holds**") == 1 and both.count("does not hold") == 1
+
+
+def test_an_interrupted_parallel_study_stops_and_records_every_run(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while two runs are going: both get SIGINT and are waited for (no process left), both are recorded,
+    and the message names the unfinished ones."""
+    started = []
+    script = "import sys, time; time.sleep(60)"
+
+    def command(plan, name):
+        return [sys.executable, "-c", script, name]
+
+    real_start = study_runs.start_logged
+
+    def start(plan, name):
+        proc = real_start(plan, name)
+        started.append(proc)
+        return proc
+
+    def interrupt(_seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(study_runs, "cluster_command", command)
+    monkeypatch.setattr(study_runs, "start_logged", start)
+    monkeypatch.setattr(study_runs.time, "sleep", interrupt)
+    args = ["--methods", "grpo,kl_cov,par", "--steps", "5", "--study-dir", str(tmp_path), "--jobs", "2"]
+    assert study_runs.main(args) == 130
+    assert len(started) == 2 and all(p.returncode is not None for p in started)
+    assert "interrupted while running grpo, kl_cov" in capsys.readouterr().err
+    meta = json.load(open(tmp_path / "study.json"))
+    assert set(meta["status"]) == {"grpo", "kl_cov"} and all(v.startswith("failed") for v in meta["status"].values())
