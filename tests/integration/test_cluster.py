@@ -217,7 +217,8 @@ def test_same_seed_same_numbers_with_evaluation(tmp_path):
     a, b = runs
     assert [r["step"] for r in a] == [0, 1, 2, 3, 4]  # one row per step; step 0 is the base model's eval
     assert set(a[0]) == {"step", *(f"eval/{ds}/{m}" for ds in ("arith_easy", "arith_hard")
-                                   for m in ("acc", "pass@k", "response_length", "score_failures"))}
+                                   for m in ("acc", "pass@k", "response_length", "score_failures", "entropy",
+                                             "entropy_per_response"))}
     for v in (0, 2, 4):
         assert 0 <= a[v]["eval/arith_easy/acc"] <= a[v]["eval/arith_easy/pass@k"] <= 1
         # arith_hard is greedy here (temperature 0: one sample), so avg@k and pass@k coincide.
