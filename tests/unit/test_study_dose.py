@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import pytest
 
@@ -172,9 +173,11 @@ def test_the_law_by_intervention_flips_with_the_data():
 
 def test_an_interrupted_parallel_study_stops_and_records_every_run(tmp_path, monkeypatch, capsys):
     """Ctrl-C while two runs are going: both get SIGINT and are waited for (no process left), both are recorded,
-    and the message names the unfinished ones."""
+    and the message names the unfinished ones. The interrupt comes once both children print that they run: a
+    SIGINT sent between a child's fork and its exec would be lost (the parent's handler is still installed there)."""
     started = []
-    script = "import sys, time; time.sleep(60)"
+    script = "import sys, time; print('running', flush=True); time.sleep(60)"
+    real_sleep = time.sleep
 
     def command(plan, name):
         return [sys.executable, "-c", script, name]
@@ -187,14 +190,20 @@ def test_an_interrupted_parallel_study_stops_and_records_every_run(tmp_path, mon
         return proc
 
     def interrupt(_seconds):
+        logs = [tmp_path / "logs" / f"{name}.log" for name in ("grpo", "kl_cov")]
+        deadline = time.monotonic() + 30
+        while not all(p.exists() and "running" in p.read_text() for p in logs) and time.monotonic() < deadline:
+            real_sleep(0.05)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(study_runs, "cluster_command", command)
     monkeypatch.setattr(study_runs, "start_logged", start)
     monkeypatch.setattr(study_runs.time, "sleep", interrupt)
     args = ["--methods", "grpo,kl_cov,par", "--steps", "5", "--study-dir", str(tmp_path), "--jobs", "2"]
+    t0 = time.monotonic()
     assert study_runs.main(args) == 130
+    assert time.monotonic() - t0 < 40  # the children stopped at the SIGINT, not after their 60 s
     assert len(started) == 2 and all(p.returncode is not None for p in started)
     assert "interrupted while running grpo, kl_cov" in capsys.readouterr().err
     meta = json.load(open(tmp_path / "study.json"))
-    assert set(meta["status"]) == {"grpo", "kl_cov"} and all(v.startswith("failed") for v in meta["status"].values())
+    assert set(meta["status"]) == {"grpo", "kl_cov"} and all(v.startswith("failed") for v in meta["status"].values()), meta
