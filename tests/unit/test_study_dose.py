@@ -5,6 +5,7 @@ import datetime
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -199,9 +200,17 @@ def test_an_interrupted_parallel_study_stops_and_records_every_run(tmp_path, mon
     monkeypatch.setattr(study_runs, "cluster_command", command)
     monkeypatch.setattr(study_runs, "start_logged", start)
     monkeypatch.setattr(study_runs.time, "sleep", interrupt)
+    # Children inherit an ignored SIGINT (an earlier test in this process may have left it so): as under a shell,
+    # a child of this test must see SIGINT's default, so its Python turns it into KeyboardInterrupt.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request_restore = lambda: signal.signal(signal.SIGINT, previous)  # noqa: E731
     args = ["--methods", "grpo,kl_cov,par", "--steps", "5", "--study-dir", str(tmp_path), "--jobs", "2"]
     t0 = time.monotonic()
-    assert study_runs.main(args) == 130
+    try:
+        code = study_runs.main(args)
+    finally:
+        request_restore()
+    assert code == 130
     assert time.monotonic() - t0 < 40  # the children stopped at the SIGINT, not after their 60 s
     assert len(started) == 2 and all(p.returncode is not None for p in started)
     assert "interrupted while running grpo, kl_cov" in capsys.readouterr().err
