@@ -74,6 +74,17 @@ class Collectives(Protocol):
 # ---- step-wide token choices ------------------------------------------------------
 
 
+def step_means(entries: list[Surveyed], comm: Collectives) -> tuple[tuple[torch.Tensor, torch.Tensor], float]:
+    """((mean log pi_prox, mean A) over the valid tokens of the step's batch on all ranks, the token count): the
+    centre of every covariance score of the step (one all_reduce)."""
+    sums = torch.zeros(3, dtype=torch.float64)
+    for e in entries:
+        sums += torch.stack([(e.old * e.mask).sum(), (e.adv * e.mask).sum(), e.mask.sum()]).double().cpu()
+    comm.sum_(sums)
+    n = sums[2].clamp(min=1.0)
+    return (sums[0] / n, sums[1] / n), float(sums[2])
+
+
 def _select_top_covariance(entries: list[Surveyed], comm: Collectives, fraction: float,
                            score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                            floor: float, random: torch.Generator | None = None) -> list[torch.Tensor]:
@@ -84,13 +95,8 @@ def _select_top_covariance(entries: list[Surveyed], comm: Collectives, fraction:
     `random` (`learner.loss.selection = "random"`, the control for the covariance choice): as many tokens as the
     covariance rule would choose, min(k, tokens scoring above `floor`), drawn uniformly among all valid tokens
     with this seeded stream instead."""
-    sums = torch.zeros(3, dtype=torch.float64)
-    for e in entries:
-        sums += torch.stack([(e.old * e.mask).sum(), (e.adv * e.mask).sum(), e.mask.sum()]).double().cpu()
-    comm.sum_(sums)
-    n = sums[2].clamp(min=1.0)
-    means = (sums[0] / n, sums[1] / n)
-    k = max(1, int(fraction * float(sums[2])))
+    means, tokens = step_means(entries, comm)
+    k = max(1, int(fraction * tokens))
     scores = [score(losses.covariance_score(e.old.double(), e.adv.double(), e.mask, means=means), e.mask) for e in entries]
     if random is not None:
         eligible = comm.sum_(torch.tensor([float(sum(int((s > floor).sum()) for s in scores))], dtype=torch.float64))
@@ -125,13 +131,8 @@ def covariance_profile(entries: list[Surveyed], comm: Collectives, bounds: tuple
     largest carry (`cov_top<K>_share`, exact under ties), and how many tokens lie in Clip-Cov's candidate band
     (`cov_candidates`, `bounds` = (cov_lb, cov_ub)) and the share they carry together (`cov_candidates_share`).
     The shares are absent when the sum is not positive."""
-    sums = torch.zeros(3, dtype=torch.float64)
-    for e in entries:
-        sums += torch.stack([(e.old * e.mask).sum(), (e.adv * e.mask).sum(), e.mask.sum()]).double().cpu()
-    comm.sum_(sums)
-    n = sums[2].clamp(min=1.0)
-    covs = [losses.covariance_score(e.old.double(), e.adv.double(), e.mask, means=(sums[0] / n, sums[1] / n)).cpu()
-            for e in entries]
+    means, _ = step_means(entries, comm)
+    covs = [losses.covariance_score(e.old.double(), e.adv.double(), e.mask, means=means).cpu() for e in entries]
     flat = torch.cat([c[e.mask.cpu() > 0] for c, e in zip(covs, entries)]) if entries else torch.zeros(0, dtype=torch.float64)
     selected = sum(float(c[(e.selected.cpu() & (e.mask.cpu() > 0))].sum()) for c, e in zip(covs, entries)
                    if e.selected is not None)
