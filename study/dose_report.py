@@ -86,12 +86,12 @@ def seed_of(name: str, first_seed: int) -> tuple[str, int]:
     return arm, int(variant[1:]) if variant.startswith("s") else first_seed
 
 
-def by_arm(study_dir: str, names: list[str], first_seed: int, responses_per_step: int) -> dict[str, dict[int, Endpoints]]:
-    """{arm: {seed: endpoints}} of every complete run."""
+def by_arm(rows: dict[str, list[dict]], first_seed: int, responses_per_step: int) -> dict[str, dict[int, Endpoints]]:
+    """{arm: {seed: endpoints}} of every complete run, from each run's metrics rows by name."""
     out: dict[str, dict[int, Endpoints]] = {}
-    for name in names:
+    for name, run_rows in rows.items():
         arm, seed = seed_of(name, first_seed)
-        ends = endpoints(read_metrics(os.path.join(study_dir, name)), responses_per_step)
+        ends = endpoints(run_rows, responses_per_step)
         if ends is not None:
             out.setdefault(arm, {})[seed] = ends
     return out
@@ -363,23 +363,23 @@ def render(arms: dict[str, dict[int, Endpoints]], meta: dict, now: datetime.date
         "## 6. Plots\n\n" + "\n\n".join(f"![{p.removesuffix('.png')}]({p})" for p in PLOTS)]) + "\n"
 
 
-def _mean_curve(study_dir: str, names: list[str]) -> list[tuple[float, float]]:
-    """actor/entropy by step, mean over the runs named."""
+def _mean_curve(runs: list[list[dict]]) -> list[tuple[float, float]]:
+    """actor/entropy by step, mean over these runs' rows."""
     by_step: dict[int, list[float]] = {}
-    for name in names:
-        for step, h in key_series(merge_rows(read_metrics(os.path.join(study_dir, name))), "actor/entropy"):
+    for run_rows in runs:
+        for step, h in key_series(merge_rows(run_rows), "actor/entropy"):
             by_step.setdefault(step, []).append(h)
     return [(s, sum(v) / len(v)) for s, v in sorted(by_step.items())]
 
 
-def write_plots(study_dir: str, names: list[str], arms: dict[str, dict[int, Endpoints]], first_seed: int) -> None:
+def write_plots(study_dir: str, rows: dict[str, list[dict]], arms: dict[str, dict[int, Endpoints]], first_seed: int) -> None:
     from study.plots import plot_lines
 
-    runs_of = {arm: [n for n in names if seed_of(n, first_seed)[0] == arm] for arm in arms}
+    runs_of = {arm: [r for n, r in rows.items() if seed_of(n, first_seed)[0] == arm] for arm in arms}
     groups = {"Clip-Cov": ["grpo", "ppo_clip1", *LADDERS["clip_cov"], RANDOM_CONTROLS["clip_cov"][1]],
               "KL-Cov": ["grpo", *LADDERS["kl_cov"], RANDOM_CONTROLS["kl_cov"][1]],
               "updates per batch": list(OFF_POLICY.values())}
-    panels = {g: {a: _mean_curve(study_dir, runs_of[a]) for a in members if a in arms} for g, members in groups.items()}
+    panels = {g: {a: _mean_curve(runs_of[a]) for a in members if a in arms} for g, members in groups.items()}
     plot_lines(panels, os.path.join(study_dir, PLOTS[0]), xlabel="step", ylabel="actor/entropy (mean over seeds)",
                title="entropy vs step by arm")
     dose = {m: {"covariance": [(e.dose_share, e.end_entropy) for a in LADDERS[m] for e in arms.get(a, {}).values()
@@ -402,12 +402,12 @@ def study_pilots(study_dir: str) -> dict[str, str]:
 def write_dose_report(study_dir: str, names: list[str], meta: dict, now: datetime.datetime | None = None) -> str:
     """Write STUDY_DIR/report.md and its PNGs; returns the report path."""
     first_seed = (meta.get("seeds") or [0])[0]
-    arms = by_arm(study_dir, names, first_seed, responses_per_step=meta.get("responses_per_step", 128))
-    write_plots(study_dir, names, arms, first_seed)
+    rows = {n: read_metrics(os.path.join(study_dir, n)) for n in names}  # each run's metrics, read once
+    arms = by_arm(rows, first_seed, responses_per_step=meta.get("responses_per_step", 128))
+    write_plots(study_dir, rows, arms, first_seed)
     path = os.path.join(study_dir, "report.md")
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        rows = {n: read_metrics(os.path.join(study_dir, n)) for n in names}
         points = ({n: on_policy_points(n, r) for n, r in rows.items()}, {n: run_eval_points(n, r) for n, r in rows.items()})
         pilots = study_pilots(study_dir)
         lr = next((o.split("=", 1)[1] for o in meta.get("overrides", {}).get("preset", []) if o.startswith("learner.lr=")), None)
