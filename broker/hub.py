@@ -20,9 +20,10 @@ Invariants
 - Evaluation (`broker.evals.EvalSchedule`): at each evaluated version v the hub queues
   every held-out prompt (served before training work) and `wait_version_done(v)` holds
   the publish of v + 1 until all of them are scored, so every eval sample comes from exactly v.
-  With `run.deterministic` the same barrier also waits for all training work
+  With `run.deterministic` or a `rollout.forced_lag` the same barrier also waits for all training work
   admissible at v, which makes every token's version a function of its slot:
-  same seed, same numbers.
+  same seed, same numbers; with a forced lag k, slots are admitted k versions ahead, so every trained token is
+  exactly min(v, k) versions old (`broker.rules.GroupRules`).
 - A rollout is accepted only for a ticket that is in flight for that generator
   incarnation; anything else is dropped with a counted reason. Malformed or
   unauthenticated frames never raise out of the loop.
@@ -69,7 +70,7 @@ from broker.evals import EvalSchedule
 from broker.hooks import GeneratorHooks
 from broker.rules import GroupRules
 from common import messages
-from common.config import Config
+from common.config import Config, publish_waits_for_generation
 from common.data import Prompt, PromptSource
 from common.seeds import prompt_seed
 from common.transport import HubSocket
@@ -306,7 +307,7 @@ class Hub:
     def _version_done(self, version: int) -> bool:
         if self.evals.busy_through(version):
             return False
-        if not self.cfg.run.deterministic:
+        if not publish_waits_for_generation(self.cfg):
             return True
         if self.reissue or any(t.policy_version <= version for t in self.in_flight.values()):
             return False

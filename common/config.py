@@ -83,6 +83,10 @@ class RolloutConfig(_Section):
     # Must stay 1 for training (`check` says why); evaluation has its own eval.top_p.
     top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
     max_staleness_steps: NonNegInt = 1
+    # Research: > 0 makes every trained token exactly this many versions older than the learner's weights (after
+    # the first forced_lag steps, whose lag climbs 0, 1, ...): slots are issued forced_lag versions ahead and the
+    # publish of v + 1 waits for the generation issued at v (broker/rules.py). Within max_staleness_steps. 0: off.
+    forced_lag: NonNegInt = 0
     # Work items a generator asks for at once; it generates them as one batch.
     groups_per_request: PosInt = 4
     # Benchmark workload, not for training: > 0 imposes every response's length, drawn per sample from a
@@ -127,6 +131,10 @@ class ImportanceConfig(_Section):
     # behaviour (use the generator's logprobs; w = 1), or loglinear (AReaL's
     # interpolation between pi_behav and pi_theta by version: no extra pass).
     prox: Literal["recompute", "behaviour", "loglinear"] = "recompute"
+    # M2PO (Zheng et al. 2025): drop the step's tokens with the largest (log pi_behav - log pi_prox)^2 until the
+    # mean over the rest is below this (paper: 0.04), over the whole step on all ranks. Composes with every loss
+    # and importance weight. 0: off.
+    m2po_threshold: Annotated[float, Meta(ge=0)] = 0.0
 
 
 class _Loss(_Section, tag_field="type"):
@@ -235,6 +243,11 @@ class LearnerConfig(_Section):
     log_entropy_delta: bool = True
     entropy_delta_stride: PosInt = 8
     importance: ImportanceConfig = msgspec.field(default_factory=ImportanceConfig)
+    # VCPO (Huang et al. 2026): each optimizer step's lr times min(1, ESS / ess_base_ratio) ("linear") or its
+    # square root ("sqrt", theirs for Adam), ESS the normalised effective sample size of the mini-batch's response
+    # importance weights prod_t pi_theta / pi_behav. Off by default.
+    ess_step_scaling: Literal["off", "sqrt", "linear"] = "off"
+    ess_base_ratio: Annotated[float, Meta(gt=0, le=1)] = 1.0
     par: ParConfig = msgspec.field(default_factory=ParConfig)
     kl: KLRefConfig = msgspec.field(default_factory=KLRefConfig)
     filter: FilterConfig = msgspec.field(default_factory=FilterConfig)
@@ -482,7 +495,11 @@ def check(cfg: Config) -> None:
     if cfg.rollout.forced_length_median and g.engine == "vllm":
         raise ConfigError("rollout.forced_length_median (the generation-heavy benchmark workload) is implemented by the "
                           "torch engine only; set generator.engine = \"torch\" or rollout.forced_length_median = 0")
-    if g.weight_transport == "nccl" and g.weight_update == "finish" and not cfg.run.deterministic:
+    if cfg.rollout.forced_lag > cfg.rollout.max_staleness_steps:
+        raise ConfigError(f"rollout.forced_lag = {cfg.rollout.forced_lag} exceeds rollout.max_staleness_steps = "
+                          f"{cfg.rollout.max_staleness_steps}: a forced lag lies within the staleness bound; set "
+                          f"rollout.max_staleness_steps = {cfg.rollout.forced_lag} or more")
+    if g.weight_transport == "nccl" and g.weight_update == "finish" and not publish_waits_for_generation(cfg):
         raise ConfigError(
             "generator.weight_transport = \"nccl\" with weight_update = \"finish\" and run.deterministic = false: a vLLM "
             "generator can take NCCL weights only after its in-flight requests finish, so learner rank 0 would wait for "
@@ -528,6 +545,13 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 def is_hub_id(path: str) -> bool:
     """`org/name` or `org/name@revision`: a Hugging Face Hub model id (where no local path of that name exists)."""
     return bool(_HUB_ID.match(path))
+
+
+def publish_waits_for_generation(cfg: Config) -> bool:
+    """Whether the publish of version v + 1 waits for all training work issued at v (`run.deterministic`, or a
+    `rollout.forced_lag`): then every token's version is its slot's issue version and nothing is in flight at a
+    publish."""
+    return cfg.run.deterministic or cfg.rollout.forced_lag > 0
 
 
 def eval_versions(cfg: Config) -> list[int]:

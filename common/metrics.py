@@ -12,6 +12,7 @@ import lzma
 import math
 import os
 
+import numpy as np
 
 PROGRESS_KEYS = ("critic/score/mean", "actor/entropy", "perf/gen_tokens_per_s", "staleness/mean", "staleness/max",
                  "timing_s/step", "cluster/generators")
@@ -64,6 +65,17 @@ class MetricsWriter:
             # The x axis is the `step` key (open_wandb defines it), not W&B's own counter: a held evaluation row
             # or a text may be logged after a later step's, and W&B drops what goes back on its counter.
             self.wandb.log({k: v for k, v in row.items() if k == "step" or math.isfinite(v)})
+
+    def histogram(self, tag: str, values, step: int) -> None:
+        """A distribution under `tag` (TensorBoard's histograms tab; W&B's histogram). Not in metrics.jsonl."""
+        if len(values) == 0:
+            return
+        if self.tb is not None:
+            self.tb.add_histogram(tag, np.asarray(values), step)
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({"step": step, tag: wandb.Histogram(np.asarray(values))})
 
     def text(self, tag: str, text: str, step: int) -> None:
         """A markdown text under `tag` (TensorBoard's text tab; a one-cell table in W&B)."""

@@ -59,16 +59,37 @@ class Ranks:
         return bool(t.item())
 
 
+# The bins of the staleness histogram in metrics.jsonl (`staleness/share_lag_<bin>`): lags 0 and 1, then powers of two.
+STALENESS_BINS = ((0, 0), (1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 63), (64, None))
+
+
+def token_staleness(groups: list[ShapedGroup], version: int) -> np.ndarray:
+    """Every trained token's lag: the learner's version minus the version that sampled it."""
+    samples = [s for r in groups for s in r.group.samples]
+    return np.concatenate([version - messages.as_array(s.versions, messages.VERSION_DTYPE) for s in samples])
+
+
+def staleness_shares(stale: np.ndarray) -> dict[str, float]:
+    """The share of the step's tokens in each `STALENESS_BINS` bin (all eight, summing to 1)."""
+    out = {}
+    for lo, hi in STALENESS_BINS:
+        inside = (stale >= lo) if hi is None else ((stale >= lo) & (stale <= hi))
+        name = f"{lo}+" if hi is None else (str(lo) if lo == hi else f"{lo}-{hi}")
+        out[f"staleness/share_lag_{name}"] = float(inside.mean())
+    return out
+
+
 def host_metrics(groups: list[ShapedGroup], version: int) -> dict[str, float]:
     """What rank 0 can read off the rollouts themselves."""
     samples = [s for r in groups for s in r.group.samples]
-    stale = np.concatenate([version - messages.as_array(s.versions, messages.VERSION_DTYPE) for s in samples])
-    return {
+    stale = token_staleness(groups, version)
+    return staleness_shares(stale) | {
         "critic/score/mean": float(np.mean([s.reward for s in samples])),
         "response_length/mean": float(np.mean([messages.n_tokens(s.token_ids) for s in samples])),
         "response_length/max": float(max(messages.n_tokens(s.token_ids) for s in samples)),
         "staleness/mean": float(stale.mean()),
         "staleness/max": float(stale.max()),
+        "staleness/min": float(stale.min()),
         "reward/timeouts": float(sum(s.score_status == "timeout" for s in samples)),
         "reward/errors": float(sum(s.score_status == "error" for s in samples)),
     }
@@ -128,6 +149,7 @@ class Lead:
         self.held = held  # version -> its row, written once the version's eval results are in
         self.wait_s = cfg.transport.batch_timeout_s
         self.extra: dict[str, float] = {}
+        self.stale = np.zeros(0)  # the last batch's token lags: TensorBoard's staleness histogram
         self.last = hub.stats()
         self.last_t = time.perf_counter()
         self.batch_wait = 0.0
@@ -140,6 +162,7 @@ class Lead:
         groups = self.hub.take_batch(version, timeout_s=self.wait_s)
         self.batch_wait = time.perf_counter() - t0
         self.extra = host_metrics(groups, version)
+        self.stale = token_staleness(groups, version)
         batch = batch_from_config([r.group for r in groups], np.stack([r.rewards for r in groups]), self.cfg,
                                   version=version, ranks=self.world, par_lambda=self.par.value(step))
         if self.rollouts is not None:
@@ -193,6 +216,7 @@ class Lead:
             "weights/version": float(step),
         })
         self.last, self.last_t = stats, now
+        self.sink.histogram("staleness/tokens", self.stale, step)
         if step in self.evaluated:
             self.held[step] = metrics
         else:

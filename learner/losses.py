@@ -402,3 +402,53 @@ def high_entropy_keep(entropy: torch.Tensor, mask: torch.Tensor, kth: torch.Tens
     """Train only the valid tokens whose entropy is at least `kth`, the `high_entropy_count`-th largest valid entropy
     of the whole step's batch on all ranks (Wang et al. 2025: the top 20 %). Float mask, same shape as `entropy`."""
     return ((entropy.double() >= kth) & (mask > 0)).float()
+
+
+# ---- off-policy token masking (M2PO, Zheng et al. 2025) --------------------------
+
+
+def m2po_cut(top: torch.Tensor, total, count, threshold: float, complete: bool) -> torch.Tensor:
+    """M2PO's cut over a step whose squared log ratios m_t sum to `total` over `count` valid tokens, from `top`, the
+    largest of them in descending order padded with -inf (all of them when `complete`). A 0-d tensor: the valid
+    tokens with m_t >= it are dropped (inf: none); NaN when `top` is too short to decide (ask again with more).
+
+    The largest values are dropped until the mean of the rest is below `threshold`, tokens of equal value together
+    (so the choice depends on neither their order nor how the step is split); at least the tokens of the smallest
+    value stay. No host sync."""
+    top = top.double()
+    total, count = torch.as_tensor(total, dtype=torch.float64), torch.as_tensor(count, dtype=torch.float64)
+    finite = torch.isfinite(top)
+    dropped_n = torch.arange(1, top.numel() + 1, dtype=torch.float64, device=top.device)
+    rest_n = count - dropped_n
+    rest_mean = (total - torch.where(finite, top, 0.0).cumsum(0)) / rest_n.clamp(min=1.0)
+    following = torch.cat([top[1:], top.new_full((1,), float("-inf"))])
+    level_end = finite & (top != following)  # the last of its tie level: where a cut may fall
+    if not complete:  # the level of the smallest value in `top` may go on beyond it
+        level_end = level_end & (top != top[-1])
+    cut_here = level_end & (rest_n > 0) & (rest_mean < threshold)
+    inf, nan = top.new_tensor(float("inf")), top.new_tensor(float("nan"))
+    first = top[torch.argmax(cut_here.int())] if top.numel() else inf
+    # Nothing would do (complete): drop every level above the smallest, the last cut point that leaves a token.
+    levels = level_end & (rest_n > 0)
+    last = torch.where(levels.any(), top[(levels.int() * torch.arange(top.numel(), device=top.device)).argmax()], inf) \
+        if top.numel() else inf
+    out = torch.where(cut_here.any(), first, last if complete else nan)
+    return torch.where((count <= 0) | (total < threshold * count), inf, out)
+
+
+def m2po_mask(prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor, mask: torch.Tensor,
+              threshold: float) -> torch.Tensor:
+    """M2PO's kept-token mask (float, the shape of `mask`) over the valid tokens given: drop those with the largest
+    m_t = (log pi_behav - log pi_prox)^2 until the mean of m over the rest is below `threshold` (`m2po_cut`).
+    Dropped tokens stay in the aggregation's denominator. The learner applies it over the whole step on all ranks
+    (`learner/offpolicy.py`); this is the same rule on one tensor."""
+    m = m2po_second_moment_terms(prox_logprobs, behav_logprobs)
+    valid = mask > 0
+    top = torch.where(valid, m, float("-inf")).reshape(-1).sort(descending=True).values
+    cut = m2po_cut(top, (m * valid).sum(), valid.sum(), threshold, complete=True)
+    return ((m < cut) & valid).to(mask.dtype)
+
+
+def m2po_second_moment_terms(prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor) -> torch.Tensor:
+    """m_t = (log pi_behav - log pi_prox)^2 in float64, log ratios clamped to +-20 (M2PO's per-token term)."""
+    return (behav_logprobs.double() - prox_logprobs.double()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).square()

@@ -17,58 +17,13 @@ step on what its no-grad survey pass saw, then calls the objective per micro-bat
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
 from common.config import LearnerConfig
-from learner import losses
-
-
-@dataclass
-class Tokens:
-    """One packed micro-batch, target-aligned: every tensor is [1, N]."""
-
-    logp: torch.Tensor  # log pi_theta (with grad)
-    entropy: torch.Tensor  # full-vocabulary entropy of pi_theta
-    old: torch.Tensor  # log pi_prox
-    behav: torch.Tensor  # log pi_behav
-    adv: torch.Tensor
-    mask: torch.Tensor
-    seq_ids: torch.Tensor
-    num_seqs: int
-    ref: torch.Tensor | None = None  # log pi_ref when a KL penalty is on
-    selected: torch.Tensor | None = None  # the loss's step-wide token choice (`select_step`)
-    keep: torch.Tensor | None = None  # step-wide high-entropy mask
-
-
-@dataclass
-class Surveyed:
-    """One micro-batch as the step's survey pass saw it, before any update: every tensor is [1, N].
-
-    `Objective.select` fills `selected` and `keep`; the trainer hands them on in `Tokens`."""
-
-    old: torch.Tensor  # log pi_prox: the policy at the start of the step
-    entropy: torch.Tensor
-    adv: torch.Tensor
-    mask: torch.Tensor
-    ref: torch.Tensor | None = None
-    selected: torch.Tensor | None = None
-    keep: torch.Tensor | None = None
-
-
-class Collectives(Protocol):
-    """What a step-wide choice needs from the data-parallel group (the trainer's; one rank in tests)."""
-
-    rank: int
-    world: int
-
-    def sum_(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum a host float64 tensor over ranks, in place; returns it."""
-
-    def kth_largest(self, values: torch.Tensor, k: int) -> torch.Tensor:
-        """The k-th largest of the union of every rank's 1-D host `values`; -inf if fewer than k exist."""
+from learner import losses, offpolicy
+from learner.tokens import Collectives, Surveyed, Tokens
 
 
 # ---- step-wide token choices ------------------------------------------------------
@@ -275,21 +230,27 @@ class Objective:
         self.agg = functools.partial(losses.aggregate, mode=cfg.agg, norm_tokens=float(cfg.norm_tokens or max_new_tokens))
         self.high_entropy = (functools.partial(select_high_entropy, fraction=cfg.high_entropy_fraction)
                              if cfg.high_entropy_fraction > 0 else None)
+        self.m2po = (functools.partial(offpolicy.select_m2po, threshold=imp.m2po_threshold)
+                     if imp.m2po_threshold > 0 else None)
 
     @property
     def selects_over_step(self) -> bool:
         """Whether some token choice needs the whole step's batch (and so the trainer's survey pass)."""
-        return self.loss.select_step is not None or self.high_entropy is not None
+        return self.loss.select_step is not None or self.high_entropy is not None or self.m2po is not None
 
     def select(self, entries: list[Surveyed], comm: Collectives, generator: torch.Generator) -> None:
         """The step-wide token choices, once per step, in a fixed order (each is a collective): the loss's
-        `selected`, then the high-entropy `keep`. `generator`: this rank's seeded stream for the step."""
+        `selected`, the high-entropy `keep`, then M2PO's `m2po_keep`. `generator`: this rank's seeded stream for
+        the step."""
         if self.loss.select_step is not None:
             for e, s in zip(entries, self.loss.select_step(entries, comm, generator), strict=True):
                 e.selected = s
         if self.high_entropy is not None:
             for e, k in zip(entries, self.high_entropy(entries, comm), strict=True):
                 e.keep = k
+        if self.m2po is not None:
+            for e, k in zip(entries, self.m2po(entries, comm), strict=True):
+                e.m2po_keep = k
 
     def __call__(self, t: Tokens, *, global_tokens: float, global_seqs: float, par_lambda: float,
                  generator: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -302,6 +263,8 @@ class Objective:
             tok = tok * losses.par_weights(t.adv, par_lambda)
         if t.keep is not None:
             tok = tok * t.keep  # dropped low-entropy tokens stay in the denominator
+        if t.m2po_keep is not None:
+            tok = tok * t.m2po_keep  # so do the tokens M2PO dropped
         metrics["pg_loss"] = tok.detach()  # the policy-gradient part, before bonus and KL terms
         if self.cfg.entropy_coef:
             tok = tok - self.cfg.entropy_coef * t.entropy * t.mask

@@ -38,6 +38,7 @@ from common.runfiles import apply_memory_fraction
 from common.config import ClipCovLoss, Config, TransportConfig
 from learner.batch import StepBatch, pack
 from learner.logprobs import install_token_forward
+from learner import offpolicy
 from learner.objective import Objective, Surveyed, Tokens, covariance_profile
 
 log = logging.getLogger("covrl.trainer")
@@ -120,10 +121,25 @@ class StepStats:
     skipped: list[bool]  # per optimizer step: skipped for a non-finite loss or gradient (same on every rank)
     # learner.objective.covariance_profile of the step (the same on every rank); empty in tests that build stats
     profile: dict[str, float] = field(default_factory=dict)
+    # learner.offpolicy.offpolicy_profile of the step and its ess_lr_scale (the same on every rank)
+    offpolicy: dict[str, float] = field(default_factory=dict)
 
     def totals(self) -> dict[str, float]:
         """The step's sums by name."""
         return dict(zip(SUM_KEYS, self.sums.tolist()))
+
+
+def _seen(e: Surveyed, met: dict[str, torch.Tensor]) -> Surveyed:
+    """A micro-batch at the step start with what the loss did to it, for the step's profiles: the loss's
+    step-wide choice (`selected`), the tokens its trust region clipped and those the off-policy correction
+    capped or masked (the IS weight's cut, M2PO's drop)."""
+    masked = met["is_weight_clipfrac"] > 0
+    if e.m2po_keep is not None:
+        masked = masked | ((e.m2po_keep == 0) & (e.mask > 0))
+    return Surveyed(old=e.old.detach(), entropy=e.entropy, adv=e.adv, mask=e.mask, behav=e.behav, seq_ids=e.seq_ids,
+                    num_seqs=e.num_seqs, m2po_keep=e.m2po_keep,
+                    selected=met["cov_selected"] > 0 if "cov_selected" in met else None,
+                    clipped=(met["pg_clipfrac"] > 0).float(), masked=masked.float())
 
 
 def micro_sums(t: Tokens, metrics: dict[str, torch.Tensor], entropy_before: torch.Tensor,
@@ -167,12 +183,17 @@ class DataParallel:
     def kth_largest(self, values: torch.Tensor, k: int) -> torch.Tensor:
         """The k-th largest of the union of every rank's `values` (1-D); -inf if fewer than k exist,
         so `>= kth` then keeps them all."""
+        return self.top_values(values, k)[-1]
+
+    def top_values(self, values: torch.Tensor, k: int) -> torch.Tensor:
+        """The k largest of the union of every rank's `values` (1-D), descending, padded with -inf: one all_gather
+        of k values per rank."""
         local = values.topk(min(k, values.numel())).values if values.numel() else values
         buf = torch.full((k,), float("-inf"), dtype=torch.float64)
         buf[: local.numel()] = local.double()
         gathered = [torch.empty_like(buf) for _ in range(self.world)]
         dist.all_gather(gathered, buf)
-        return torch.cat(gathered).topk(k).values[-1]
+        return torch.cat(gathered).topk(k).values
 
 
 class Trainer:
@@ -213,6 +234,7 @@ class Trainer:
         self.rank = dist.get_rank()
         self.comm = DataParallel()
         self.objective = Objective(lc, cfg.rollout.max_new_tokens)
+        self.ess = offpolicy.EssStepScale(lc.ess_step_scaling, lc.ess_base_ratio)
         # Clip-Cov's candidate band, logged for every loss (actor/cov_candidates): the run's, else the published one.
         band = lc.loss if isinstance(lc.loss, ClipCovLoss) else ClipCovLoss()
         self.cov_band = (band.cov_lb, band.cov_ub)
@@ -251,7 +273,8 @@ class Trainer:
         for m, k, idx, mb in micro:
             logp, ent = self._logp_entropy(self.module, mb)
             ref = self._logp_entropy(self.ref, mb)[0] if self.ref is not None else None
-            per[(m, k)] = Surveyed(old=logp, entropy=ent, adv=mb["adv"], mask=mb["mask"], ref=ref)
+            per[(m, k)] = Surveyed(old=logp, entropy=ent, adv=mb["adv"], mask=mb["mask"], ref=ref, behav=mb["behav"],
+                                   seq_ids=mb["seq_ids"], num_seqs=max(len(idx), 1))
         self.engine.train()
         self.objective.select(list(per.values()), self.comm, self._generator(batch))
         return per
@@ -286,52 +309,62 @@ class Trainer:
         self.engine.step()
         return self.engine.skipped_steps == before
 
+    def _backward(self, batch: StepBatch, survey, gen: torch.Generator, poison: bool, m: int, k: int, idx: list[int],
+                  mb: dict, last: bool) -> tuple[Tokens, dict[str, torch.Tensor], Surveyed]:
+        """Forward and backward of one micro-batch (its share of the mini-batch's loss); returns its tokens, the
+        objective's per-token metrics and the micro-batch as the step start saw it."""
+        self.engine.set_gradient_accumulation_boundary(last)
+        # We call the module, not engine.forward (which would also hook our outputs for loss scaling), so do
+        # what engine.forward does first: ZeRO-3 counts micro-steps there, and with the count stuck at 0 each
+        # backward overwrites the gradient shards instead of accumulating them.
+        if hasattr(self.engine.optimizer, "clear_backward_seen_flag"):
+            self.engine.optimizer.clear_backward_seen_flag()
+        logp, entropy = self._logp_entropy(self.module, mb)
+        # The policy at the step start: surveyed, or (one mini-batch, no survey) the one just run.
+        e = survey[(m, k)] if survey is not None else Surveyed(
+            old=logp.detach(), entropy=entropy, adv=mb["adv"], mask=mb["mask"], behav=mb["behav"],
+            seq_ids=mb["seq_ids"], num_seqs=max(len(idx), 1))
+        t = Tokens(logp=logp, entropy=entropy, old=self._prox(e, m, logp, mb, batch), behav=mb["behav"],
+                   adv=mb["adv"], mask=mb["mask"], seq_ids=mb["seq_ids"], num_seqs=max(len(idx), 1),
+                   ref=e.ref, selected=e.selected, keep=e.keep, m2po_keep=e.m2po_keep)
+        loss, met = self.objective(t, global_tokens=float(batch.mini_tokens[m]), global_seqs=float(batch.mini_seqs[m]),
+                                   par_lambda=batch.par_lambda, generator=gen)
+        loss = loss * self.world
+        if poison:
+            loss = loss * float("nan")
+        if not idx and self.cfg.learner.zero_stage < 3:
+            # Empty micro-batch: touch every parameter with a zero gradient so ZeRO's reduction hooks
+            # fire on this rank like on the others. (ZeRO-3 shards are empty outside a forward; there
+            # the forward on the placeholder input already reaches every parameter.)
+            loss = loss + 0.0 * sum(p.sum() for p in self.module.parameters())
+        self.engine.backward(loss, scale_wrt_gas=False)
+        return t, met, e
+
     def train_step(self, batch: StepBatch, poison: bool = False) -> StepStats:
         """`poison`: fault injection for tests (COVRL_FAULT_NONFINITE_STEPS): make this step's loss NaN."""
         t0 = time.perf_counter()
         micro = self._micro(batch)
         survey = self._survey(batch, micro) if self.needs_survey else None
         totals: dict[str, torch.Tensor] = {}
-        grad_norms, skipped = [], []
+        grad_norms, skipped, lr_scales = [], [], []
         gen = self._generator(batch)
         self.engine.train()
         n_micro = [len(per_rank[self.rank]) for per_rank in batch.plan]
         sampled = self._entropy_sample(micro)
-        seen: list[Surveyed] = []  # each micro-batch at the step start, with the loss's choice: covariance_profile
+        seen: list[Surveyed] = []  # each micro-batch at the step start, with what the loss cut: the step's profiles
         for i, (m, k, idx, mb) in enumerate(micro):
-            self.engine.set_gradient_accumulation_boundary(k == n_micro[m] - 1)
-            # We call the module, not engine.forward (which would also hook our outputs for loss scaling), so do
-            # what engine.forward does first: ZeRO-3 counts micro-steps there, and with the count stuck at 0 each
-            # backward overwrites the gradient shards instead of accumulating them.
-            if hasattr(self.engine.optimizer, "clear_backward_seen_flag"):
-                self.engine.optimizer.clear_backward_seen_flag()
-            logp, entropy = self._logp_entropy(self.module, mb)
-            # The policy at the step start: surveyed, or (one mini-batch, no survey) the one just run.
-            e = survey[(m, k)] if survey is not None else Surveyed(old=logp.detach(), entropy=entropy,
-                                                                   adv=mb["adv"], mask=mb["mask"])
-            t = Tokens(logp=logp, entropy=entropy, old=self._prox(e, m, logp, mb, batch), behav=mb["behav"],
-                       adv=mb["adv"], mask=mb["mask"], seq_ids=mb["seq_ids"], num_seqs=max(len(idx), 1),
-                       ref=e.ref, selected=e.selected, keep=e.keep)
-            loss, met = self.objective(t, global_tokens=float(batch.mini_tokens[m]), global_seqs=float(batch.mini_seqs[m]),
-                                       par_lambda=batch.par_lambda, generator=gen)
-            loss = loss * self.world
-            if poison:
-                loss = loss * float("nan")
-            if not idx and self.cfg.learner.zero_stage < 3:
-                # Empty micro-batch: touch every parameter with a zero gradient so ZeRO's reduction hooks
-                # fire on this rank like on the others. (ZeRO-3 shards are empty outside a forward; there
-                # the forward on the placeholder input already reaches every parameter.)
-                loss = loss + 0.0 * sum(p.sum() for p in self.module.parameters())
-            self.engine.backward(loss, scale_wrt_gas=False)
+            t, met, e = self._backward(batch, survey, gen, poison, m, k, idx, mb, last=k == n_micro[m] - 1)
             with torch.no_grad():  # e.entropy: the policy *before* this step's updates
                 own = micro_sums(t, met, e.entropy, mb["input_ids"].numel() if idx else 0, len(idx))
-                chosen = met["cov_selected"] > 0 if "cov_selected" in met else None
-                seen.append(Surveyed(old=e.old.detach(), entropy=e.entropy, adv=mb["adv"], mask=mb["mask"], selected=chosen))
+                seen.append(_seen(e, met))
+                self.ess.add(t)
                 if i in sampled:  # the tokens whose entropy is measured again after the update
                     own |= {"entropy_sampled": own["entropy"], "tokens_sampled": own["tokens"]}
                 accumulate(totals, own)
             if k == n_micro[m] - 1:
-                applied = self._optimizer_step()
+                lr_scales.append(self.ess.factor(self.comm))
+                with offpolicy.scaled_lr(self.engine.optimizer, lr_scales[-1]):
+                    applied = self._optimizer_step()
                 skipped.append(not applied)
                 gn = self.engine.get_global_grad_norm()
                 if applied and gn is not None:
@@ -343,9 +376,10 @@ class Trainer:
         sums = sum_vector(totals)
         dist.all_reduce(sums)
         profile = covariance_profile(seen, self.comm, self.cov_band)
+        offp = offpolicy.offpolicy_profile(seen, self.comm) | {"ess_lr_scale": sum(lr_scales) / len(lr_scales)}
         return StepStats(sums=sums, grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
                          train_s=time.perf_counter() - t0, entropy_delta_logged=logged_after, skipped=skipped,
-                         profile=profile)
+                         profile=profile, offpolicy=offp)
 
     def _entropy_sample(self, micro: list) -> set[int]:
         """Positions in `micro` of the micro-batches whose entropy is measured again after the update
@@ -392,6 +426,7 @@ def step_metrics(stats: StepStats) -> dict[str, float]:
         "timing_s/train": stats.train_s,
     }
     out |= {f"actor/{name}": v for name, v in stats.profile.items()}
+    out |= {f"offpolicy/{name}": v for name, v in stats.offpolicy.items()}
     if stats.entropy_delta_logged:  # over the sampled tokens (all of them with entropy_delta_stride = 1)
         n_sampled = max(s["tokens_sampled"], 1.0)
         out["actor/entropy_after"] = s["entropy_after"] / n_sampled

@@ -54,6 +54,9 @@ type = "seq_tis"
 [learner]
 mini_batches = 2
 advantage = "rloo"
+ess_step_scaling = "sqrt"
+[learner.importance]
+m2po_threshold = 1e-6
 [learner.loss]
 type = "kl_cov"
 kl_fraction = 0.02
@@ -89,12 +92,18 @@ lam = 0.5
 }
 
 
+# Options of a case outside the sections COMMON already opens.
+SETS = {"kl_cov": ["--set", "rollout.max_staleness_steps=2", "--set", "rollout.forced_lag=2"]}
+OFFPOLICY = ("ess_token", "ess_seq", "m2", "kl_behav_prox", "m2po_masked", "ess_lr_scale",
+             *(f"{cut}_q{q}" for cut in ("clipped", "masked") for q in range(1, 6)))
+
+
 @pytest.mark.parametrize("mode", CASES)
 def test_loss_mode_runs_three_steps(mode, tmp_path):
     cfg = tmp_path / f"{mode}.toml"
     cfg.write_text(COMMON + CASES[mode])
     run = tmp_path / "run"
-    launch(run, "--gens", "1", "--learners", "2", "--config", str(cfg))
+    launch(run, "--gens", "1", "--learners", "2", "--config", str(cfg), *SETS.get(mode, []))
     rows = read_metrics(str(run))
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert open(os.path.join(run, "config.toml")).read().count(f'type = "{mode}"') == 1
@@ -103,6 +112,14 @@ def test_loss_mode_runs_three_steps(mode, tmp_path):
         for key in ("actor/entropy", "actor/entropy_delta", "actor/cov_mean", "actor/pg_loss", "actor/grad_norm",
                     "actor/par_lambda", "filter/dropped_groups"):
             assert r.get(key) is not None, key
+        assert all(r.get(f"offpolicy/{key}") is not None for key in OFFPOLICY)
+        assert sum(v for k, v in r.items() if k.startswith("staleness/share_lag_")) == pytest.approx(1.0)
+    if mode == "kl_cov":  # forced lag 2, M2PO and ESS-scaled steps, over two ranks and two mini-batches
+        assert [(r["staleness/min"], r["staleness/max"]) for r in rows] == [(0, 0), (1, 1), (2, 2)]
+        assert rows[2]["staleness/share_lag_2-3"] == 1.0
+        assert rows[0]["offpolicy/m2po_masked"] == 0 < rows[2]["offpolicy/m2po_masked"]
+        assert all(r["offpolicy/masked_q1"] + r["offpolicy/masked_q5"] <= 2 for r in rows)
+        assert rows[2]["offpolicy/ess_lr_scale"] < 1.0 and rows[2]["offpolicy/ess_seq"] < 1.0
     if mode in ("clip_cov", "kl_cov"):
         assert any(r["actor/cov_selected_frac"] > 0 for r in rows), "the covariance selection never touched a token"
     if mode == "cispo":

@@ -114,10 +114,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("learner/loop.py", "Ranks.agree", "dist.all_reduce(t, op=dist.ReduceOp.MAX)"): PG + ", gloo",
     ("learner/params.py", "_gathered", "deepspeed.zero.GatheredParameters(params, modifier_rank=None)"): PG,
     ("learner/trainer.py", "DataParallel.sum_", "dist.all_reduce(x)"): PG + ", gloo",
-    ("learner/trainer.py", "DataParallel.kth_largest", "dist.all_gather(gathered, buf)"): PG + ", gloo",
+    ("learner/trainer.py", "DataParallel.top_values", "dist.all_gather(gathered, buf)"): PG + ", gloo",
     ("learner/trainer.py", "Trainer.__init__", "deepspeed.initialize(..."): PG,
     ("learner/trainer.py", "Trainer._optimizer_step", "self.engine.step()"): PG,
-    ("learner/trainer.py", "Trainer.train_step", "self.engine.backward(loss, scale_wrt_gas=False)"): PG,
+    ("learner/trainer.py", "Trainer._backward", "self.engine.backward(loss, scale_wrt_gas=False)"): PG,
     ("learner/trainer.py", "Trainer.train_step", "dist.all_reduce(sums)"): PG + ", gloo",
     # ---- learner rank 0's weight channels ----
     ("learner/loop.py", "Lead.publish", "self.publisher.publish(step)"): PUBLISH,

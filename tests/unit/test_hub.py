@@ -637,3 +637,54 @@ def test_free_ports_come_from_below_the_ephemeral_range_and_are_never_handed_out
         assert all(max(1024, low - 16384) <= p < low for p in ports), (low, min(ports), max(ports))
     for p in ports[:5]:
         assert transport.port_in_use("127.0.0.1", p) is None
+
+
+def _scored(item: messages.WorkItem, version: int, spread: bool) -> messages.RolloutGroup:
+    """A group of two one-token responses sampled at `version`: rewards 1 and 0 (`spread`), else both 1 (a group
+    dynamic sampling drops)."""
+    samples = [messages.Sample(token_ids=messages.to_bytes([3], messages.TOKEN_DTYPE),
+                               logprobs=messages.to_bytes([-0.1], messages.LOGPROB_DTYPE),
+                               versions=messages.to_bytes([version], messages.VERSION_DTYPE), reward=reward,
+                               finish_reason="stop", score_status="ok") for reward in ((1.0, 0.0) if spread else (1.0, 1.0))]
+    return messages.RolloutGroup(gen_id=0, incarnation="a", ticket=item.ticket, prompt_id=item.prompt_id,
+                                 epoch=item.epoch, prompt_ids=item.prompt_ids, samples=samples, gen_time_s=0.1)
+
+
+def test_a_forced_lag_trains_every_token_exactly_that_many_versions_old(tiny_model_dir):
+    """rollout.forced_lag = 3: the batch of the step starting at version v is exactly the generation issued at
+    max(0, v - 3), whatever the generator's pace, with every third group dropped by dynamic sampling and refilled."""
+    from transformers import AutoTokenizer
+
+    k, steps = 3, 9
+    cfg = load_config(None, ["data.train_size=64", "rollout.groups_per_step=2", "rollout.group_size=2",
+                             f"rollout.max_staleness_steps={k + 1}", f"rollout.forced_lag={k}", f"run.steps={steps}",
+                             "eval.every_steps=0"])
+    hub = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, weight_addr="127.0.0.1:1", generators=lambda: 1,
+              source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)))
+    hub.start()
+    gen = GeneratorSocket(hub.sock.address, KEY)
+    answered = 0
+    try:
+        assert isinstance(_hello(gen), messages.Welcome)
+        for v in range(steps):
+            while True:  # the generator takes all the work it is given, at once (much faster than the learner)
+                gen.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=8))
+                work = gen.recv(0.3)
+                if work is None:
+                    break
+                if v == 5:  # the publish of v + 1 waits for the work issued at v, even with v's batch long ready
+                    with pytest.raises(TimeoutError):
+                        hub.wait_version_done(v, timeout_s=0.2)
+                for item in work.items:
+                    answered += 1
+                    gen.send(_scored(item, work.policy_version, spread=answered % 3 != 0))
+            batch = hub.take_batch(v, timeout_s=5)
+            lags = {v - int(messages.as_array(s.versions, messages.VERSION_DTYPE)[0]) for r in batch
+                    for s in r.group.samples}
+            assert len(batch) == 2 and lags == {min(v, k)}, (v, lags)
+            hub.wait_version_done(v, timeout_s=5)
+            hub.set_version(v + 1)
+        assert hub.stats().counters["hub/filtered_groups"] >= 4  # the refills were exercised
+    finally:
+        gen.close()
+        hub.stop()

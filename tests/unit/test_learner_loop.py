@@ -101,7 +101,7 @@ class Publisher:
 
 class Sink:
     def __init__(self, events):
-        self.events, self.rows, self.shown = events, [], []
+        self.events, self.rows, self.shown, self.histograms = events, [], [], []
 
     def write(self, step, metrics):
         self.events.append(("write", step))
@@ -109,6 +109,9 @@ class Sink:
 
     def progress(self, step, row, evaluating):
         self.shown.append((step, list(evaluating)))
+
+    def histogram(self, tag, values, step):
+        self.histograms.append((tag, step, list(values)))
 
     def close(self):
         self.events.append(("sink.close",))

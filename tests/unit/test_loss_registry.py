@@ -27,8 +27,11 @@ class OneRank:
         return x
 
     def kth_largest(self, values, k):
-        ordered = values.double().sort(descending=True).values
-        return ordered[k - 1] if k <= ordered.numel() else torch.tensor(float("-inf"), dtype=torch.float64)
+        return self.top_values(values, k)[-1]
+
+    def top_values(self, values, k):
+        ordered = values.double().sort(descending=True).values[:k]
+        return torch.cat([ordered, torch.full((k - ordered.numel(),), float("-inf"), dtype=torch.float64)])
 
 
 def _lc(loss, **learner):

@@ -51,6 +51,24 @@ def test_every_learner_metric_is_documented():
     assert len(metrics) > 20
     missing = sorted(m for m in metrics if m not in text)
     assert not missing, f"docs/metrics.md lacks metrics: {missing}"
+    # The composed names: the off-policy profile's (a quintile family documented by its first member) and the
+    # staleness histogram's bins.
+    import numpy as np
+    import torch
+
+    from learner import loop, offpolicy
+    from learner.tokens import Surveyed
+    from tests.unit.test_loss_registry import OneRank
+
+    one = torch.ones(1, 1)
+    entry = Surveyed(old=0 * one, entropy=one, adv=one, mask=one, behav=0 * one, seq_ids=torch.zeros(1, 1).long(),
+                     num_seqs=1)
+    names = [f"offpolicy/{k}" for k in offpolicy.offpolicy_profile([entry], OneRank())] + ["offpolicy/ess_lr_scale"]
+    names = [re.sub(r"_q\d$", "_q1", n) for n in names]
+    bins = [k.removeprefix("staleness/share_lag") for k in loop.staleness_shares(np.zeros(1))]
+    missing = sorted(n for n in names if f"`{n}`" not in text) + sorted(b for b in bins if f"`{b}`" not in text
+                                                                      and f"`staleness/share_lag{b}`" not in text)
+    assert len(names) > 10 and len(bins) == 8 and not missing, f"docs/metrics.md lacks metrics: {missing}"
 
 
 def test_benchmark_table_and_headline_match_results_json():

@@ -1,0 +1,179 @@
+"""How far the step's data are from the policy that trains on them, and the corrections that act on it.
+
+Three policies meet in a step (docs/DESIGN.md section 4): pi_behav sampled the tokens, pi_prox is the policy at the
+step start, pi_theta is being optimised. The importance ratio here is rho_t = pi_prox / pi_behav of each token.
+
+- `select_m2po`: M2PO's step-wide token mask (Zheng et al. 2025): the tokens with the largest (log rho_t)^2 are
+  dropped until the mean of the rest is below `learner.importance.m2po_threshold`, over the whole step on all ranks
+  (`learner.losses.m2po_cut`), so the choice does not depend on how the batch is split. AReaL decides per
+  micro-batch instead.
+- `offpolicy_profile`: the step's off-policy diagnostics (`offpolicy/...`), from tensors the step already has, no
+  extra forward pass: the normalised effective sample size of rho at token and sequence level, M2PO's second moment
+  of log rho, KL(pi_behav || pi_prox) per token, and which entropy quintile the trust region's and the off-policy
+  correction's cuts fall in.
+- `EssStepScale`: VCPO's step size, the learning rate scaled by the ESS of the mini-batch's response weights.
+  VCPO's off-policy optimal baseline is not built: it weighs each response by its own squared gradient norm, which
+  takes one backward pass per response (their code runs micro-batches of one response); covrl packs many
+  responses into a micro-batch and would pay that pass for every response.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from learner import losses
+from learner.tokens import Collectives, Surveyed, Tokens
+
+QUINTILES = 5
+ENTROPY_BINS = 2048  # the entropy quintiles' resolution: 1/ENTROPY_BINS of the step's largest token entropy
+SEQ_LOG_CLAMP = 300.0  # a response's summed log ratio, clamped: exp(2 * 300) stays finite in float64
+
+
+def _valid(entries: list[Surveyed], values) -> torch.Tensor:
+    """`values(entry)` at the valid tokens of every entry, concatenated on the host (float64, 1-D)."""
+    parts = [values(e)[e.mask > 0].double().cpu() for e in entries]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def _flag(name: str):
+    """The per-token flag `name` of an entry ("clipped", "masked"), 0 where the entry has none."""
+    return lambda e: getattr(e, name) if getattr(e, name) is not None else torch.zeros_like(e.mask)
+
+
+def select_m2po(entries: list[Surveyed], comm: Collectives, threshold: float, first: int = 64) -> list[torch.Tensor]:
+    """M2PO's kept-token mask of each entry (float [1, N]; dropped tokens stay in the aggregation's denominator).
+
+    The cut needs the step's largest m_t = (log rho_t)^2 in order: each round gathers every rank's `first`, then
+    twice as many, ... of them until `m2po_cut` can decide (one all_gather a round; M2PO drops few tokens, so
+    usually one round)."""
+    terms = {id(e): losses.m2po_second_moment_terms(e.old, e.behav) for e in entries}
+    local = _valid(entries, lambda e: terms[id(e)])
+    total, count = comm.sum_(torch.tensor([float(local.sum()), float(local.numel())], dtype=torch.float64)).tolist()
+    k = first
+    while True:
+        cut = losses.m2po_cut(comm.top_values(local, k), total, count, threshold, complete=k >= count)
+        if not torch.isnan(cut):
+            return [((terms[id(e)] < cut.to(e.mask.device)) & (e.mask > 0)).to(e.mask.dtype) for e in entries]
+        k *= 2
+
+
+def _ess(sums: torch.Tensor) -> float:
+    """(sum w)^2 / (n sum w^2) from [n, sum w, sum w^2]: 1 for equal weights, about 1/n for one dominant weight."""
+    n, s1, s2 = sums.tolist()
+    return s1 * s1 / (n * s2) if n > 0 and s2 > 0 else float("nan")
+
+
+def importance_sums(entries: list[Surveyed]) -> torch.Tensor:
+    """This rank's [n, sum rho, sum rho^2] over valid tokens, then the same over responses with rho_i = prod_t
+    rho_t, then the sums of (log rho_t)^2 and of rho_t - 1 - log rho_t: float64 [8]."""
+    out = torch.zeros(8, dtype=torch.float64)
+    for e in entries:
+        log_rho = ((e.old.double() - e.behav.double()) * e.mask).clamp(-losses.LOG_RATIO_CLAMP, losses.LOG_RATIO_CLAMP)
+        valid = e.mask > 0
+        rho = log_rho.exp()[valid]
+        seq_log = losses.segment_sum(log_rho, e.seq_ids, e.num_seqs).clamp(-SEQ_LOG_CLAMP, SEQ_LOG_CLAMP)
+        seq_rho = seq_log.exp()[losses.segment_sum(e.mask.double(), e.seq_ids, e.num_seqs) > 0]
+        lr = log_rho[valid]
+        out += torch.stack([valid.sum().double(), rho.sum(), rho.square().sum(),
+                            torch.tensor(float(seq_rho.numel()), dtype=torch.float64), seq_rho.sum(),
+                            seq_rho.square().sum(), lr.square().sum(), (rho - 1.0 - lr).sum()]).cpu()
+    return out
+
+
+def _quintile_of_bins(counts: torch.Tensor) -> torch.Tensor:
+    """Each histogram bin's entropy quintile 0..4: the quintile its first token falls in by cumulative count."""
+    before = counts.cumsum(0) - counts
+    return (before * QUINTILES / counts.sum().clamp(min=1)).floor().clamp(max=QUINTILES - 1).long()
+
+
+def quintile_cuts(entries: list[Surveyed], comm: Collectives) -> dict[str, float]:
+    """Share of the tokens of each entropy quintile of the step (q1 the lowest) that the trust region clipped
+    (`Surveyed.clipped`) and that the off-policy correction masked or capped (`Surveyed.masked`), on all ranks.
+    The quintiles are cut on a histogram of ENTROPY_BINS bins up to the step's largest entropy."""
+    entropy = _valid(entries, lambda e: e.entropy)
+    top = float(comm.kth_largest(entropy, 1))
+    width = max(top, 1e-12) / ENTROPY_BINS
+    bins = (entropy / width).floor().clamp(0, ENTROPY_BINS - 1).long()
+    counts = comm.sum_(torch.bincount(bins, minlength=ENTROPY_BINS).double())
+    quintile = _quintile_of_bins(counts)[bins]
+    flags = [_valid(entries, _flag(name)) for name in ("clipped", "masked")]
+    local = torch.stack([torch.bincount(quintile, weights=w, minlength=QUINTILES)
+                         for w in (torch.ones_like(entropy), *flags)])
+    tokens, clipped, masked = comm.sum_(local.double()).unbind(0)
+    out = {}
+    for q in range(QUINTILES):
+        n = max(float(tokens[q]), 1.0)
+        out[f"clipped_q{q + 1}"] = float(clipped[q]) / n
+        out[f"masked_q{q + 1}"] = float(masked[q]) / n
+    return out
+
+
+def offpolicy_profile(entries: list[Surveyed], comm: Collectives) -> dict[str, float]:
+    """The step's off-policy diagnostics on all ranks (every rank returns the same), keys without the
+    `offpolicy/` prefix: `ess_token` and `ess_seq` (normalised ESS of rho over tokens and over responses),
+    `m2` (M2PO's mean (log rho)^2), `kl_behav_prox` (mean rho - 1 - log rho: the k3 estimate of
+    KL(pi_behav || pi_prox) from tokens pi_behav sampled), `m2po_masked` (share of tokens M2PO dropped) and
+    `clipped_q<i>` / `masked_q<i>` (`quintile_cuts`). Entries need `behav`, `seq_ids` and `num_seqs`."""
+    sums = comm.sum_(importance_sums(entries))
+    n = max(float(sums[0]), 1.0)
+    dropped = [(1.0 - e.m2po_keep) * e.mask for e in entries if e.m2po_keep is not None]
+    m2po = comm.sum_(torch.tensor([float(sum(d.sum() for d in dropped))], dtype=torch.float64))
+    out = {"ess_token": _ess(sums[0:3]), "ess_seq": _ess(sums[3:6]), "m2": float(sums[6]) / n,
+           "kl_behav_prox": float(sums[7]) / n, "m2po_masked": float(m2po) / n}
+    return out | quintile_cuts(entries, comm)
+
+
+class EssStepScale:
+    """VCPO's step size (Huang et al. 2026; their code's rule): each optimizer step's learning rate times
+    min(1, rho / base_ratio), or its square root (`"sqrt"`, theirs for Adam), where rho = (sum w)^2 / (n sum w^2) is
+    the normalised ESS of the mini-batch's response weights w_i = prod_t pi_theta / pi_behav (pi_theta as the
+    training forward saw it, detached) over all ranks. `add` each micro-batch, then `factor` at the optimizer
+    step (a collective on every rank; none when off). No smoothing and no floor, as in their code."""
+
+    def __init__(self, rule: str, base_ratio: float):
+        self.rule, self.base_ratio = rule, base_ratio
+        self.sums = torch.zeros(3, dtype=torch.float64)
+
+    def add(self, t: Tokens) -> None:
+        """One micro-batch's tokens, after its training forward."""
+        if self.rule == "off":
+            return
+        log_rho = ((t.logp.detach().double() - t.behav.double()) * t.mask).clamp(-losses.LOG_RATIO_CLAMP,
+                                                                               losses.LOG_RATIO_CLAMP)
+        seq_log = losses.segment_sum(log_rho, t.seq_ids, t.num_seqs).clamp(-SEQ_LOG_CLAMP, SEQ_LOG_CLAMP)
+        w = seq_log.exp()[losses.segment_sum(t.mask.double(), t.seq_ids, t.num_seqs) > 0]
+        self.sums += torch.stack([torch.tensor(float(w.numel()), dtype=torch.float64), w.sum(), w.square().sum()]).cpu()
+
+    def factor(self, comm: Collectives) -> float:
+        """The learning-rate factor of the mini-batch added since the last call (1 when off)."""
+        if self.rule == "off":
+            return 1.0
+        sums, self.sums = comm.sum_(self.sums.clone()), torch.zeros(3, dtype=torch.float64)
+        return ess_lr_factor(_ess(sums), self.base_ratio, self.rule)
+
+
+def ess_lr_factor(ess_ratio: float, base_ratio: float, rule: str) -> float:
+    """min(1, ess_ratio / base_ratio), its square root for `"sqrt"`; 1 when off or the ESS is undefined."""
+    if rule == "off" or ess_ratio != ess_ratio:
+        return 1.0
+    scale = min(1.0, ess_ratio / base_ratio)
+    return scale ** 0.5 if rule == "sqrt" else scale
+
+
+@contextlib.contextmanager
+def scaled_lr(optimizer, factor: float):
+    """Every parameter group's learning rate times `factor` inside the block, restored after (a ZeRO optimizer's
+    `param_groups` are its inner optimizer's)."""
+    if factor == 1.0:
+        yield
+        return
+    saved = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = g["lr"] * factor
+    try:
+        yield
+    finally:
+        for g, lr in zip(optimizer.param_groups, saved):
+            g["lr"] = lr
