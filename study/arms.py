@@ -1,4 +1,5 @@
-"""The arms of the dose-response study (`covrl study --preset dose`, docs/study-dose/PLAN.md).
+"""The arms of the dose-response study (`covrl study --preset dose`, docs/study-dose/PLAN.md) and of the staleness
+study (`--preset staleness`, docs/study-staleness/PLAN.md: STALENESS_ARMS at each forced lag).
 
 Each arm is one set of config overrides on top of the preset (lr*, 8 updates per batch), run at every seed. An arm
 at a published setting says so; every other dose is a departure, labelled with the share of the step's summed
@@ -60,3 +61,22 @@ PUBLISHED = {"clip_cov": "clip_cov", "kl_cov": "kl_cov"}
 RANDOM_CONTROLS = {"clip_cov": ("clip_cov_d35", "clip_cov_d35_random"), "kl_cov": ("kl_cov", "kl_cov_random")}
 # Updates per batch -> arm (8 is the preset's, so GRPO itself).
 OFF_POLICY = {1: "grpo_mb1", 4: "grpo_mb4", 8: "grpo", 16: "grpo_mb16"}
+
+
+# The staleness study's methods (`covrl study --preset staleness`, docs/study-staleness/PLAN.md): every run trains
+# with truncated IS (cap 2, the config's default); M2PO at the published 0.04, VCPO's square-root ESS step.
+M2PO = ["learner.importance.m2po_threshold=0.04"]
+STALENESS_ARMS: dict[str, Arm] = {
+    "grpo_tis": Arm(GRPO, "grpo", "GRPO + TIS"),
+    "kl_cov_tis": Arm(KL_COV, "kl_cov", "KL-Cov (published 7B dose) + TIS"),
+    "kl_cov_m2po": Arm([*KL_COV, *M2PO], "kl_cov", "KL-Cov + TIS + M2PO 0.04"),
+    "grpo_m2po": Arm([*GRPO, *M2PO], "grpo", "GRPO + TIS + M2PO 0.04"),
+    "grpo_ess": Arm([*GRPO, "learner.ess_step_scaling=sqrt"], "grpo", "GRPO + TIS + ESS-scaled steps (sqrt)"),
+}
+# The forced lags of the staleness study, and each lag's run length: at least 4 k steps, so 3/4 of it at full lag.
+STALENESS_LAGS = (0, 4, 16, 64)
+
+
+def staleness_steps(k: int, base: int) -> int:
+    """Steps of a run at forced lag k in a study of `base` steps: max(base, 4 k)."""
+    return max(base, 4 * k)

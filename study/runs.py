@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from common.config import ConfigError, load_config
 from common.metrics import read_metrics
-from study.arms import ARMS
+from study.arms import ARMS, STALENESS_ARMS, STALENESS_LAGS, staleness_steps
 from study.dose_report import write_dose_report
 from study.report import write_report
 
@@ -58,6 +58,10 @@ PRESETS = {
 # chose by the plan's rule, 60 steps, an evaluation every 10; its arms are study/arms.py's.
 PRESETS["dose"] = {"steps": 60, "overrides": [
     *PRESETS["chain"]["overrides"][:4], "learner.mini_batches=8", "eval.every_steps=10", "learner.lr=5e-5"]}
+# The staleness study (docs/study-staleness/PLAN.md): the dose study's regime with 2 samples per held-out prompt; each
+# run at a forced lag k (`--staleness`, default 0,4,16,64) of max(steps, 4 k) steps, evaluated every eighth of them.
+PRESETS["staleness"] = {"steps": 64, "overrides": [
+    *PRESETS["chain"]["overrides"][:4], "learner.mini_batches=8", "eval.k=2", "learner.lr=5e-5"]}
 
 
 # Methods: the config overrides that make each method; published defaults, unchanged (no per-method tuning).
@@ -77,8 +81,15 @@ METHODS = {
 
 
 def method_overrides(name: str) -> list[str]:
-    """The overrides of a method (METHODS) or of a dose-study arm (study/arms.py ARMS, labelled departures)."""
-    return METHODS[name] if name in METHODS else ARMS[name].overrides
+    """The overrides of a method (METHODS) or of a dose- or staleness-study arm (study/arms.py)."""
+    if name in METHODS:
+        return METHODS[name]
+    return ARMS[name].overrides if name in ARMS else STALENESS_ARMS[name].overrides
+
+
+def default_methods(preset: str) -> list[str]:
+    """What a preset runs when --methods is not given."""
+    return list(ARMS) if preset == "dose" else list(STALENESS_ARMS) if preset == "staleness" else list(METHODS)
 
 
 class StudyError(ValueError):
@@ -141,12 +152,13 @@ def make_plan(args: argparse.Namespace, command: str, now: datetime.datetime) ->
     """Validate the arguments (raising StudyError with the fix) and resolve the defaults."""
     if args.preset not in PRESETS:
         raise StudyError(f"unknown --preset {args.preset!r}; valid presets: {', '.join(PRESETS)}")
-    default = list(ARMS) if args.preset == "dose" else list(METHODS)
+    default = default_methods(args.preset)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods is not None else default
-    unknown = [m for m in methods if m not in METHODS and m not in ARMS]
+    unknown = [m for m in methods if m not in METHODS and m not in ARMS and m not in STALENESS_ARMS]
     if unknown or not methods:
         raise StudyError(f"unknown method(s) {', '.join(unknown) or '(none given)'} in --methods; "
-                         f"valid methods: {', '.join(METHODS)}; dose-study arms: {', '.join(ARMS)}")
+                         f"valid methods: {', '.join(METHODS)}; dose-study arms: {', '.join(ARMS)}; staleness-study "
+                         f"arms: {', '.join(STALENESS_ARMS)}")
     if len(set(methods)) != len(methods):
         raise StudyError(f"--methods lists a method twice ({args.methods}); each method runs once per study")
     steps = args.steps if args.steps is not None else PRESETS[args.preset]["steps"]
@@ -160,10 +172,13 @@ def make_plan(args: argparse.Namespace, command: str, now: datetime.datetime) ->
         if key in ("run.seed", "run.steps"):
             raise StudyError(f"--set {kv!r}: use --{key.split('.')[1]} instead, so study.json records it")
     seeds = _ints(args.seeds, "--seeds") if args.seeds is not None else [args.seed]
-    staleness = _ints(args.staleness, "--staleness") if args.staleness is not None else []
+    lags = list(STALENESS_LAGS) if args.preset == "staleness" else []
+    staleness = _ints(args.staleness, "--staleness") if args.staleness is not None else lags
     if len(set(seeds)) != len(seeds) or any(x < 0 for x in seeds + staleness) or len(set(staleness)) != len(staleness):
         raise StudyError("--seeds and --staleness list distinct non-negative integers, e.g. --seeds 0,1 --staleness 0,4")
     stale_methods = [m.strip() for m in args.staleness_methods.split(",") if m.strip()] if staleness else []
+    if args.preset == "staleness":  # every method runs at every lag and seed
+        stale_methods = methods
     if not set(stale_methods) <= set(methods):
         raise StudyError(f"--staleness-methods {args.staleness_methods}: each must also be in --methods "
                          f"({', '.join(methods)})")
@@ -176,7 +191,7 @@ def make_plan(args: argparse.Namespace, command: str, now: datetime.datetime) ->
                 study_dir=os.path.abspath(study_dir), report_only=args.report_only, command=command)
     for name in run_names(plan):  # each run's config, checked before the study directory exists
         try:
-            load_config(None, [*run_overrides(plan, name), f"run.steps={steps}"])
+            load_config(None, [*run_overrides(plan, name), f"run.steps={run_steps(plan, name)}"])
         except ConfigError as e:
             raise StudyError(f"run {name}: {e}") from None
     return plan
@@ -193,26 +208,48 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def run_names(plan: Plan) -> list[str]:
-    """Every run of the study in run order: each method at each seed, then the staleness axis."""
+    """Every run of the study in run order: each method at each seed, then the staleness axis. The staleness
+    preset runs every method at every forced lag and seed instead: seed by seed, method by method, lag by lag
+    (<method>@k<k>@s<seed>)."""
+    if plan.preset == "staleness":
+        return [f"{m}@k{k}@s{seed}" for seed in plan.seeds for m in plan.methods for k in plan.staleness]
     names = [m if i == 0 else f"{m}@s{seed}" for m in plan.methods for i, seed in enumerate(plan.seeds)]
     return names + [f"{m}@k{k}" for m in plan.staleness_methods for k in plan.staleness]
 
 
 def parse_run(name: str) -> tuple[str, int | None, int | None]:
-    """(method, seed or None, staleness k or None) of a run name: grpo, grpo@s1, grpo@k4."""
-    method, _, variant = name.partition("@")
-    if variant.startswith("s"):
-        return method, int(variant[1:]), None
-    if variant.startswith("k"):
-        return method, None, int(variant[1:])
-    return method, None, None
+    """(method, seed or None, staleness k or None) of a run name: grpo, grpo@s1, grpo@k4, grpo_tis@k16@s2."""
+    method, *variants = name.split("@")
+    seed = k = None
+    for v in variants:
+        if v.startswith("s"):
+            seed = int(v[1:])
+        elif v.startswith("k"):
+            k = int(v[1:])
+    return method, seed, k
+
+
+def run_steps(plan: Plan, name: str) -> int:
+    """A run's learner steps: the study's, or under the staleness preset max(steps, 4 k) for its lag k."""
+    k = parse_run(name)[2]
+    return staleness_steps(k, plan.steps) if plan.preset == "staleness" and k is not None else plan.steps
+
+
+def _lag_overrides(plan: Plan, name: str, k: int | None) -> list[str]:
+    """What a run's staleness k sets: the bound alone, or under the staleness preset a forced lag of k with its
+    bound and an evaluation every eighth of the run."""
+    if k is None:
+        return []
+    if plan.preset != "staleness":
+        return [f"rollout.max_staleness_steps={k}"]
+    return [f"rollout.max_staleness_steps={k}", f"rollout.forced_lag={k}", f"eval.every_steps={run_steps(plan, name) // 8}"]
 
 
 def run_variant(name: str) -> list[str]:
     """What the report lists as a run's own overrides: its method's, and its seed or staleness if it varies them."""
     method, seed, k = parse_run(name)
-    extra = [f"run.seed={seed}"] if seed is not None else [f"rollout.max_staleness_steps={k}"] if k is not None else []
-    known = method in METHODS or method in ARMS
+    extra = ([f"run.seed={seed}"] if seed is not None else []) + ([f"rollout.max_staleness_steps={k}"] if k is not None else [])
+    known = method in METHODS or method in ARMS or method in STALENESS_ARMS
     return [*(method_overrides(method) if known else []), *extra]
 
 
@@ -222,13 +259,13 @@ def run_overrides(plan: Plan, name: str) -> list[str]:
     method, seed, k = parse_run(name)
     out = [f"run.seed={plan.seeds[0] if seed is None else seed}", *PRESETS[plan.preset]["overrides"], *method_overrides(method),
            *plan.user_overrides]
-    return out + ([f"rollout.max_staleness_steps={k}"] if k is not None else [])
+    return out + _lag_overrides(plan, name, k)
 
 
 def cluster_command(plan: Plan, name: str) -> list[str]:
     """The cluster command line of one run (run with cwd = repo root, so `-m launch.cluster` finds the package)."""
     cmd = [sys.executable, "-m", "launch.cluster", "--gens", str(plan.gens), "--learners", str(plan.learners),
-           "--run-dir", os.path.join(plan.study_dir, name), "--steps", str(plan.steps)]
+           "--run-dir", os.path.join(plan.study_dir, name), "--steps", str(run_steps(plan, name))]
     for kv in run_overrides(plan, name):
         cmd += ["--set", kv]
     return cmd
@@ -256,11 +293,11 @@ def check_resumable(plan: Plan, previous: dict | None) -> dict[str, str]:
         if changed:
             raise StudyError(f"{plan.study_dir} was started with other settings ({'; '.join(changed)}); results "
                              f"would not be comparable. Rerun with the original settings or pick a new --study-dir")
-    status = {m: run_status(os.path.join(plan.study_dir, m), plan.steps) for m in run_names(plan)}
+    status = {m: run_status(os.path.join(plan.study_dir, m), run_steps(plan, m)) for m in run_names(plan)}
     for m, s in status.items():
         if s == "incomplete":
             d = os.path.join(plan.study_dir, m)
-            raise StudyError(f"{d} holds an incomplete {m} run (no metrics row with step {plan.steps}); "
+            raise StudyError(f"{d} holds an incomplete {m} run (no metrics row with step {run_steps(plan, m)}); "
                              f"delete it (rm -r {shlex.quote(d)}) and rerun the same command to redo {m}")
     return status
 
@@ -300,6 +337,7 @@ def new_meta(plan: Plan, previous: dict | None, now: datetime.datetime) -> dict:
             "responses_per_step": _responses_per_step(plan, runs[0]),
             "command": plan.command, "start_time": now.isoformat(timespec="seconds"), "end_time": None,
             "wall_clock_s": {m: old_wall.get(m) for m in runs}, "status": {},
+            "run_steps": {m: run_steps(plan, m) for m in runs},
             "run_commands": {m: shlex.join(cluster_command(plan, m)) for m in runs}}
 
 
@@ -334,8 +372,8 @@ def finish_run(plan: Plan, meta: dict, name: str, code: int, seconds: float) -> 
         return (f"method {name}: the cluster run exited with code {code}; see its logs in "
                 f"{os.path.join(run_dir, 'logs')}. Fix the cause, delete {run_dir}, and rerun the same command to "
                 f"resume (finished methods are skipped)")
-    if run_status(run_dir, plan.steps) != "complete":
-        return (f"method {name}: the cluster run exited 0 but {run_dir}/metrics.jsonl has no step {plan.steps}; "
+    if run_status(run_dir, run_steps(plan, name)) != "complete":
+        return (f"method {name}: the cluster run exited 0 but {run_dir}/metrics.jsonl has no step {run_steps(plan, name)}; "
                 f"see {os.path.join(run_dir, 'logs')}")
     return None
 
@@ -354,7 +392,7 @@ def run_study(plan: Plan, status: dict[str, str], meta: dict) -> None:
     for i, name in enumerate(runs, 1):
         if status[name] == "complete":
             print(f"study: [{i}/{len(runs)}] {name}: {os.path.join(plan.study_dir, name)} already holds a complete "
-                  f"{plan.steps}-step run; skipping", flush=True)
+                  f"{run_steps(plan, name)}-step run; skipping", flush=True)
             meta["status"][name] = "complete before this invocation"
         else:
             pending.append(name)
@@ -416,7 +454,7 @@ def _stop_all(plan: Plan, meta: dict, running: dict[str, tuple[subprocess.Popen,
     for proc, _ in running.values():
         proc.wait()
     unfinished = [name for name, (proc, _) in running.items()
-                  if proc.returncode != 0 or run_status(os.path.join(plan.study_dir, name), plan.steps) != "complete"]
+                  if proc.returncode != 0 or run_status(os.path.join(plan.study_dir, name), run_steps(plan, name)) != "complete"]
     _reap(plan, meta, running)
     return unfinished
 
