@@ -2,8 +2,7 @@
 
     python -m study.archive STUDY_DIR DEST
 
-Copies STUDY_DIR/study.json and, for every run it names that is complete (a metrics row at the study's last
-step), RUN/config.toml and RUN/metrics.jsonl as RUN/metrics.jsonl.xz (common.metrics.read_metrics reads either),
+Copies STUDY_DIR/study.json and, for every run it names that is complete (a metrics row at its last step), RUN/config.toml and RUN/metrics.jsonl as RUN/metrics.jsonl.xz (common.metrics.read_metrics reads either),
 into DEST; checkpoints, rollouts, logs and TensorBoard files stay behind. Run it again as runs finish: it rewrites
 what changed. `covrl study --report-only --study-dir DEST` then rebuilds the report from DEST alone.
 """
@@ -37,8 +36,9 @@ def archive(study_dir: str, dest: str) -> list[str]:
     """Archive every complete run of the study; returns their names."""
     with open(os.path.join(study_dir, "study.json")) as f:
         meta = json.load(f)
+    steps = meta.get("run_steps", {})  # runs of different lengths (the staleness study); else the study's
     done = [name for name in meta.get("runs", meta.get("methods", []))
-            if complete(os.path.join(study_dir, name), meta["steps"])]
+            if complete(os.path.join(study_dir, name), steps.get(name, meta["steps"]))]
     for name in done:
         archive_run(os.path.join(study_dir, name), os.path.join(dest, name))
     os.makedirs(dest, exist_ok=True)

@@ -101,15 +101,15 @@ def by_arm(rows: dict[str, list[dict]], first_seed: int, responses_per_step: int
 # Statistics and their text
 # ---------------------------------------------------------------------------
 
-def _f(x: float | None, digits: int = 4) -> str:
+def fmt(x: float | None, digits: int = 4) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def _ci(values: list[float], digits: int = 4) -> str:
+def ci_text(values: list[float], digits: int = 4) -> str:
     if not values:
         return "n/a"
     mean, lo, hi = t_interval(values)
-    return f"{mean:.{digits}f} [{_f(lo, digits)}, {_f(hi, digits)}]"
+    return f"{mean:.{digits}f} [{fmt(lo, digits)}, {fmt(hi, digits)}]"
 
 
 @dataclass(frozen=True)
@@ -130,8 +130,8 @@ class Contrast:
     def text(self, digits: int = 4) -> str:
         if self.mean is None:
             return f"{self.label}: n/a (no seed in both arms)"
-        return (f"{self.label}: {self.mean:+.{digits}f} [{_f(self.lo, digits)}, {_f(self.hi, digits)}] over "
-                f"{self.n} seeds (minimum detectable effect {_f(self.mde, digits)})")
+        return (f"{self.label}: {self.mean:+.{digits}f} [{fmt(self.lo, digits)}, {fmt(self.hi, digits)}] over "
+                f"{self.n} seeds (minimum detectable effect {fmt(self.mde, digits)})")
 
 
 def contrast(arms: dict[str, dict[int, Endpoints]], a: str, b: str, value, label: str) -> Contrast:
@@ -161,7 +161,7 @@ def half_step(e: Endpoints) -> float:
 # Sections
 # ---------------------------------------------------------------------------
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                      + ["| " + " | ".join(r) + " |" for r in rows])
 
@@ -177,7 +177,7 @@ def section_header(meta: dict, now: datetime.datetime, names: list[str]) -> str:
         f"{meta.get('end_time') or 'n/a'}",
         f"- Command: `{meta.get('command', 'n/a')}`",
         f"- Steps {meta.get('steps', 'n/a')}, seeds {meta.get('seeds', 'n/a')}; overrides shared by every run: {shared}",
-        "", _table(["run", "wall-clock (s)", "status"], rows)])
+        "", md_table(["run", "wall-clock (s)", "status"], rows)])
 
 
 def pilot_rows(pilot_dirs: dict[str, str]) -> list[tuple[str, float | None, float | None, float, bool]]:
@@ -195,8 +195,8 @@ def pilot_rows(pilot_dirs: dict[str, str]) -> list[tuple[str, float | None, floa
 
 def section_pilots(pilot_dirs: dict[str, str]) -> str:
     rows = pilot_rows(pilot_dirs)
-    table = _table(["lr", "held-out acc step 0", "acc, last 3 evals", "mean pg_clipfrac", "meets both rules"],
-                   [[lr, _f(a), _f(b), f"{c:.2e}", "yes" if ok else "no"] for lr, a, b, c, ok in rows])
+    table = md_table(["lr", "held-out acc step 0", "acc, last 3 evals", "mean pg_clipfrac", "meets both rules"],
+                   [[lr, fmt(a), fmt(b), f"{c:.2e}", "yes" if ok else "no"] for lr, a, b, c, ok in rows])
     return "\n".join(["## 1. Pilots and lr*", "",
                       f"GRPO, seed 0, at each lr. Rule (PLAN.md): lr* is the largest lr whose accuracy climbs (last 3 "
                       f"evals at least {PILOT_CLIMB} above step 0) and whose mean `actor/pg_clipfrac` is at least "
@@ -209,12 +209,12 @@ def arm_row(arm: str, seeds: dict[int, Endpoints]) -> list[str]:
     censored = sum(e.censored for e in ends)
     spec = ARMS.get(arm)
     return [arm, spec.label if spec else "n/a", spec.departure or "published" if spec else "n/a", str(len(ends)),
-            _f(_mean([e.dose_tokens for e in ends]), 1), _f(_mean([e.dose_share for e in ends if e.dose_share is not None]), 3),
-            _ci([e.end_entropy for e in ends]),
-            _ci([float(e.half_step) for e in ends], 1) + (f" ({censored} censored)" if censored else ""),
-            _ci([e.acc for e in ends if e.acc is not None], 3),
+            fmt(_mean([e.dose_tokens for e in ends]), 1), fmt(_mean([e.dose_share for e in ends if e.dose_share is not None]), 3),
+            ci_text([e.end_entropy for e in ends]),
+            ci_text([float(e.half_step) for e in ends], 1) + (f" ({censored} censored)" if censored else ""),
+            ci_text([e.acc for e in ends if e.acc is not None], 3),
             f"{_mean([e.clipfrac for e in ends]):.1e}",
-            f"{_f(_mean([p[0] for p in per_response]), 2)} → {_f(_mean([p[1] for p in per_response]), 2)}"
+            f"{fmt(_mean([p[0] for p in per_response]), 2)} → {fmt(_mean([p[1] for p in per_response]), 2)}"
             if per_response else "n/a"]
 
 
@@ -227,7 +227,7 @@ def section_arms(arms: dict[str, dict[int, Endpoints]]) -> str:
                       "(`actor/cov_selected_frac` x tokens, `actor/cov_selected_share`), mean over steps. For the Clip-Cov "
                       "arms `pg_clipfrac` is the share of tokens Clip-Cov zeroed (its selection, as the paper logs "
                       "it), not a PPO clip rate; KL-Cov has no clip (0).", "",
-                      _table(header, [arm_row(a, arms[a]) for a in ARMS if a in arms])])
+                      md_table(header, [arm_row(a, arms[a]) for a in ARMS if a in arms])])
 
 
 def _verdict(holds: bool, *contrasts: Contrast) -> str:
@@ -244,7 +244,7 @@ def claim_mechanism(arms: dict[str, dict[int, Endpoints]], method: str) -> str:
     lowest = LADDERS[method][0]
     dose = contrast(arms, top, lowest, end_entropy, f"end entropy, {top} − {lowest}")
     chance = contrast(arms, top, random_arm, end_entropy, f"end entropy, {top} − {random_arm}")
-    ladder = "; ".join(f"{a} ({ARMS[a].label}): {_ci([e.end_entropy for e in arms[a].values()])}"
+    ladder = "; ".join(f"{a} ({ARMS[a].label}): {ci_text([e.end_entropy for e in arms[a].values()])}"
                        for a in LADDERS[method] if a in arms)
     holds = dose.excludes_zero(1) and chance.excludes_zero(1)
     return (f"{method}: the covariance choice raises entropy with dose and beats random tokens: "
@@ -257,8 +257,8 @@ def claim_off_policy(arms: dict[str, dict[int, Endpoints]]) -> str:
     many, one = OFF_POLICY[16], OFF_POLICY[1]
     end = contrast(arms, many, one, end_entropy, f"end entropy, {many} − {one}")
     half = contrast(arms, many, one, half_step, f"steps to half entropy, {many} − {one}")
-    by_k = "; ".join(f"{k} updates: end entropy {_ci([e.end_entropy for e in arms[a].values()])}, steps to half "
-                     f"{_ci([float(e.half_step) for e in arms[a].values()], 1)}" for k, a in OFF_POLICY.items() if a in arms)
+    by_k = "; ".join(f"{k} updates: end entropy {ci_text([e.end_entropy for e in arms[a].values()])}, steps to half "
+                     f"{ci_text([float(e.half_step) for e in arms[a].values()], 1)}" for k, a in OFF_POLICY.items() if a in arms)
     holds = end.excludes_zero(-1) and half.excludes_zero(-1)
     return (f"Jin et al.: more off-policy updates per batch make entropy fall faster: {_verdict(holds, end, half)}. {by_k}. "
             f"{end.text()}; {half.text(1)}.")
@@ -277,13 +277,13 @@ def section_against_grpo(arms: dict[str, dict[int, Endpoints]]) -> str:
             continue
         h = contrast(arms, arm, "grpo", end_entropy, "end entropy")
         a = contrast(arms, arm, "grpo", lambda e: e.acc, "accuracy")
-        rows.append([arm, f"{_f(h.mean)} [{_f(h.lo)}, {_f(h.hi)}]", _f(h.mde), f"{_f(a.mean, 3)} [{_f(a.lo, 3)}, {_f(a.hi, 3)}]",
-                     _f(a.mde, 3), str(h.n)])
+        rows.append([arm, f"{fmt(h.mean)} [{fmt(h.lo)}, {fmt(h.hi)}]", fmt(h.mde), f"{fmt(a.mean, 3)} [{fmt(a.lo, 3)}, {fmt(a.hi, 3)}]",
+                     fmt(a.mde, 3), str(h.n)])
     return "\n".join(["## 4. Each arm against GRPO", "",
                       "Paired-by-seed differences (arm − GRPO) with 95 % t-intervals, and the minimum detectable effect "
                       "(two-sided 5 %, power 80 %) at the seeds used: a difference smaller than it can not be told from "
                       "seed noise here.", "",
-                      _table(["arm", "end entropy diff [95 % CI]", "MDE", "accuracy diff [95 % CI]", "MDE", "seeds"], rows)])
+                      md_table(["arm", "end entropy diff [95 % CI]", "MDE", "accuracy diff [95 % CI]", "MDE", "seeds"], rows)])
 
 
 def reproduces_pilot(study_dir: str, first_run: str, pilot_dir: str | None) -> str | None:
@@ -306,7 +306,7 @@ def implementation_checks(arms: dict[str, dict[int, Endpoints]], pilot_check: st
         if top in arms and random_arm in arms:
             a = _mean([e.dose_tokens for e in arms[top].values()])
             b = _mean([e.dose_tokens for e in arms[random_arm].values()])
-            lines.append(f"{random_arm} selected {_f(b, 1)} tokens a step against {_f(a, 1)} for {top} (the control keeps "
+            lines.append(f"{random_arm} selected {fmt(b, 1)} tokens a step against {fmt(a, 1)} for {top} (the control keeps "
                          f"the count; the runs' token counts differ as their responses do)")
     return "\n".join(["## 5. Implementation checks (not claims)", ""] + [f"- {line}" for line in lines])
 

@@ -37,6 +37,7 @@ from common.config import ConfigError, load_config
 from common.metrics import read_metrics
 from study.arms import ARMS, STALENESS_ARMS, STALENESS_LAGS, staleness_steps
 from study.dose_report import write_dose_report
+from study.staleness_report import write_staleness_report
 from study.report import write_report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -495,8 +496,11 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         print(f"\nstudy: {e}", file=sys.stderr)
         return 130
-    if ((meta.get("preset") if plan.report_only else None) or plan.preset) == "dose":
+    preset = (meta.get("preset") if plan.report_only else None) or plan.preset
+    if preset == "dose":
         path = write_dose_report(plan.study_dir, runs, meta)
+    elif preset == "staleness":
+        path = write_staleness_report(plan.study_dir, runs, meta)
     else:
         path = write_report(plan.study_dir, runs, meta, method_overrides={r: run_variant(r) for r in runs})
     print(f"study: report {path}")

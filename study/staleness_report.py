@@ -1,0 +1,390 @@
+"""The report of the staleness study (`covrl study --preset staleness`): STUDY_DIR/report.md and its PNGs.
+
+The setting, endpoints and verdict rules were written before the runs (docs/study-staleness/PLAN.md; the methods in
+study/arms.py STALENESS_ARMS). Per run (<method>@k<k>@s<seed>): on-policy end entropy (held-out samples' own
+entropy, mean of the last 3 evaluations), steps to half of it, held-out accuracy (mean of the last 3 evaluations),
+the first collapse (an evaluation 0.15 below the best earlier one), and the off-policy measures averaged over the
+steps at full lag. Per (method, k): means over seeds with 95 % t-intervals; per contrast: the paired-by-seed
+difference with its interval and minimum detectable effect. The report is written from the runs that are complete
+and names the missing ones; a verdict that lacks its runs says "undetermined". `render` is pure;
+`write_staleness_report` writes the plots and report.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from dataclasses import dataclass
+
+from common.metrics import read_metrics
+from study.arms import STALENESS_ARMS, STALENESS_LAGS
+from study.dose_report import Contrast, ci_text, contrast, fmt, md_table, on_policy_points
+from study.lawfit import merge_rows, row_value
+from study.stats import diff_interval
+
+LAST_EVALS = 3
+COLLAPSE_DROP = 0.15  # accuracy this far below the best earlier evaluation: a collapse
+PLOTS = {"accuracy.png": ("held-out accuracy", "acc"), "entropy.png": ("on-policy held-out entropy", "entropy"),
+         "cov.png": ("actor/cov_mean", "actor/cov_mean"), "ess.png": ("offpolicy/ess_seq", "offpolicy/ess_seq")}
+# The off-policy measures averaged over the steps at full lag: (attribute, metric key).
+OFF_POLICY = (("kl", "offpolicy/kl_behav_prox"), ("capfrac", "actor/is_weight_clipfrac"), ("ess_seq", "offpolicy/ess_seq"),
+              ("ess_token", "offpolicy/ess_token"), ("m2", "offpolicy/m2"), ("m2po_masked", "offpolicy/m2po_masked"),
+              ("lr_scale", "offpolicy/ess_lr_scale"))
+
+
+@dataclass(frozen=True)
+class LagRun:
+    method: str
+    k: int
+    seed: int
+    steps: int
+    end_entropy: float | None  # on-policy, mean of the last 3 evaluations
+    half_step: int  # first evaluation step at or below half the step-0 on-policy entropy; `steps` when censored
+    censored: bool
+    acc: float | None
+    collapse_step: int | None  # first collapsed evaluation, None if never
+    off: dict[str, float]  # OFF_POLICY means over the steps at full lag
+    clip_tilt: float | None  # clipped share in the top entropy quintile minus the bottom one, same steps
+    ess_series: list[tuple[int, float]]  # (step, offpolicy/ess_seq)
+    exact_lag: bool  # every row's staleness/min = staleness/max = min(step - 1, k)
+
+
+def parse_name(name: str) -> tuple[str, int, int]:
+    """(method, k, seed) of <method>@k<k>@s<seed>."""
+    method, k, seed = name.split("@")
+    return method, int(k[1:]), int(seed[1:])
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def first_collapse(points: list[tuple[int, float]]) -> int | None:
+    """The step of the first evaluation whose accuracy is COLLAPSE_DROP or more below the best earlier one."""
+    best = None
+    for step, acc in points:
+        if best is not None and acc <= best - COLLAPSE_DROP:
+            return step
+        best = acc if best is None else max(best, acc)
+    return None
+
+
+def half_entropy_step(points: list[tuple[int, float]], steps: int) -> tuple[int, bool]:
+    """(first evaluation step whose entropy is at most half the step-0 one, censored?); (steps, True) if none."""
+    if not points or points[0][0] != 0:
+        return steps, True
+    start = points[0][1]
+    hit = next((s for s, h in points[1:] if h <= start / 2), None)
+    return (steps, True) if hit is None else (hit, False)
+
+
+def _full_lag_mean(rows: list[dict], key: str, k: int) -> float | None:
+    return _mean([v for r in rows if r["step"] > k and (v := row_value(r, key)) is not None])
+
+
+def run_endpoints(name: str, rows: list[dict], steps: int) -> LagRun:
+    method, k, seed = parse_name(name)
+    merged = merge_rows(rows)
+    evals = on_policy_points(name, rows)
+    last = evals[-LAST_EVALS:]
+    trained = [r for r in merged if row_value(r, "actor/entropy") is not None]
+    q5 = _full_lag_mean(trained, "offpolicy/clipped_q5", k)
+    q1 = _full_lag_mean(trained, "offpolicy/clipped_q1", k)
+    half, censored = half_entropy_step([(p.step, p.entropy) for p in evals], steps)
+    exact = all(r.get("staleness/min") == r.get("staleness/max") == min(r["step"] - 1, k) for r in trained)
+    return LagRun(method, k, seed, steps, _mean([p.entropy for p in last]), half, censored, _mean([p.acc for p in last]),
+                  first_collapse([(p.step, p.acc) for p in evals]),
+                  {attr: v for attr, key in OFF_POLICY if (v := _full_lag_mean(trained, key, k)) is not None},
+                  None if q5 is None or q1 is None else q5 - q1,
+                  [(r["step"], v) for r in trained if (v := row_value(r, "offpolicy/ess_seq")) is not None],
+                  bool(trained) and exact)
+
+
+Cells = dict[str, dict[int, LagRun]]  # "<method>@k<k>" -> seed -> run
+
+
+def cell(method: str, k: int) -> str:
+    return f"{method}@k{k}"
+
+
+def by_cell(runs: list[LagRun]) -> Cells:
+    out: Cells = {}
+    for r in runs:
+        out.setdefault(cell(r.method, r.k), {})[r.seed] = r
+    return out
+
+
+def _values(cells: Cells, method: str, k: int, value) -> list[float]:
+    return [v for r in cells.get(cell(method, k), {}).values() if (v := value(r)) is not None]
+
+
+def _ci_of(cells: Cells, method: str, k: int, value, digits: int = 4) -> str:
+    return ci_text(_values(cells, method, k, value), digits)
+
+
+def end_entropy(r: LagRun) -> float | None:
+    return r.end_entropy
+
+
+def accuracy(r: LagRun) -> float | None:
+    return r.acc
+
+
+def off(attr: str):
+    return lambda r: r.off.get(attr)
+
+
+def _pair(cells: Cells, a: str, b: str, k: int, value, label: str) -> Contrast:
+    return contrast(cells, cell(a, k), cell(b, k), value, label)
+
+
+# ---------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------
+
+def section_header(meta: dict, now: datetime.datetime, names: list[str], missing: list[str]) -> str:
+    lr = next((o.split("=", 1)[1] for o in [*meta.get("overrides", {}).get("preset", []),
+                                            *meta.get("overrides", {}).get("user", [])] if o.startswith("learner.lr=")), "?")
+    lines = [f"# Staleness study at learner.lr = {lr}", "",
+             f"Written {now:%Y-%m-%d %H:%M} by `covrl study --report-only`. Plan, endpoints and verdict rules: "
+             f"[docs/study-staleness/PLAN.md](../PLAN.md), fixed before the runs. Command: `{meta.get('command', '?')}`.",
+             "", f"{len(names)} of {len(names) + len(missing)} runs complete; every number below is from them. Each "
+             f"run's directory is its name (`<method>@k<lag>@s<seed>`) beside this report (config.toml and "
+             f"metrics.jsonl.xz)."]
+    if missing:
+        lines += ["", f"Missing (not yet run): {', '.join(missing)}."]
+    return "\n".join(lines)
+
+
+def section_manipulation(cells: Cells) -> tuple[str, bool | None]:
+    """Rule 1: the lag bites (GRPO + TIS's KL(behav || prox) and cap fraction rise with k). Returns the section and
+    the verdict (None: undetermined)."""
+    rows, means = [], {}
+    for k in STALENESS_LAGS:
+        rows.append([str(k), str(len(cells.get(cell("grpo_tis", k), {}))), *(_ci_of(cells, "grpo_tis", k, off(a), 5)
+                     for a in ("kl", "capfrac", "m2", "ess_seq", "ess_token"))])
+        means[k] = {a: _mean(_values(cells, "grpo_tis", k, off(a))) for a in ("kl", "capfrac")}
+    verdict, why = None, "undetermined: GRPO + TIS lacks a lag or a second seed"
+    lo, hi = STALENESS_LAGS[0], STALENESS_LAGS[-1]
+    diffs = {a: _unpaired(cells, "grpo_tis", hi, lo, off(a)) for a in ("kl", "capfrac")}
+    if all(means[k][a] is not None for k in STALENESS_LAGS for a in means[k]) and all(not math.isnan(d[1]) for d in diffs.values()):
+        rising = all(means[a_k][a] < means[b_k][a] for a in ("kl", "capfrac")
+                     for a_k, b_k in zip(STALENESS_LAGS, STALENESS_LAGS[1:]))
+        verdict = rising and all(d[1] > 0 for d in diffs.values())
+        why = ("**the lag bites**" if verdict else "**the lag did not bite**: no effect below is a staleness effect") + \
+            "; k = 64 minus k = 0: " + "; ".join(f"{a} {d[0]:+.5f} [{d[1]:+.5f}, {d[2]:+.5f}]" for a, d in diffs.items())
+    table = md_table(["k", "seeds", "KL(behav‖prox) per token", "TIS cap fraction", "M2PO m2", "ESS (responses)",
+                      "ESS (tokens)"], rows)
+    return "\n".join(["## 1. Manipulation check: does the lag bite? (rule 1, GRPO + TIS)", "", table, "", f"Verdict: {why}."]), verdict
+
+
+def _unpaired(cells: Cells, method: str, a: int, b: int, value) -> tuple[float, float, float]:
+    xa, xb = _values(cells, method, a, value), _values(cells, method, b, value)
+    if not xa or not xb:
+        return math.nan, math.nan, math.nan
+    return diff_interval(xa, xb, paired=False)
+
+
+def section_endpoints(cells: Cells) -> str:
+    rows = []
+    for method in STALENESS_ARMS:
+        for k in STALENESS_LAGS:
+            runs = cells.get(cell(method, k), {})
+            if not runs:
+                continue
+            collapsed = sorted(r.collapse_step for r in runs.values() if r.collapse_step is not None)
+            halves = [r.half_step for r in runs.values()]
+            rows.append([method, str(k), str(len(runs)), _ci_of(cells, method, k, end_entropy),
+                         f"{_mean(halves):.1f} ({sum(r.censored for r in runs.values())} censored)",
+                         _ci_of(cells, method, k, accuracy, 3),
+                         f"{len(collapsed)}/{len(runs)}" + (f" (first at step {collapsed[0]})" if collapsed else ""),
+                         _ci_of(cells, method, k, off("ess_seq"), 3), _ci_of(cells, method, k, off("m2po_masked"), 4),
+                         _ci_of(cells, method, k, off("lr_scale"), 3)])
+    table = md_table(["method", "k", "seeds", "on-policy end entropy", "steps to half", "held-out acc", "collapsed",
+                      "ESS (responses)", "M2PO masked", "lr scale"], rows)
+    return "\n".join(["## 2. Endpoints by method and lag (means over seeds, 95 % t-intervals)", "", table])
+
+
+def _contrast_lines(cells: Cells, a: str, b: str, value, what: str) -> list[Contrast]:
+    return [_pair(cells, a, b, k, value, f"{what}, k = {k}") for k in STALENESS_LAGS]
+
+
+def kl_cov_verdict(d: dict[int, Contrast], lag_change: tuple[float, float, float]) -> str:
+    """Rule 2 on D_k = end entropy (KL-Cov + TIS) - (GRPO + TIS) at k = 0 and 64, and D_64 - D_0."""
+    lo, hi = STALENESS_LAGS[0], STALENESS_LAGS[-1]
+    if d[lo].n < 2 or d[hi].n < 2:
+        return "undetermined: D_0 or D_64 lacks two seeds"
+    controls = {k: d[k].excludes_zero(1) for k in (lo, hi)}
+    if controls[lo] and controls[hi]:
+        return "**KL-Cov survives staleness**: it keeps the on-policy entropy above GRPO's at lag 0 and at lag 64"
+    if controls[lo]:
+        return "**KL-Cov fails under staleness**: it controls entropy on-policy but not at lag 64"
+    if controls[hi]:
+        return ("KL-Cov does not control entropy on-policy here, but does at lag 64 (D_64 above 0): an effect that "
+                "appears only with lag, not survival")
+    if not math.isnan(lag_change[1]) and lag_change[2] < 0:
+        return "KL-Cov does not control entropy on-policy here, and its (null) effect falls with lag"
+    return ("**cannot be answered positively at this scale**: KL-Cov does not control entropy on-policy (D_0's "
+            "interval includes 0, as the dose study found), nor at lag 64")
+
+
+def section_kl_cov(cells: Cells) -> str:
+    d = {c_k: c for c_k, c in zip(STALENESS_LAGS, _contrast_lines(cells, "kl_cov_tis", "grpo_tis", end_entropy,
+                                                                 "D_k = end entropy, KL-Cov + TIS - GRPO + TIS"))}
+    acc = _contrast_lines(cells, "kl_cov_tis", "grpo_tis", accuracy, "accuracy, KL-Cov + TIS - GRPO + TIS")
+    lo, hi = STALENESS_LAGS[0], STALENESS_LAGS[-1]
+    d0 = [r.end_entropy - g.end_entropy for s, r in cells.get(cell("kl_cov_tis", lo), {}).items()
+          if (g := cells.get(cell("grpo_tis", lo), {}).get(s)) and r.end_entropy is not None and g.end_entropy is not None]
+    d64 = [r.end_entropy - g.end_entropy for s, r in cells.get(cell("kl_cov_tis", hi), {}).items()
+           if (g := cells.get(cell("grpo_tis", hi), {}).get(s)) and r.end_entropy is not None and g.end_entropy is not None]
+    change = diff_interval(d64, d0, paired=False) if d0 and d64 else (math.nan, math.nan, math.nan)
+    lines = ["## 3. Does covariance-based entropy control survive staleness? (rule 2)", ""]
+    lines += [f"- {c.text()}" for c in d.values()] + [f"- {c.text(3)}" for c in acc]
+    lines += [f"- D_64 - D_0 (unpaired): {fmt(change[0])} [{fmt(change[1])}, {fmt(change[2])}]", "",
+              f"Verdict: {kl_cov_verdict(d, change)}."]
+    return "\n".join(lines)
+
+
+def m2po_verdict(m: Contrast, a: Contrast, collapses: tuple[int, int]) -> str:
+    """Rule 3 at one k: M = end entropy difference, A = accuracy difference, collapses (with M2PO, without)."""
+    if m.n < 2:
+        return "undetermined (fewer than two seeds)"
+    if m.excludes_zero(-1):
+        return "M2PO **fights** KL-Cov (lower on-policy entropy)"
+    if a.excludes_zero(1) or collapses[0] < collapses[1]:
+        return "M2PO **helps** KL-Cov (higher accuracy or fewer collapses, entropy not lower)"
+    return f"no detectable effect (entropy MDE {fmt(m.mde)})"
+
+
+def _collapses(cells: Cells, method: str, k: int) -> int:
+    return sum(r.collapse_step is not None for r in cells.get(cell(method, k), {}).values())
+
+
+def section_m2po(cells: Cells) -> str:
+    lines = ["## 4. Does M2PO help KL-Cov or fight it? (rule 3; read at k = 16 and 64)", ""]
+    for k in STALENESS_LAGS:
+        m = _pair(cells, "kl_cov_m2po", "kl_cov_tis", k, end_entropy, f"M_{k} = end entropy, KL-Cov + M2PO - KL-Cov + TIS")
+        a = _pair(cells, "kl_cov_m2po", "kl_cov_tis", k, accuracy, f"A_{k} = accuracy")
+        coll = (_collapses(cells, "kl_cov_m2po", k), _collapses(cells, "kl_cov_tis", k))
+        lines += [f"- k = {k}: {m.text()}; {a.text(3)}; collapses {coll[0]} with M2PO, {coll[1]} without. "
+                  f"Verdict: {m2po_verdict(m, a, coll)}."]
+    return "\n".join(lines)
+
+
+def _diff_cell(c: Contrast, digits: int) -> str:
+    return "n/a" if c.mean is None else f"{c.mean:+.{digits}f} [{fmt(c.lo, digits)}, {fmt(c.hi, digits)}] (n {c.n})"
+
+
+def section_secondary(cells: Cells) -> str:
+    rows = []
+    for method in ("grpo_m2po", "grpo_ess"):
+        for k in STALENESS_LAGS:
+            e = _pair(cells, method, "grpo_tis", k, end_entropy, "")
+            a = _pair(cells, method, "grpo_tis", k, accuracy, "")
+            coll = (_collapses(cells, method, k), _collapses(cells, "grpo_tis", k))
+            rows.append([method, str(k), _diff_cell(e, 4), _diff_cell(a, 3), f"{coll[0]} vs {coll[1]}"])
+    table = md_table(["method - grpo_tis", "k", "end entropy (paired by seed)", "held-out accuracy", "collapses"], rows)
+    return "\n".join(["## 5. M2PO and ESS-scaled steps on GRPO (rule 4)", "", table])
+
+
+def section_clip(cells: Cells) -> str:
+    tilt = lambda r: r.clip_tilt  # noqa: E731
+    lines = ["## 6. Where the clip falls (rule 5, GRPO + TIS): clip share in the top minus the bottom entropy quintile", ""]
+    for k in STALENESS_LAGS:
+        vals = _values(cells, "grpo_tis", k, tilt)
+        lines.append(f"- k = {k}: {ci_text(vals, 5)} over {len(vals)} seeds" +
+                     (" (falls on high-entropy tokens)" if len(vals) > 1 and diff_interval(vals, [0.0] * len(vals), True)[1] > 0 else ""))
+    change = _unpaired(cells, "grpo_tis", STALENESS_LAGS[-1], STALENESS_LAGS[0], tilt)
+    more = not math.isnan(change[1]) and change[1] > 0
+    lines.append(f"- k = 64 minus k = 0: {fmt(change[0], 5)} [{fmt(change[1], 5)}, {fmt(change[2], 5)}]: "
+                 + ("more so with lag" if more else "not detectably more with lag" if not math.isnan(change[1]) else "undetermined"))
+    return "\n".join(lines)
+
+
+def section_ess_collapse(cells: Cells) -> str:
+    """Rule 6: the lowest response ESS before the collapse step, collapsed runs against the others of the same k."""
+    lines = ["## 7. Does a falling ESS precede collapse? (rule 6)", ""]
+    for k in STALENESS_LAGS:
+        runs = [r for c, seeds in cells.items() if c.endswith(f"@k{k}") for r in seeds.values()]
+        fell = [r for r in runs if r.collapse_step is not None]
+        held = [r for r in runs if r.collapse_step is None]
+        if len(fell) < 3 or len(held) < 3:
+            lines.append(f"- k = {k}: {len(fell)} collapsed, {len(held)} did not: undetermined (needs 3 of each)")
+            continue
+        step = min(r.collapse_step for r in fell)
+        low = lambda r, until: min((v for s, v in r.ess_series if s < until), default=math.nan)  # noqa: E731
+        a = [low(r, r.collapse_step) for r in fell]
+        b = [low(r, step) for r in held]
+        d = diff_interval([x for x in a if not math.isnan(x)], [x for x in b if not math.isnan(x)], paired=False)
+        verdict = "holds" if d[2] < 0 else "does not hold"
+        lines.append(f"- k = {k}: lowest ESS before collapse {fmt(d[0])} [{fmt(d[1])}, {fmt(d[2])}] collapsed minus "
+                     f"not: VCPO's claim {verdict} here")
+    return "\n".join(lines)
+
+
+def implementation_checks(cells: Cells) -> str:
+    runs = [r for seeds in cells.values() for r in seeds.values()]
+    exact = sum(r.exact_lag for r in runs)
+    m2po0 = [v for r in runs if r.k == 0 and "m2po" in r.method and (v := r.off.get("m2po_masked")) is not None]
+    no_ess = [v for r in runs if r.method != "grpo_ess" and (v := r.off.get("lr_scale")) is not None]
+    lines = [f"every trained token exactly min(step - 1, k) versions old (staleness/min = staleness/max): {exact} of "
+             f"{len(runs)} runs",
+             f"M2PO at k = 0 masked a share of {fmt(max(m2po0), 6) if m2po0 else 'n/a'} at most (on-policy, nothing to mask)",
+             f"the learning-rate scale without ESS scaling: {fmt(min(no_ess), 6) if no_ess else 'n/a'} at least (1 = untouched)"]
+    return "\n".join(["## 8. Implementation checks (not claims)", ""] + [f"- {line}" for line in lines])
+
+
+def render(cells: Cells, meta: dict, now: datetime.datetime, names: list[str], missing: list[str]) -> str:
+    manipulation, _ = section_manipulation(cells)
+    return "\n\n".join([
+        section_header(meta, now, names, missing), manipulation, section_endpoints(cells), section_kl_cov(cells),
+        section_m2po(cells), section_secondary(cells), section_clip(cells), section_ess_collapse(cells),
+        implementation_checks(cells),
+        "## 9. Plots (means over seeds; one panel per lag)\n\n" + "\n\n".join(f"![{p.removesuffix('.png')}]({p})" for p in PLOTS),
+    ]) + "\n"
+
+
+def _series(name: str, rows: list[dict], what: str) -> list[tuple[int, float]]:
+    if what in ("acc", "entropy"):
+        return [(p.step, p.acc if what == "acc" else p.entropy) for p in on_policy_points(name, rows)]
+    return [(r["step"], v) for r in merge_rows(rows) if (v := row_value(r, what)) is not None]
+
+
+def _mean_series(series: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    by_step: dict[int, list[float]] = {}
+    for s in series:
+        for step, v in s:
+            by_step.setdefault(step, []).append(v)
+    return [(step, sum(v) / len(v)) for step, v in sorted(by_step.items())]
+
+
+def write_plots(study_dir: str, rows: dict[str, list[dict]]) -> None:
+    from study.plots import plot_lines
+
+    for path, (label, what) in PLOTS.items():
+        panels = {}
+        for k in STALENESS_LAGS:
+            panel = {}
+            for method in STALENESS_ARMS:
+                runs = [n for n in rows if parse_name(n)[:2] == (method, k)]
+                if runs:
+                    panel[method] = _mean_series([_series(n, rows[n], what) for n in runs])
+            panels[f"lag {k}"] = panel
+        plot_lines(panels, os.path.join(study_dir, path), xlabel="step", ylabel=label, title=f"{label} by lag")
+
+
+def write_staleness_report(study_dir: str, names: list[str], meta: dict, now: datetime.datetime | None = None) -> str:
+    """Write STUDY_DIR/report.md and its PNGs from the complete runs among `names`; returns the report path."""
+    steps = meta.get("run_steps", {})
+    rows = {n: read_metrics(os.path.join(study_dir, n)) for n in names if os.path.isdir(os.path.join(study_dir, n))}
+    done = [n for n, r in rows.items() if any(x.get("step") == steps.get(n, meta.get("steps")) for x in r)]
+    rows = {n: rows[n] for n in done}
+    cells = by_cell([run_endpoints(n, rows[n], steps.get(n, meta.get("steps"))) for n in done])
+    write_plots(study_dir, rows)
+    path = os.path.join(study_dir, "report.md")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(render(cells, meta, now or datetime.datetime.now(), done, [n for n in names if n not in done]))
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,123 @@
+"""The staleness study's plan (`covrl study --preset staleness`: runs, lengths, forced-lag overrides) and its report
+(study/staleness_report.py): endpoints worked out by hand on made-up runs, and each verdict rule able to come out
+either way."""
+
+import datetime
+import json
+import os
+
+import pytest
+
+from study import runs as study_runs
+from study import staleness_report as sr
+from study.dose_report import Contrast
+
+
+def _rows(k: int, steps: int, *, entropy0=0.2, entropy_end=0.05, acc=(0.4, 0.6, 0.7), kl=0.01, capfrac=0.001,
+          lag_exact=True, tilt=0.004):
+    """A made-up run: training rows 1..steps, evaluations at 0, steps/2 and steps (accuracies `acc`)."""
+    rows = []
+    for step in range(1, steps + 1):
+        lag = min(step - 1, k)
+        rows.append({"step": step, "actor/entropy": 0.1, "staleness/min": lag, "staleness/max": lag if lag_exact else lag + 1,
+                     "offpolicy/kl_behav_prox": kl if step > k else 0.0, "actor/is_weight_clipfrac": capfrac,
+                     "offpolicy/ess_seq": 0.9, "offpolicy/ess_token": 0.99, "offpolicy/m2": 2 * kl,
+                     "offpolicy/m2po_masked": 0.0, "offpolicy/ess_lr_scale": 1.0, "actor/cov_mean": 0.001,
+                     "offpolicy/clipped_q1": 0.001, "offpolicy/clipped_q5": 0.001 + tilt})
+    for step, a, h in zip((0, steps // 2, steps), acc, (entropy0, (entropy0 + entropy_end) / 2, entropy_end)):
+        rows.append({"step": step, "eval/a/acc": a, "eval/b/acc": a, "eval/a/entropy": h, "eval/b/entropy": h})
+    return rows
+
+
+def test_collapse_and_half_entropy_rules():
+    assert sr.first_collapse([(0, 0.36), (8, 0.5), (16, 0.7), (24, 0.54)]) == 24  # 0.16 below the best earlier
+    assert sr.first_collapse([(0, 0.36), (8, 0.5), (16, 0.7), (24, 0.56)]) is None  # 0.14: within the noise rule
+    assert sr.first_collapse([(0, 0.36), (8, 0.2)]) == 8
+    assert sr.half_entropy_step([(0, 0.2), (8, 0.15), (16, 0.1)], 64) == (16, False)
+    assert sr.half_entropy_step([(0, 0.2), (8, 0.15)], 64) == (64, True)
+
+
+def test_run_endpoints_by_hand():
+    r = sr.run_endpoints("grpo_tis@k2@s1", _rows(2, 8, acc=(0.4, 0.6, 0.8), entropy0=0.2, entropy_end=0.04), 8)
+    assert (r.method, r.k, r.seed, r.steps) == ("grpo_tis", 2, 1, 8)
+    assert r.end_entropy == pytest.approx((0.2 + 0.12 + 0.04) / 3)  # the last 3 evaluations: all three here
+    assert r.acc == pytest.approx(0.6) and r.collapse_step is None
+    assert (r.half_step, r.censored) == (8, False)  # 0.04 <= 0.1 at step 8; 0.12 at step 4 is not
+    assert r.off["kl"] == pytest.approx(0.01)  # over steps 3..8 (full lag), not the warm-up's zeros
+    assert r.clip_tilt == pytest.approx(0.004) and r.exact_lag
+    assert not sr.run_endpoints("grpo_tis@k2@s1", _rows(2, 8, lag_exact=False), 8).exact_lag
+
+
+def _c(mean, lo, hi, n=3):
+    return Contrast("x", n, mean, lo, hi, 0.01)
+
+
+def test_kl_cov_verdict_can_come_out_every_way():
+    nan = (float("nan"),) * 3
+    assert "survives" in sr.kl_cov_verdict({0: _c(.02, .01, .03), 64: _c(.02, .01, .03)}, nan)
+    assert "fails" in sr.kl_cov_verdict({0: _c(.02, .01, .03), 64: _c(0, -.01, .01)}, nan)
+    assert "only with lag" in sr.kl_cov_verdict({0: _c(0, -.01, .01), 64: _c(.02, .01, .03)}, nan)
+    assert "cannot be answered" in sr.kl_cov_verdict({0: _c(0, -.01, .01), 64: _c(0, -.01, .01)}, nan)
+    assert "undetermined" in sr.kl_cov_verdict({0: _c(0, None, None, n=1), 64: _c(0, -.01, .01)}, nan)
+
+
+def test_m2po_verdict_can_come_out_every_way():
+    assert "fights" in sr.m2po_verdict(_c(-.02, -.03, -.01), _c(0, -.01, .01), (0, 0))
+    assert "helps" in sr.m2po_verdict(_c(0, -.01, .01), _c(.05, .01, .09), (0, 0))
+    assert "helps" in sr.m2po_verdict(_c(0, -.01, .01), _c(0, -.01, .01), (0, 2))  # fewer collapses
+    assert "no detectable effect" in sr.m2po_verdict(_c(0, -.01, .01), _c(0, -.01, .01), (1, 1))
+
+
+def _study(tmp_path, names, steps_of, **kinds):
+    for name in names:
+        method, k, seed = sr.parse_name(name)
+        os.makedirs(tmp_path / name)
+        kw = kinds.get(method, {})
+        rows = _rows(k, steps_of[name], kl=0.001 * (k + 1) * (1 + 0.1 * seed), capfrac=1e-4 * (k + 1) * (1 + 0.1 * seed),
+                     **kw)
+        with open(tmp_path / name / "metrics.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    meta = {"run_steps": steps_of, "steps": 8, "command": "covrl study ...", "overrides": {"preset": ["learner.lr=5e-5"]}}
+    return meta
+
+
+def test_report_from_a_partial_study(tmp_path):
+    """Two methods at every lag with two seeds: the lag bites (KL and cap fraction grow with k); KL-Cov keeps entropy
+    higher at every lag, so it survives; M2PO is missing, so its verdicts are undetermined; a run left incomplete
+    is named missing."""
+    names = [f"{m}@k{k}@s{s}" for s in (0, 1) for m in ("grpo_tis", "kl_cov_tis") for k in (0, 4, 16, 64)]
+    steps_of = {n: max(8, sr.parse_name(n)[1] + 4) for n in names}
+    meta = _study(tmp_path, names, steps_of, kl_cov_tis={"entropy_end": 0.15})
+    steps_of["grpo_tis@k0@s1"] = 9  # seed 1's k0 run: its last step never came
+    path = sr.write_staleness_report(str(tmp_path), [*names, "kl_cov_m2po@k0@s0"], meta,
+                                     now=datetime.datetime(2026, 11, 26, 20, 0))
+    text = open(path).read()
+    assert "15 of 17 runs complete" in text and "Missing (not yet run): grpo_tis@k0@s1, kl_cov_m2po@k0@s0" in text
+    assert "Verdict: **the lag bites**" not in text  # k = 0 has one seed of GRPO left: no interval for rule 1
+    assert "**KL-Cov survives staleness**" in text or "undetermined" in text
+    assert "Verdict: undetermined (fewer than two seeds)" in text  # M2PO never ran
+    for png in sr.PLOTS:
+        assert os.path.getsize(tmp_path / png) > 0
+
+
+def test_report_verdicts_when_every_cell_has_seeds(tmp_path):
+    names = [f"{m}@k{k}@s{s}" for s in (0, 1, 2) for m in ("grpo_tis", "kl_cov_tis") for k in (0, 4, 16, 64)]
+    # KL-Cov's entropy effect shrinks to nothing at lag: seeds differ a little so intervals exist.
+    meta = _study(tmp_path, names, {n: max(8, sr.parse_name(n)[1] + 4) for n in names}, kl_cov_tis={"entropy_end": 0.05})
+    text = open(sr.write_staleness_report(str(tmp_path), names, meta)).read()
+    assert "Verdict: **the lag bites**" in text
+    assert "**cannot be answered positively at this scale**" in text  # same entropy: no control at k = 0 or 64
+    assert "every trained token exactly min(step - 1, k) versions old (staleness/min = staleness/max): 24 of 24 runs" in text
+
+
+def test_staleness_preset_plans_forced_lag_runs(tmp_path):
+    args = study_runs.parse_args(["--preset", "staleness", "--seeds", "0,1", "--study-dir", str(tmp_path / "s")])
+    plan = study_runs.make_plan(args, "cmd", datetime.datetime(2026, 11, 26))
+    names = study_runs.run_names(plan)
+    assert len(names) == 2 * 5 * 4 and names[:4] == ["grpo_tis@k0@s0", "grpo_tis@k4@s0", "grpo_tis@k16@s0", "grpo_tis@k64@s0"]
+    assert names[20] == "grpo_tis@k0@s1"
+    assert [study_runs.run_steps(plan, n) for n in names[:4]] == [64, 64, 64, 256]
+    over = study_runs.run_overrides(plan, "kl_cov_m2po@k64@s1")
+    assert over[0] == "run.seed=1" and "learner.importance.m2po_threshold=0.04" in over
+    assert over[-3:] == ["rollout.max_staleness_steps=64", "rollout.forced_lag=64", "eval.every_steps=32"]
+    assert study_runs.parse_run("grpo_ess@k16@s2") == ("grpo_ess", 2, 16)
