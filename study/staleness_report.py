@@ -362,15 +362,12 @@ def _mean_series(series: list[list[tuple[int, float]]]) -> list[tuple[int, float
 def write_plots(study_dir: str, rows: dict[str, list[dict]]) -> None:
     from study.plots import plot_lines
 
+    def panel(k: int, what: str) -> dict[str, list[tuple[int, float]]]:
+        runs = {m: [n for n in rows if parse_name(n)[:2] == (m, k)] for m in STALENESS_ARMS}
+        return {m: _mean_series([_series(n, rows[n], what) for n in names]) for m, names in runs.items() if names}
+
     for path, (label, what) in PLOTS.items():
-        panels = {}
-        for k in STALENESS_LAGS:
-            panel = {}
-            for method in STALENESS_ARMS:
-                runs = [n for n in rows if parse_name(n)[:2] == (method, k)]
-                if runs:
-                    panel[method] = _mean_series([_series(n, rows[n], what) for n in runs])
-            panels[f"lag {k}"] = panel
+        panels = {f"lag {k}": panel(k, what) for k in STALENESS_LAGS}
         plot_lines(panels, os.path.join(study_dir, path), xlabel="step", ylabel=label, title=f"{label} by lag")
 
 
