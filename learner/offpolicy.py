@@ -77,7 +77,7 @@ def importance_sums(entries: list[Surveyed]) -> torch.Tensor:
         seq_rho = seq_log.exp()[losses.segment_sum(e.mask.double(), e.seq_ids, e.num_seqs) > 0]
         lr = log_rho[valid]
         out += torch.stack([valid.sum().double(), rho.sum(), rho.square().sum(),
-                            torch.tensor(float(seq_rho.numel()), dtype=torch.float64), seq_rho.sum(),
+                            seq_rho.new_tensor(float(seq_rho.numel())), seq_rho.sum(),
                             seq_rho.square().sum(), lr.square().sum(), (rho - 1.0 - lr).sum()]).cpu()
     return out
 
@@ -144,7 +144,7 @@ class EssStepScale:
                                                                                losses.LOG_RATIO_CLAMP)
         seq_log = losses.segment_sum(log_rho, t.seq_ids, t.num_seqs).clamp(-SEQ_LOG_CLAMP, SEQ_LOG_CLAMP)
         w = seq_log.exp()[losses.segment_sum(t.mask.double(), t.seq_ids, t.num_seqs) > 0]
-        self.sums += torch.stack([torch.tensor(float(w.numel()), dtype=torch.float64), w.sum(), w.square().sum()]).cpu()
+        self.sums += torch.stack([w.new_tensor(float(w.numel())), w.sum(), w.square().sum()]).cpu()
 
     def factor(self, comm: Collectives) -> float:
         """The learning-rate factor of the mini-batch added since the last call (1 when off)."""
