@@ -505,8 +505,8 @@ def check(cfg: Config) -> None:
             "generator can take NCCL weights only after its in-flight requests finish, so learner rank 0 would wait for "
             "the longest response in flight at every publish. Use weight_update = \"keep\" (requests continue on the new "
             "weights, every token stamped with its version), weight_transport = \"rpc\" (weights staged in the "
-            "generator's host memory; the learner never waits), or run.deterministic = true (nothing is in flight when "
-            "a version is published)")
+            "generator's host memory; the learner never waits), or run.deterministic = true or a rollout.forced_lag "
+            "(nothing is in flight when a version is published)")
     loss = cfg.learner.loss
     if isinstance(loss, PPOLoss) and 0 < loss.dual_clip_c <= 1:
         raise ConfigError(f"learner.loss.dual_clip_c={loss.dual_clip_c} must be > 1 (published 3) or 0 to turn dual-clip off")

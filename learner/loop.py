@@ -79,10 +79,9 @@ def staleness_shares(stale: np.ndarray) -> dict[str, float]:
     return out
 
 
-def host_metrics(groups: list[ShapedGroup], version: int) -> dict[str, float]:
-    """What rank 0 can read off the rollouts themselves."""
+def host_metrics(groups: list[ShapedGroup], stale: np.ndarray) -> dict[str, float]:
+    """What rank 0 can read off the rollouts themselves; `stale`: their tokens' lags (`token_staleness`)."""
     samples = [s for r in groups for s in r.group.samples]
-    stale = token_staleness(groups, version)
     return staleness_shares(stale) | {
         "critic/score/mean": float(np.mean([s.reward for s in samples])),
         "response_length/mean": float(np.mean([messages.n_tokens(s.token_ids) for s in samples])),
@@ -161,8 +160,8 @@ class Lead:
         t0 = time.perf_counter()
         groups = self.hub.take_batch(version, timeout_s=self.wait_s)
         self.batch_wait = time.perf_counter() - t0
-        self.extra = host_metrics(groups, version)
         self.stale = token_staleness(groups, version)
+        self.extra = host_metrics(groups, self.stale)
         batch = batch_from_config([r.group for r in groups], np.stack([r.rewards for r in groups]), self.cfg,
                                   version=version, ranks=self.world, par_lambda=self.par.value(step))
         if self.rollouts is not None:

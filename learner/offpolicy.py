@@ -20,6 +20,7 @@ step start, pi_theta is being optimised. The importance ratio here is rho_t = pi
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -27,7 +28,7 @@ from learner import losses
 from learner.tokens import Collectives, Surveyed, Tokens
 
 QUINTILES = 5
-ENTROPY_BINS = 2048  # the entropy quintiles' resolution: 1/ENTROPY_BINS of the step's largest token entropy
+BISECTION_ROUNDS = 64  # the quintile edges' bisection: below float64's resolution of the entropies' range
 SEQ_LOG_CLAMP = 300.0  # a response's summed log ratio, clamped: exp(2 * 300) stays finite in float64
 
 
@@ -82,31 +83,37 @@ def importance_sums(entries: list[Surveyed]) -> torch.Tensor:
     return out
 
 
-def _quintile_of_bins(counts: torch.Tensor) -> torch.Tensor:
-    """Each histogram bin's entropy quintile 0..4: the quintile its first token falls in by cumulative count."""
-    before = counts.cumsum(0) - counts
-    return (before * QUINTILES / counts.sum().clamp(min=1)).floor().clamp(max=QUINTILES - 1).long()
+def quintile_edges(entropy: torch.Tensor, comm: Collectives) -> torch.Tensor:
+    """The step's entropy quintile edges on all ranks (float64 [4], `entropy` this rank's valid tokens): edge j is
+    the smallest value t with at least ceil(j n / 5) of the step's n tokens at or below it, found by bisection (one
+    all_reduce of 4 counts a round, exact to the values' resolution: no gather of the entropies). A token's quintile
+    is the number of edges it lies above, so tied tokens share one."""
+    n = float(comm.sum_(torch.tensor([float(entropy.numel())], dtype=torch.float64)))
+    target = torch.tensor([math.ceil(j * n / QUINTILES) for j in range(1, QUINTILES)], dtype=torch.float64)
+    lo = torch.full((QUINTILES - 1,), -1.0, dtype=torch.float64)  # entropies are >= 0: nothing at or below -1
+    hi = torch.full((QUINTILES - 1,), float(comm.kth_largest(entropy, 1)), dtype=torch.float64)
+    for _ in range(BISECTION_ROUNDS):
+        mid = (lo + hi) / 2
+        below = comm.sum_((entropy[:, None] <= mid[None, :]).sum(0).double())
+        hi, lo = torch.where(below >= target, mid, hi), torch.where(below >= target, lo, mid)
+    return hi
 
 
 def quintile_cuts(entries: list[Surveyed], comm: Collectives) -> dict[str, float]:
-    """Share of the tokens of each entropy quintile of the step (q1 the lowest) that the trust region clipped
-    (`Surveyed.clipped`) and that the off-policy correction masked or capped (`Surveyed.masked`), on all ranks.
-    The quintiles are cut on a histogram of ENTROPY_BINS bins up to the step's largest entropy."""
+    """Share of the tokens of each entropy quintile of the step (q1 the lowest, at the step start) that the trust
+    region clipped (`Surveyed.clipped`) and that the off-policy correction masked or capped (`Surveyed.masked`),
+    on all ranks; NaN for a quintile that holds no token (ties)."""
     entropy = _valid(entries, lambda e: e.entropy)
-    top = float(comm.kth_largest(entropy, 1))
-    width = max(top, 1e-12) / ENTROPY_BINS
-    bins = (entropy / width).floor().clamp(0, ENTROPY_BINS - 1).long()
-    counts = comm.sum_(torch.bincount(bins, minlength=ENTROPY_BINS).double())
-    quintile = _quintile_of_bins(counts)[bins]
+    quintile = (entropy[:, None] > quintile_edges(entropy, comm)[None, :]).sum(1)
     flags = [_valid(entries, _flag(name)) for name in ("clipped", "masked")]
-    local = torch.stack([torch.bincount(quintile, weights=w, minlength=QUINTILES)
+    local = torch.stack([torch.bincount(quintile, weights=w, minlength=QUINTILES).double()
                          for w in (torch.ones_like(entropy), *flags)])
-    tokens, clipped, masked = comm.sum_(local.double()).unbind(0)
+    tokens, clipped, masked = comm.sum_(local).unbind(0)
     out = {}
     for q in range(QUINTILES):
-        n = max(float(tokens[q]), 1.0)
-        out[f"clipped_q{q + 1}"] = float(clipped[q]) / n
-        out[f"masked_q{q + 1}"] = float(masked[q]) / n
+        n = float(tokens[q])
+        out[f"clipped_q{q + 1}"] = float(clipped[q]) / n if n else math.nan
+        out[f"masked_q{q + 1}"] = float(masked[q]) / n if n else math.nan
     return out
 
 

@@ -2,7 +2,8 @@
 
     python -m study.archive STUDY_DIR DEST
 
-Copies STUDY_DIR/study.json and, for every run it names that is complete (a metrics row at its last step), RUN/config.toml and RUN/metrics.jsonl as RUN/metrics.jsonl.xz (common.metrics.read_metrics reads either),
+Copies STUDY_DIR/study.json and, for every run it names that is complete (a metrics row at its last step),
+RUN/config.toml and RUN/metrics.jsonl as RUN/metrics.jsonl.xz (common.metrics.read_metrics reads either),
 into DEST; checkpoints, rollouts, logs and TensorBoard files stay behind. Run it again as runs finish: it rewrites
 what changed. `covrl study --report-only --study-dir DEST` then rebuilds the report from DEST alone.
 """

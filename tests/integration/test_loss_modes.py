@@ -118,7 +118,7 @@ def test_loss_mode_runs_three_steps(mode, tmp_path):
         assert [(r["staleness/min"], r["staleness/max"]) for r in rows] == [(0, 0), (1, 1), (2, 2)]
         assert rows[2]["staleness/share_lag_2-3"] == 1.0
         assert rows[0]["offpolicy/m2po_masked"] == 0 < rows[2]["offpolicy/m2po_masked"]
-        assert all(r["offpolicy/masked_q1"] + r["offpolicy/masked_q5"] <= 2 for r in rows)
+        assert sum(rows[2][f"offpolicy/masked_q{q}"] for q in range(1, 6)) > 0  # M2PO's drops, placed by entropy
         assert rows[2]["offpolicy/ess_lr_scale"] < 1.0 and rows[2]["offpolicy/ess_seq"] < 1.0
     if mode in ("clip_cov", "kl_cov"):
         assert any(r["actor/cov_selected_frac"] > 0 for r in rows), "the covariance selection never touched a token"

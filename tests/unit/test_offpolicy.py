@@ -143,6 +143,22 @@ def test_entropy_quintiles_locate_the_cuts():
     assert [q[f"masked_q{i}"] for i in range(1, 6)] == [1, 0, 0, 0, 0]
 
 
+def test_entropy_quintiles_are_fifths_of_the_tokens_even_when_most_entropies_are_near_zero():
+    """Half the tokens under 1e-3 nats and the other half spread to 2 nats: each quintile still holds a fifth of them
+    (a histogram up to the largest entropy would put the whole near-zero half in its first bin, q1 = the bottom
+    half), and a quintile left empty by ties reads NaN, not 0."""
+    ent = [1e-4 * (i + 1) for i in range(50)] + [0.04 * (i + 1) for i in range(50)]
+    e = _row([-0.5] * 100, [-0.5] * 100, ent, list(range(100)))
+    e.clipped, e.masked = torch.ones(1, 100), torch.zeros(1, 100)
+    edges = offpolicy.quintile_edges(torch.tensor(ent, dtype=torch.float64), OneRank())
+    assert edges.tolist() == pytest.approx([ent[19], ent[39], ent[59], ent[79]])
+    q = offpolicy.quintile_cuts([e], OneRank())
+    assert [q[f"clipped_q{i}"] for i in range(1, 6)] == [1, 1, 1, 1, 1]
+    tied = _row([-0.5] * 10, [-0.5] * 10, [0.3] * 10, list(range(10)))  # all tied: one quintile holds them all
+    q = offpolicy.quintile_cuts([tied], OneRank())
+    assert q["clipped_q1"] == 0 and all(math.isnan(q[f"clipped_q{i}"]) for i in range(2, 6))
+
+
 @pytest.mark.parametrize("rule, ratio, factor", [("off", 0.25, 1.0), ("linear", 0.25, 0.25), ("sqrt", 0.25, 0.5),
                                                  ("sqrt", 0.9, 1.0), ("linear", 0.3, 0.6)])
 def test_ess_lr_factor(rule, ratio, factor):
