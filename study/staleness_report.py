@@ -64,7 +64,7 @@ def first_collapse(points: list[tuple[int, float]]) -> int | None:
     """The step of the first evaluation whose accuracy is COLLAPSE_DROP or more below the best earlier one."""
     best = None
     for step, acc in points:
-        if best is not None and acc <= best - COLLAPSE_DROP:
+        if best is not None and acc <= best - COLLAPSE_DROP + 1e-9:  # a drop of exactly 0.15 counts
             return step
         best = acc if best is None else max(best, acc)
     return None
@@ -216,14 +216,18 @@ def kl_cov_verdict(d: dict[int, Contrast], lag_change: tuple[float, float, float
     if d[lo].n < 2 or d[hi].n < 2:
         return "undetermined: D_0 or D_64 lacks two seeds"
     controls = {k: d[k].excludes_zero(1) for k in (lo, hi)}
+    falls = not math.isnan(lag_change[1]) and lag_change[2] < 0
     if controls[lo] and controls[hi]:
+        if falls:
+            return ("**KL-Cov weakens under staleness**: it keeps the on-policy entropy above GRPO's at lag 0 and at "
+                    "lag 64, but its effect is smaller at lag 64 (D_64 - D_0 below 0)")
         return "**KL-Cov survives staleness**: it keeps the on-policy entropy above GRPO's at lag 0 and at lag 64"
     if controls[lo]:
         return "**KL-Cov fails under staleness**: it controls entropy on-policy but not at lag 64"
     if controls[hi]:
         return ("KL-Cov does not control entropy on-policy here, but does at lag 64 (D_64 above 0): an effect that "
                 "appears only with lag, not survival")
-    if not math.isnan(lag_change[1]) and lag_change[2] < 0:
+    if falls:
         return "KL-Cov does not control entropy on-policy here, and its (null) effect falls with lag"
     return ("**cannot be answered positively at this scale**: KL-Cov does not control entropy on-policy (D_0's "
             "interval includes 0, as the dose study found), nor at lag 64")
@@ -314,12 +318,12 @@ def section_ess_collapse(cells: Cells) -> str:
             continue
         step = min(r.collapse_step for r in fell)
         low = lambda r, until: min((v for s, v in r.ess_series if s < until), default=math.nan)  # noqa: E731
-        a = [low(r, r.collapse_step) for r in fell]
-        b = [low(r, step) for r in held]
-        d = diff_interval([x for x in a if not math.isnan(x)], [x for x in b if not math.isnan(x)], paired=False)
-        verdict = "holds" if d[2] < 0 else "does not hold"
+        a = [x for r in fell if not math.isnan(x := low(r, r.collapse_step))]
+        b = [x for r in held if not math.isnan(x := low(r, step))]
+        d = diff_interval(a, b, paired=False) if a and b else (math.nan, math.nan, math.nan)
+        verdict = "undetermined (too few ESS readings)" if math.isnan(d[1]) else "holds" if d[2] < 0 else "does not hold"
         lines.append(f"- k = {k}: lowest ESS before collapse {fmt(d[0])} [{fmt(d[1])}, {fmt(d[2])}] collapsed minus "
-                     f"not: VCPO's claim {verdict} here")
+                     f"not: VCPO's claim: {verdict}")
     return "\n".join(lines)
 
 
@@ -335,12 +339,26 @@ def implementation_checks(cells: Cells) -> str:
     return "\n".join(["## 8. Implementation checks (not claims)", ""] + [f"- {line}" for line in lines])
 
 
+def caveat(bites: bool | None) -> str:
+    """What every verdict after the manipulation check carries when the lag did not (or may not) bite (rule 1)."""
+    if bites:
+        return ""
+    return ("not a staleness effect: the lag did not bite" if bites is False
+            else "the manipulation check is undetermined, so this is not yet a staleness effect")
+
+
+def _with_caveat(section: str, note: str) -> str:
+    return section.replace("Verdict: ", f"Verdict ({note}): ") if note else section
+
+
 def render(cells: Cells, meta: dict, now: datetime.datetime, names: list[str], missing: list[str]) -> str:
-    manipulation, _ = section_manipulation(cells)
+    manipulation, bites = section_manipulation(cells)
+    note = caveat(bites)
+    later = [section_kl_cov(cells), section_m2po(cells), section_secondary(cells), section_clip(cells),
+             section_ess_collapse(cells)]
     return "\n\n".join([
-        section_header(meta, now, names, missing), manipulation, section_endpoints(cells), section_kl_cov(cells),
-        section_m2po(cells), section_secondary(cells), section_clip(cells), section_ess_collapse(cells),
-        implementation_checks(cells),
+        section_header(meta, now, names, missing), manipulation, section_endpoints(cells),
+        *(_with_caveat(s, note) for s in later), implementation_checks(cells),
         "## 9. Plots (means over seeds; one panel per lag)\n\n" + "\n\n".join(f"![{p.removesuffix('.png')}]({p})" for p in PLOTS),
     ]) + "\n"
 

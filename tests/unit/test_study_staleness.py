@@ -33,6 +33,7 @@ def test_collapse_and_half_entropy_rules():
     assert sr.first_collapse([(0, 0.36), (8, 0.5), (16, 0.7), (24, 0.54)]) == 24  # 0.16 below the best earlier
     assert sr.first_collapse([(0, 0.36), (8, 0.5), (16, 0.7), (24, 0.56)]) is None  # 0.14: within the noise rule
     assert sr.first_collapse([(0, 0.36), (8, 0.2)]) == 8
+    assert sr.first_collapse([(0, 0.65), (8, 0.5)]) == 8  # exactly 0.15, whatever the floating point says
     assert sr.half_entropy_step([(0, 0.2), (8, 0.15), (16, 0.1)], 64) == (16, False)
     assert sr.half_entropy_step([(0, 0.2), (8, 0.15)], 64) == (64, True)
 
@@ -55,6 +56,7 @@ def _c(mean, lo, hi, n=3):
 def test_kl_cov_verdict_can_come_out_every_way():
     nan = (float("nan"),) * 3
     assert "survives" in sr.kl_cov_verdict({0: _c(.02, .01, .03), 64: _c(.02, .01, .03)}, nan)
+    assert "weakens" in sr.kl_cov_verdict({0: _c(.04, .03, .05), 64: _c(.02, .01, .03)}, (-.02, -.03, -.01))
     assert "fails" in sr.kl_cov_verdict({0: _c(.02, .01, .03), 64: _c(0, -.01, .01)}, nan)
     assert "only with lag" in sr.kl_cov_verdict({0: _c(0, -.01, .01), 64: _c(.02, .01, .03)}, nan)
     assert "cannot be answered" in sr.kl_cov_verdict({0: _c(0, -.01, .01), 64: _c(0, -.01, .01)}, nan)
@@ -94,8 +96,9 @@ def test_report_from_a_partial_study(tmp_path):
     text = open(path).read()
     assert "15 of 17 runs complete" in text and "Missing (not yet run): grpo_tis@k0@s1, kl_cov_m2po@k0@s0" in text
     assert "Verdict: **the lag bites**" not in text  # k = 0 has one seed of GRPO left: no interval for rule 1
-    assert "Verdict: undetermined: D_0 or D_64 lacks two seeds" in text  # GRPO's k = 0 has seed 0 alone
-    assert "Verdict: undetermined (fewer than two seeds)" in text  # M2PO never ran
+    caveat = "Verdict (the manipulation check is undetermined, so this is not yet a staleness effect): "
+    assert caveat + "undetermined: D_0 or D_64 lacks two seeds" in text  # GRPO's k = 0 has seed 0 alone
+    assert caveat + "undetermined (fewer than two seeds)" in text  # M2PO never ran
     for png in sr.PLOTS:
         assert os.path.getsize(tmp_path / png) > 0
 
@@ -121,3 +124,20 @@ def test_staleness_preset_plans_forced_lag_runs(tmp_path):
     assert over[0] == "run.seed=1" and "learner.importance.m2po_threshold=0.04" in over
     assert over[-3:] == ["rollout.max_staleness_steps=64", "rollout.forced_lag=64", "eval.every_steps=32"]
     assert study_runs.parse_run("grpo_ess@k16@s2") == ("grpo_ess", 2, 16)
+
+
+def _lag_run(method, seed, collapse, ess):
+    return sr.LagRun(method, 4, seed, 16, 0.05, 16, True, 0.6, collapse, {}, None,
+                     [(s, ess) for s in range(1, 17)], True)
+
+
+def test_ess_before_collapse_rule_both_ways():
+    fell = {s: _lag_run("grpo_tis", s, 8, 0.2 + 0.01 * s) for s in range(3)}
+    held = {s: _lag_run("kl_cov_tis", s, None, 0.6 + 0.01 * s) for s in range(3)}
+    text = sr.section_ess_collapse({"grpo_tis@k4": fell, "kl_cov_tis@k4": held})
+    assert "k = 4: lowest ESS before collapse -0.4000" in text and "VCPO's claim: holds" in text
+    higher = {s: _lag_run("grpo_tis", s, 8, 0.9 + 0.01 * s) for s in range(3)}
+    assert "VCPO's claim: does not hold" in sr.section_ess_collapse({"grpo_tis@k4": higher, "kl_cov_tis@k4": held})
+    early = {s: _lag_run("grpo_tis", s, 1, 0.2) for s in range(3)}  # collapsed before any ESS reading
+    assert "undetermined (too few ESS readings)" in sr.section_ess_collapse({"grpo_tis@k4": early, "kl_cov_tis@k4": held})
+    assert "k = 0: 0 collapsed, 0 did not: undetermined" in text
