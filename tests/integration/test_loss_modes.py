@@ -120,6 +120,11 @@ def test_loss_mode_runs_three_steps(mode, tmp_path):
         assert rows[0]["offpolicy/m2po_masked"] == 0 < rows[2]["offpolicy/m2po_masked"]
         assert sum(rows[2][f"offpolicy/masked_q{q}"] for q in range(1, 6)) > 0  # M2PO's drops, placed by entropy
         assert rows[2]["offpolicy/ess_lr_scale"] < 1.0 and rows[2]["offpolicy/ess_seq"] < 1.0
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        board = EventAccumulator(str(run / "tb"), size_guidance={"histograms": 0, "scalars": 0})
+        board.Reload()
+        assert len(board.Histograms("staleness/tokens")) == 3 and "offpolicy/ess_seq" in board.Tags()["scalars"]
     if mode in ("clip_cov", "kl_cov"):
         assert any(r["actor/cov_selected_frac"] > 0 for r in rows), "the covariance selection never touched a token"
     if mode == "cispo":
