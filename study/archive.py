@@ -37,9 +37,9 @@ def archive(study_dir: str, dest: str) -> list[str]:
     """Archive every complete run of the study; returns their names."""
     with open(os.path.join(study_dir, "study.json")) as f:
         meta = json.load(f)
-    steps = meta.get("run_steps", {})  # runs of different lengths (the staleness study); else the study's
-    done = [name for name in meta.get("runs", meta.get("methods", []))
-            if complete(os.path.join(study_dir, name), steps.get(name, meta["steps"]))]
+    steps = meta.get("run_steps", {})  # every run any invocation asked for, with its length; else the study's
+    names = list(steps) or meta.get("runs", meta.get("methods", []))
+    done = [name for name in names if complete(os.path.join(study_dir, name), steps.get(name, meta["steps"]))]
     for name in done:
         archive_run(os.path.join(study_dir, name), os.path.join(dest, name))
     os.makedirs(dest, exist_ok=True)

@@ -338,7 +338,8 @@ def new_meta(plan: Plan, previous: dict | None, now: datetime.datetime) -> dict:
             "responses_per_step": _responses_per_step(plan, runs[0]),
             "command": plan.command, "start_time": now.isoformat(timespec="seconds"), "end_time": None,
             "wall_clock_s": {m: old_wall.get(m) for m in runs}, "status": {},
-            "run_steps": {m: run_steps(plan, m) for m in runs},
+            # every run this directory has been asked for, by any invocation, with its length (study.archive reads it)
+            "run_steps": {**(previous or {}).get("run_steps", {}), **{m: run_steps(plan, m) for m in runs}},
             "run_commands": {m: shlex.join(cluster_command(plan, m)) for m in runs}}
 
 

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from common.metrics import read_metrics
-from study.arms import STALENESS_ARMS, STALENESS_LAGS
+from study.arms import STALENESS_ARMS, STALENESS_LAGS, staleness_steps
 from study.dose_report import Contrast, ci_text, contrast, fmt, md_table, on_policy_points
 from study.lawfit import merge_rows, row_value
 from study.stats import diff_interval
@@ -391,11 +391,11 @@ def write_plots(study_dir: str, rows: dict[str, list[dict]]) -> None:
 
 def write_staleness_report(study_dir: str, names: list[str], meta: dict, now: datetime.datetime | None = None) -> str:
     """Write STUDY_DIR/report.md and its PNGs from the complete runs among `names`; returns the report path."""
-    steps = meta.get("run_steps", {})
+    steps = {n: staleness_steps(parse_name(n)[1], meta.get("steps", 64)) for n in names}
     rows = {n: read_metrics(os.path.join(study_dir, n)) for n in names if os.path.isdir(os.path.join(study_dir, n))}
-    done = [n for n, r in rows.items() if any(x.get("step") == steps.get(n, meta.get("steps")) for x in r)]
+    done = [n for n, r in rows.items() if any(x.get("step") == steps[n] for x in r)]
     rows = {n: rows[n] for n in done}
-    cells = by_cell([run_endpoints(n, rows[n], steps.get(n, meta.get("steps"))) for n in done])
+    cells = by_cell([run_endpoints(n, rows[n], steps[n]) for n in done])
     write_plots(study_dir, rows)
     path = os.path.join(study_dir, "report.md")
     tmp = f"{path}.tmp-{os.getpid()}"

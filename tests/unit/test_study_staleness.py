@@ -9,6 +9,7 @@ import os
 import pytest
 
 from study import runs as study_runs
+from study.arms import staleness_steps
 from study import staleness_report as sr
 from study.dose_report import Contrast
 
@@ -88,9 +89,12 @@ def test_report_from_a_partial_study(tmp_path):
     higher at every lag, so it survives; M2PO is missing, so its verdicts are undetermined; a run left incomplete
     is named missing."""
     names = [f"{m}@k{k}@s{s}" for s in (0, 1) for m in ("grpo_tis", "kl_cov_tis") for k in (0, 4, 16, 64)]
-    steps_of = {n: max(8, sr.parse_name(n)[1] + 4) for n in names}
+    steps_of = {n: staleness_steps(sr.parse_name(n)[1], 8) for n in names}
     meta = _study(tmp_path, names, steps_of, kl_cov_tis={"entropy_end": 0.15})
-    steps_of["grpo_tis@k0@s1"] = 9  # seed 1's k0 run: its last step never came
+    with open(tmp_path / "grpo_tis@k0@s1" / "metrics.jsonl") as f:  # seed 1's k0 run: its last step never came
+        kept = [line for line in f if json.loads(line)["step"] < 8]
+    with open(tmp_path / "grpo_tis@k0@s1" / "metrics.jsonl", "w") as f:
+        f.writelines(kept)
     path = sr.write_staleness_report(str(tmp_path), [*names, "kl_cov_m2po@k0@s0"], meta,
                                      now=datetime.datetime(2026, 11, 26, 20, 0))
     text = open(path).read()
@@ -106,7 +110,7 @@ def test_report_from_a_partial_study(tmp_path):
 def test_report_verdicts_when_every_cell_has_seeds(tmp_path):
     names = [f"{m}@k{k}@s{s}" for s in (0, 1, 2) for m in ("grpo_tis", "kl_cov_tis") for k in (0, 4, 16, 64)]
     # KL-Cov's entropy effect shrinks to nothing at lag: seeds differ a little so intervals exist.
-    meta = _study(tmp_path, names, {n: max(8, sr.parse_name(n)[1] + 4) for n in names}, kl_cov_tis={"entropy_end": 0.05})
+    meta = _study(tmp_path, names, {n: staleness_steps(sr.parse_name(n)[1], 8) for n in names}, kl_cov_tis={"entropy_end": 0.05})
     text = open(sr.write_staleness_report(str(tmp_path), names, meta)).read()
     assert "Verdict: **the lag bites**" in text
     assert "**cannot be answered positively at this scale**" in text  # same entropy: no control at k = 0 or 64
@@ -141,3 +145,26 @@ def test_ess_before_collapse_rule_both_ways():
     early = {s: _lag_run("grpo_tis", s, 1, 0.2) for s in range(3)}  # collapsed before any ESS reading
     assert "undetermined (too few ESS readings)" in sr.section_ess_collapse({"grpo_tis@k4": early, "kl_cov_tis@k4": held})
     assert "k = 0: 0 collapsed, 0 did not: undetermined" in text
+
+
+def test_archive_keeps_every_complete_run_any_invocation_asked_for(tmp_path):
+    """Two invocations on one directory (GRPO's runs, then KL-Cov's): study.json's run_steps keeps both, and the
+    archive copies every complete run of either, judged at its own length."""
+    from study import archive
+
+    src = tmp_path / "src"
+    names = ["grpo_tis@k0@s0", "grpo_tis@k64@s0", "kl_cov_tis@k0@s0"]
+    steps_of = {n: staleness_steps(sr.parse_name(n)[1], 8) for n in names}
+    _study(src, names, steps_of)
+    for n in names:
+        open(src / n / "config.toml", "w").write("")
+    first = study_runs.new_meta(study_runs.make_plan(study_runs.parse_args(
+        ["--preset", "staleness", "--steps", "8", "--methods", "grpo_tis", "--staleness", "0,64", "--study-dir", str(src)]),
+        "cmd", datetime.datetime(2026, 11, 26)), None, datetime.datetime(2026, 11, 26))
+    second = study_runs.new_meta(study_runs.make_plan(study_runs.parse_args(
+        ["--preset", "staleness", "--steps", "8", "--methods", "kl_cov_tis", "--staleness", "0", "--study-dir", str(src)]),
+        "cmd", datetime.datetime(2026, 11, 26)), first, datetime.datetime(2026, 11, 26))
+    assert second["runs"] == ["kl_cov_tis@k0@s0"] and second["run_steps"] == steps_of
+    with open(src / "study.json", "w") as f:
+        json.dump(second, f)
+    assert sorted(archive.archive(str(src), str(tmp_path / "dest"))) == sorted(names)
