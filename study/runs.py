@@ -8,7 +8,9 @@ overrides and user overrides; only the method's own overrides (METHODS) differ. 
 `--seeds 0,1` runs every method once per seed (STUDY_DIR/<method>@s<seed> beyond the first seed), so the report
 can show the spread; `--staleness 0,4` runs the `--staleness-methods` (default grpo,kl_cov) again at each
 `rollout.max_staleness_steps` k (STUDY_DIR/<method>@k<k>, first seed; the plain run is the config's k). Runs go
-one after another in that order. A method whose run dir already holds a complete run (a metrics
+one after another in that order. `--preset staleness` (docs/study-staleness/PLAN.md) runs every method at every
+forced lag k (`--staleness`, default 0,4,16,64) and seed instead, as STUDY_DIR/<method>@k<k>@s<seed>, each run
+max(--steps, 4 k) steps long. A method whose run dir already holds a complete run (a metrics
 row with step == N) is skipped, so rerunning an interrupted study's command resumes it; an
 incomplete run dir is an error (delete it to redo that method). STUDY_DIR/study.json records the
 settings, the exact command and per-method wall-clock time. Then study/report.py writes
@@ -130,7 +132,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="covrl study", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="arith", help=f"one of {', '.join(PRESETS)} (default arith)")
     ap.add_argument("--methods", help=f"comma-separated, in run order (default all: {','.join(METHODS)}; with "
-                                      f"--preset dose, the arms of study/arms.py: {','.join(ARMS)})")
+                                      f"--preset dose, the arms of study/arms.py: {','.join(ARMS)}; with --preset "
+                                      f"staleness: {','.join(STALENESS_ARMS)})")
     ap.add_argument("--steps", type=int, help="learner steps per method (default: the preset's)")
     ap.add_argument("--study-dir", help="output directory (default runs/study-<YYYYmmdd-HHMMSS>)")
     ap.add_argument("--gens", type=int, default=1, help="generator processes per run (default 1)")
@@ -141,7 +144,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--seeds", help="comma-separated run.seed values: every method runs once per seed "
                                     "(default: --seed alone); the report shows the spread")
     ap.add_argument("--staleness", help="comma-separated rollout.max_staleness_steps values at which the "
-                                        "--staleness-methods run again (first seed), e.g. 0,4")
+                                        "--staleness-methods run again (first seed), e.g. 0,4; with --preset "
+                                        "staleness, the forced lags every method runs at (default 0,4,16,64)")
     ap.add_argument("--staleness-methods", default="grpo,kl_cov",
                     help="methods of the staleness axis (default grpo,kl_cov; each must be in --methods)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every method")
