@@ -169,11 +169,13 @@ def section_manipulation(cells: Cells) -> tuple[str, bool | None]:
     lo, hi = STALENESS_LAGS[0], STALENESS_LAGS[-1]
     diffs = {a: _unpaired(cells, "grpo_tis", hi, lo, off(a)) for a in ("kl", "capfrac")}
     if all(means[k][a] is not None for k in STALENESS_LAGS for a in means[k]) and all(not math.isnan(d[1]) for d in diffs.values()):
-        rising = all(means[a_k][a] < means[b_k][a] for a in ("kl", "capfrac")
-                     for a_k, b_k in zip(STALENESS_LAGS, STALENESS_LAGS[1:]))
-        verdict = rising and all(d[1] > 0 for d in diffs.values())
-        why = ("**the lag bites**" if verdict else "**the lag did not bite**: no effect below is a staleness effect") + \
-            "; k = 64 minus k = 0: " + "; ".join(f"{a} {d[0]:+.5f} [{d[1]:+.5f}, {d[2]:+.5f}]" for a, d in diffs.items())
+        rises = {a: all(means[a_k][a] < means[b_k][a] for a_k, b_k in zip(STALENESS_LAGS, STALENESS_LAGS[1:]))
+                 for a in ("kl", "capfrac")}
+        verdict = all(rises.values()) and all(d[1] > 0 for d in diffs.values())
+        why = ("**the lag bites**" if verdict else "**the lag did not bite** by the rule: no effect below is read as "
+               "a staleness effect") + "; rises at every k: " + ", ".join(
+            f"{a} {'yes' if r else 'no'}" for a, r in rises.items()) + "; k = 64 minus k = 0: " + "; ".join(
+            f"{a} {d[0]:+.5f} [{d[1]:+.5f}, {d[2]:+.5f}]" for a, d in diffs.items())
     table = md_table(["k", "seeds", "KL(behav‖prox) per token", "TIS cap fraction", "M2PO m2", "ESS (responses)",
                       "ESS (tokens)"], rows)
     return "\n".join(["## 1. Manipulation check: does the lag bite? (rule 1, GRPO + TIS)", "", table, "", f"Verdict: {why}."]), verdict
