@@ -225,7 +225,9 @@ def kl_cov_verdict(d: dict[int, Contrast], lag_change: tuple[float, float, float
                     "lag 64, but its effect is smaller at lag 64 (D_64 - D_0 below 0)")
         return "**KL-Cov survives staleness**: it keeps the on-policy entropy above GRPO's at lag 0 and at lag 64"
     if controls[lo]:
-        return "**KL-Cov fails under staleness**: it controls entropy on-policy but not at lag 64"
+        shrinks = "" if falls else (f"; D_64 - D_0 does not lie below 0, so the effect is not shown to shrink: it is "
+                                    f"only not shown at lag 64, whose minimum detectable effect is {fmt(d[hi].mde)}")
+        return "**KL-Cov fails under staleness**: it controls entropy on-policy but not at lag 64" + shrinks
     if controls[hi]:
         return ("KL-Cov does not control entropy on-policy here, but does at lag 64 (D_64 above 0): an effect that "
                 "appears only with lag, not survival")
@@ -267,13 +269,20 @@ def _collapses(cells: Cells, method: str, k: int) -> int:
     return sum(r.collapse_step is not None for r in cells.get(cell(method, k), {}).values())
 
 
+def _collapse_text(cells: Cells, method: str, k: int) -> str:
+    """"collapsed/runs" of a method at lag k, or n/a when it has no complete run there."""
+    runs = cells.get(cell(method, k), {})
+    return f"{_collapses(cells, method, k)}/{len(runs)}" if runs else "n/a"
+
+
 def section_m2po(cells: Cells) -> str:
     lines = ["## 4. Does M2PO help KL-Cov or fight it? (rule 3; read at k = 16 and 64)", ""]
     for k in STALENESS_LAGS:
         m = _pair(cells, "kl_cov_m2po", "kl_cov_tis", k, end_entropy, f"M_{k} = end entropy, KL-Cov + M2PO - KL-Cov + TIS")
         a = _pair(cells, "kl_cov_m2po", "kl_cov_tis", k, accuracy, f"A_{k} = accuracy")
         coll = (_collapses(cells, "kl_cov_m2po", k), _collapses(cells, "kl_cov_tis", k))
-        lines += [f"- k = {k}: {m.text()}; {a.text(3)}; collapses {coll[0]} with M2PO, {coll[1]} without. "
+        lines += [f"- k = {k}: {m.text()}; {a.text(3)}; collapses {_collapse_text(cells, 'kl_cov_m2po', k)} with M2PO, "
+                  f"{_collapse_text(cells, 'kl_cov_tis', k)} without. "
                   f"Verdict: {m2po_verdict(m, a, coll)}."]
     return "\n".join(lines)
 
@@ -288,8 +297,8 @@ def section_secondary(cells: Cells) -> str:
         for k in STALENESS_LAGS:
             e = _pair(cells, method, "grpo_tis", k, end_entropy, "")
             a = _pair(cells, method, "grpo_tis", k, accuracy, "")
-            coll = (_collapses(cells, method, k), _collapses(cells, "grpo_tis", k))
-            rows.append([method, str(k), _diff_cell(e, 4), _diff_cell(a, 3), f"{coll[0]} vs {coll[1]}"])
+            rows.append([method, str(k), _diff_cell(e, 4), _diff_cell(a, 3),
+                         f"{_collapse_text(cells, method, k)} vs {_collapse_text(cells, 'grpo_tis', k)}"])
     table = md_table(["method - grpo_tis", "k", "end entropy (paired by seed)", "held-out accuracy", "collapses"], rows)
     return "\n".join(["## 5. M2PO and ESS-scaled steps on GRPO (rule 4)", "", table])
 

@@ -59,6 +59,8 @@ def test_kl_cov_verdict_can_come_out_every_way():
     assert "survives" in sr.kl_cov_verdict({0: _c(.02, .01, .03), 64: _c(.02, .01, .03)}, nan)
     assert "weakens" in sr.kl_cov_verdict({0: _c(.04, .03, .05), 64: _c(.02, .01, .03)}, (-.02, -.03, -.01))
     assert "fails" in sr.kl_cov_verdict({0: _c(.02, .01, .03), 64: _c(0, -.01, .01)}, nan)
+    assert "not shown to shrink" in sr.kl_cov_verdict({0: _c(.02, .01, .03), 64: _c(.03, -.01, .07)}, (.01, -.03, .05))
+    assert "shrink" not in sr.kl_cov_verdict({0: _c(.02, .01, .03), 64: _c(0, -.01, .01)}, (-.02, -.03, -.01))
     assert "only with lag" in sr.kl_cov_verdict({0: _c(0, -.01, .01), 64: _c(.02, .01, .03)}, nan)
     assert "cannot be answered" in sr.kl_cov_verdict({0: _c(0, -.01, .01), 64: _c(0, -.01, .01)}, nan)
     assert "undetermined" in sr.kl_cov_verdict({0: _c(0, None, None, n=1), 64: _c(0, -.01, .01)}, nan)
