@@ -66,20 +66,28 @@ def _ess(sums: torch.Tensor) -> float:
     return s1 * s1 / (n * s2) if n > 0 and s2 > 0 else float("nan")
 
 
+def response_weights(num: torch.Tensor, den: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor,
+                     num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log rho_t = log num - log den on every token, 0 off the mask and clamped to +-20; rho_i = prod_t rho_t of
+    every response with a valid token, its log clamped to +-SEQ_LOG_CLAMP), in float64."""
+    log_rho = ((num.double() - den.double()) * mask).clamp(-losses.LOG_RATIO_CLAMP, losses.LOG_RATIO_CLAMP)
+    seq_log = losses.segment_sum(log_rho, seq_ids, num_seqs).clamp(-SEQ_LOG_CLAMP, SEQ_LOG_CLAMP)
+    return log_rho, seq_log.exp()[losses.segment_sum(mask.double(), seq_ids, num_seqs) > 0]
+
+
 def importance_sums(entries: list[Surveyed]) -> torch.Tensor:
     """This rank's [n, sum rho, sum rho^2] over valid tokens, then the same over responses with rho_i = prod_t
-    rho_t, then the sums of (log rho_t)^2 and of rho_t - 1 - log rho_t: float64 [8]."""
-    out = torch.zeros(8, dtype=torch.float64)
+    rho_t, then the sums of (log rho_t)^2, of rho_t - 1 - log rho_t and of the tokens M2PO dropped: float64 [9]."""
+    out = torch.zeros(9, dtype=torch.float64)
     for e in entries:
-        log_rho = ((e.old.double() - e.behav.double()) * e.mask).clamp(-losses.LOG_RATIO_CLAMP, losses.LOG_RATIO_CLAMP)
+        log_rho, seq_rho = response_weights(e.old, e.behav, e.mask, e.seq_ids, e.num_seqs)
         valid = e.mask > 0
-        rho = log_rho.exp()[valid]
-        seq_log = losses.segment_sum(log_rho, e.seq_ids, e.num_seqs).clamp(-SEQ_LOG_CLAMP, SEQ_LOG_CLAMP)
-        seq_rho = seq_log.exp()[losses.segment_sum(e.mask.double(), e.seq_ids, e.num_seqs) > 0]
         lr = log_rho[valid]
+        rho = lr.exp()
+        dropped = ((1.0 - e.m2po_keep) * e.mask).sum().double() if e.m2po_keep is not None else lr.new_zeros(())
         out += torch.stack([valid.sum().double(), rho.sum(), rho.square().sum(),
                             seq_rho.new_tensor(float(seq_rho.numel())), seq_rho.sum(),
-                            seq_rho.square().sum(), lr.square().sum(), (rho - 1.0 - lr).sum()]).cpu()
+                            seq_rho.square().sum(), lr.square().sum(), (rho - 1.0 - lr).sum(), dropped]).cpu()
     return out
 
 
@@ -131,10 +139,8 @@ def offpolicy_profile(entries: list[Surveyed], comm: Collectives) -> dict[str, f
     `clipped_q<i>` / `masked_q<i>` (`quintile_cuts`). Entries need `behav`, `seq_ids` and `num_seqs`."""
     sums = comm.sum_(importance_sums(entries))
     n = max(float(sums[0]), 1.0)
-    dropped = [(1.0 - e.m2po_keep) * e.mask for e in entries if e.m2po_keep is not None]
-    m2po = comm.sum_(torch.tensor([float(sum(d.sum() for d in dropped))], dtype=torch.float64))
     out = {"ess_token": _ess(sums[0:3]), "ess_seq": _ess(sums[3:6]), "m2": float(sums[6]) / n,
-           "kl_behav_prox": float(sums[7]) / n, "m2po_masked": float(m2po) / n}
+           "kl_behav_prox": float(sums[7]) / n, "m2po_masked": float(sums[8]) / n}
     return out | quintile_cuts(entries, comm)
 
 
@@ -153,10 +159,7 @@ class EssStepScale:
         """One micro-batch's tokens, after its training forward."""
         if self.rule == "off":
             return
-        log_rho = ((t.logp.detach().double() - t.behav.double()) * t.mask).clamp(-losses.LOG_RATIO_CLAMP,
-                                                                               losses.LOG_RATIO_CLAMP)
-        seq_log = losses.segment_sum(log_rho, t.seq_ids, t.num_seqs).clamp(-SEQ_LOG_CLAMP, SEQ_LOG_CLAMP)
-        w = seq_log.exp()[losses.segment_sum(t.mask.double(), t.seq_ids, t.num_seqs) > 0]
+        _, w = response_weights(t.logp.detach(), t.behav, t.mask, t.seq_ids, t.num_seqs)
         self.sums += torch.stack([w.new_tensor(float(w.numel())), w.sum(), w.square().sum()]).cpu()
 
     def factor(self, comm: Collectives) -> float:
