@@ -43,7 +43,7 @@ class Endpoints:
     eval_entropy: float | None  # on-policy held-out entropy at the last evaluation (mean over data sources)
 
 
-def _mean(xs: list[float]) -> float | None:
+def mean_or_none(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
@@ -70,10 +70,10 @@ def endpoints(rows: list[dict], responses_per_step: int) -> Endpoints | None:
                  if k.startswith("eval/") and k.endswith("/entropy") and isinstance(v, float)]
     return Endpoints(
         end_entropy=end, half_step=below[0] if below else entropy[-1][0], censored=not below,
-        acc=_mean(evals[-LAST_EVALS:]) if len(evals) >= LAST_EVALS else None,
-        dose_tokens=_mean(tokens) or 0.0, dose_share=_mean([v for _, v in key_series(rows, "actor/cov_selected_share")]),
-        clipfrac=_mean([v for _, v in key_series(rows, "actor/pg_clipfrac")]) or 0.0,
-        entropy_per_response=_head_tail(per_response) if per_response else None, eval_entropy=_mean(last_eval))
+        acc=mean_or_none(evals[-LAST_EVALS:]) if len(evals) >= LAST_EVALS else None,
+        dose_tokens=mean_or_none(tokens) or 0.0, dose_share=mean_or_none([v for _, v in key_series(rows, "actor/cov_selected_share")]),
+        clipfrac=mean_or_none([v for _, v in key_series(rows, "actor/pg_clipfrac")]) or 0.0,
+        entropy_per_response=_head_tail(per_response) if per_response else None, eval_entropy=mean_or_none(last_eval))
 
 
 # ---------------------------------------------------------------------------
@@ -186,8 +186,8 @@ def pilot_rows(pilot_dirs: dict[str, str]) -> list[tuple[str, float | None, floa
     for lr, run_dir in pilot_dirs.items():
         rows = merge_rows(read_metrics(run_dir))
         evals = [a for r in rows if (a := mean_eval_acc(r)) is not None]
-        clip = _mean([v for _, v in key_series(rows, "actor/pg_clipfrac")]) or 0.0
-        first, last = (evals[0], _mean(evals[-LAST_EVALS:])) if len(evals) > LAST_EVALS else (None, None)
+        clip = mean_or_none([v for _, v in key_series(rows, "actor/pg_clipfrac")]) or 0.0
+        first, last = (evals[0], mean_or_none(evals[-LAST_EVALS:])) if len(evals) > LAST_EVALS else (None, None)
         climbs = first is not None and last - first >= PILOT_CLIMB
         out.append((lr, first, last, clip, climbs and clip >= PILOT_CLIPFRAC))
     return out
@@ -209,12 +209,12 @@ def arm_row(arm: str, seeds: dict[int, Endpoints]) -> list[str]:
     censored = sum(e.censored for e in ends)
     spec = ARMS.get(arm)
     return [arm, spec.label if spec else "n/a", spec.departure or "published" if spec else "n/a", str(len(ends)),
-            fmt(_mean([e.dose_tokens for e in ends]), 1), fmt(_mean([e.dose_share for e in ends if e.dose_share is not None]), 3),
+            fmt(mean_or_none([e.dose_tokens for e in ends]), 1), fmt(mean_or_none([e.dose_share for e in ends if e.dose_share is not None]), 3),
             ci_text([e.end_entropy for e in ends]),
             ci_text([float(e.half_step) for e in ends], 1) + (f" ({censored} censored)" if censored else ""),
             ci_text([e.acc for e in ends if e.acc is not None], 3),
-            f"{_mean([e.clipfrac for e in ends]):.1e}",
-            f"{fmt(_mean([p[0] for p in per_response]), 2)} → {fmt(_mean([p[1] for p in per_response]), 2)}"
+            f"{mean_or_none([e.clipfrac for e in ends]):.1e}",
+            f"{fmt(mean_or_none([p[0] for p in per_response]), 2)} → {fmt(mean_or_none([p[1] for p in per_response]), 2)}"
             if per_response else "n/a"]
 
 
@@ -304,8 +304,8 @@ def implementation_checks(arms: dict[str, dict[int, Endpoints]], pilot_check: st
     lines = [pilot_check] if pilot_check else []
     for method, (top, random_arm) in RANDOM_CONTROLS.items():
         if top in arms and random_arm in arms:
-            a = _mean([e.dose_tokens for e in arms[top].values()])
-            b = _mean([e.dose_tokens for e in arms[random_arm].values()])
+            a = mean_or_none([e.dose_tokens for e in arms[top].values()])
+            b = mean_or_none([e.dose_tokens for e in arms[random_arm].values()])
             lines.append(f"{random_arm} selected {fmt(b, 1)} tokens a step against {fmt(a, 1)} for {top} (the control keeps "
                          f"the count; the runs' token counts differ as their responses do)")
     return "\n".join(["## 5. Implementation checks (not claims)", ""] + [f"- {line}" for line in lines])
@@ -363,13 +363,18 @@ def render(arms: dict[str, dict[int, Endpoints]], meta: dict, now: datetime.date
         "## 6. Plots\n\n" + "\n\n".join(f"![{p.removesuffix('.png')}]({p})" for p in PLOTS)]) + "\n"
 
 
-def _mean_curve(runs: list[list[dict]]) -> list[tuple[float, float]]:
-    """actor/entropy by step, mean over these runs' rows."""
+def mean_by_step(series: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """(step, mean over the series that have a value at that step), in step order."""
     by_step: dict[int, list[float]] = {}
-    for run_rows in runs:
-        for step, h in key_series(merge_rows(run_rows), "actor/entropy"):
-            by_step.setdefault(step, []).append(h)
+    for points in series:
+        for step, v in points:
+            by_step.setdefault(step, []).append(v)
     return [(s, sum(v) / len(v)) for s, v in sorted(by_step.items())]
+
+
+def _mean_curve(runs: list[list[dict]]) -> list[tuple[int, float]]:
+    """actor/entropy by step, mean over these runs' rows."""
+    return mean_by_step([key_series(merge_rows(run_rows), "actor/entropy") for run_rows in runs])
 
 
 def write_plots(study_dir: str, rows: dict[str, list[dict]], arms: dict[str, dict[int, Endpoints]], first_seed: int) -> None:

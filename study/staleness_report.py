@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from common.metrics import read_metrics
 from study.arms import STALENESS_ARMS, STALENESS_LAGS, staleness_steps
-from study.dose_report import Contrast, ci_text, contrast, fmt, md_table, on_policy_points
-from study.lawfit import merge_rows, row_value
+from study.dose_report import Contrast, ci_text, contrast, fmt, md_table, mean_by_step, mean_or_none, on_policy_points
+from study.lawfit import key_series, merge_rows, row_value
 from study.stats import diff_interval
 
 LAST_EVALS = 3
@@ -56,10 +56,6 @@ def parse_name(name: str) -> tuple[str, int, int]:
     return method, int(k[1:]), int(seed[1:])
 
 
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
-
-
 def first_collapse(points: list[tuple[int, float]]) -> int | None:
     """The step of the first evaluation whose accuracy is COLLAPSE_DROP or more below the best earlier one."""
     best = None
@@ -80,7 +76,7 @@ def half_entropy_step(points: list[tuple[int, float]], steps: int) -> tuple[int,
 
 
 def _full_lag_mean(rows: list[dict], key: str, k: int) -> float | None:
-    return _mean([v for r in rows if r["step"] > k and (v := row_value(r, key)) is not None])
+    return mean_or_none([v for r in rows if r["step"] > k and (v := row_value(r, key)) is not None])
 
 
 def run_endpoints(name: str, rows: list[dict], steps: int) -> LagRun:
@@ -93,11 +89,11 @@ def run_endpoints(name: str, rows: list[dict], steps: int) -> LagRun:
     q1 = _full_lag_mean(trained, "offpolicy/clipped_q1", k)
     half, censored = half_entropy_step([(p.step, p.entropy) for p in evals], steps)
     exact = all(r.get("staleness/min") == r.get("staleness/max") == min(r["step"] - 1, k) for r in trained)
-    return LagRun(method, k, seed, steps, _mean([p.entropy for p in last]), half, censored, _mean([p.acc for p in last]),
+    return LagRun(method, k, seed, steps, mean_or_none([p.entropy for p in last]), half, censored, mean_or_none([p.acc for p in last]),
                   first_collapse([(p.step, p.acc) for p in evals]),
                   {attr: v for attr, key in OFF_POLICY if (v := _full_lag_mean(trained, key, k)) is not None},
                   None if q5 is None or q1 is None else q5 - q1,
-                  [(r["step"], v) for r in trained if (v := row_value(r, "offpolicy/ess_seq")) is not None],
+                  key_series(trained, "offpolicy/ess_seq"),
                   bool(trained) and exact)
 
 
@@ -164,7 +160,7 @@ def section_manipulation(cells: Cells) -> tuple[str, bool | None]:
     for k in STALENESS_LAGS:
         rows.append([str(k), str(len(cells.get(cell("grpo_tis", k), {}))), *(_ci_of(cells, "grpo_tis", k, off(a), 5)
                      for a in ("kl", "capfrac", "m2", "ess_seq", "ess_token"))])
-        means[k] = {a: _mean(_values(cells, "grpo_tis", k, off(a))) for a in ("kl", "capfrac")}
+        means[k] = {a: mean_or_none(_values(cells, "grpo_tis", k, off(a))) for a in ("kl", "capfrac")}
     verdict, why = None, "undetermined: GRPO + TIS lacks a lag or a second seed"
     lo, hi = STALENESS_LAGS[0], STALENESS_LAGS[-1]
     diffs = {a: _unpaired(cells, "grpo_tis", hi, lo, off(a)) for a in ("kl", "capfrac")}
@@ -198,7 +194,7 @@ def section_endpoints(cells: Cells) -> str:
             collapsed = sorted(r.collapse_step for r in runs.values() if r.collapse_step is not None)
             halves = [r.half_step for r in runs.values()]
             rows.append([method, str(k), str(len(runs)), _ci_of(cells, method, k, end_entropy),
-                         f"{_mean(halves):.1f} ({sum(r.censored for r in runs.values())} censored)",
+                         f"{mean_or_none(halves):.1f} ({sum(r.censored for r in runs.values())} censored)",
                          _ci_of(cells, method, k, accuracy, 3),
                          f"{len(collapsed)}/{len(runs)}" + (f" (first at step {collapsed[0]})" if collapsed else ""),
                          _ci_of(cells, method, k, off("ess_seq"), 3), _ci_of(cells, method, k, off("m2po_masked"), 4),
@@ -377,15 +373,7 @@ def render(cells: Cells, meta: dict, now: datetime.datetime, names: list[str], m
 def _series(name: str, rows: list[dict], what: str) -> list[tuple[int, float]]:
     if what in ("acc", "entropy"):
         return [(p.step, p.acc if what == "acc" else p.entropy) for p in on_policy_points(name, rows)]
-    return [(r["step"], v) for r in merge_rows(rows) if (v := row_value(r, what)) is not None]
-
-
-def _mean_series(series: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
-    by_step: dict[int, list[float]] = {}
-    for s in series:
-        for step, v in s:
-            by_step.setdefault(step, []).append(v)
-    return [(step, sum(v) / len(v)) for step, v in sorted(by_step.items())]
+    return key_series(merge_rows(rows), what)
 
 
 def write_plots(study_dir: str, rows: dict[str, list[dict]]) -> None:
@@ -393,7 +381,7 @@ def write_plots(study_dir: str, rows: dict[str, list[dict]]) -> None:
 
     def panel(k: int, what: str) -> dict[str, list[tuple[int, float]]]:
         runs = {m: [n for n in rows if parse_name(n)[:2] == (m, k)] for m in STALENESS_ARMS}
-        return {m: _mean_series([_series(n, rows[n], what) for n in names]) for m, names in runs.items() if names}
+        return {m: mean_by_step([_series(n, rows[n], what) for n in names]) for m, names in runs.items() if names}
 
     for path, (label, what) in PLOTS.items():
         panels = {f"lag {k}": panel(k, what) for k in STALENESS_LAGS}
