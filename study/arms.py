@@ -80,3 +80,22 @@ STALENESS_LAGS = (0, 4, 16, 64)
 def staleness_steps(k: int, base: int) -> int:
     """Steps of a run at forced lag k in a study of `base` steps: max(base, 4 k)."""
     return max(base, 4 * k)
+
+
+# Run names: the arm alone (the first seed's run), `arm@s<seed>` another seed's, `arm@k<k>` a staleness bound of k,
+# and `arm@k<k>@s<seed>` the staleness preset's runs. Every study module reads names through these two.
+def run_name(method: str, seed: int | None = None, k: int | None = None) -> str:
+    """The run name of a method at a seed and staleness k (None: not varied)."""
+    return method + (f"@k{k}" if k is not None else "") + (f"@s{seed}" if seed is not None else "")
+
+
+def parse_run(name: str) -> tuple[str, int | None, int | None]:
+    """(method, seed or None, staleness k or None) of a run name: grpo, grpo@s1, grpo@k4, grpo_tis@k16@s2."""
+    method, *variants = name.split("@")
+    seed = k = None
+    for v in variants:
+        if v.startswith("s"):
+            seed = int(v[1:])
+        elif v.startswith("k"):
+            k = int(v[1:])
+    return method, seed, k

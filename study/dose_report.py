@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from common.metrics import read_metrics
-from study.arms import ARMS, LADDERS, OFF_POLICY, RANDOM_CONTROLS
+from study.arms import ARMS, LADDERS, OFF_POLICY, RANDOM_CONTROLS, parse_run
 from study.lawfit import (EvalPoint, eval_lengths, judge_law, key_series, mean_eval_acc, merge_rows, row_value,
                           run_eval_points)
 from study.stats import diff_interval, min_detectable_effect, t_interval
@@ -82,8 +82,8 @@ def endpoints(rows: list[dict], responses_per_step: int) -> Endpoints | None:
 
 def seed_of(name: str, first_seed: int) -> tuple[str, int]:
     """(arm, seed) of a run name: `arm` is the first seed's run, `arm@s<seed>` another seed's."""
-    arm, _, variant = name.partition("@")
-    return arm, int(variant[1:]) if variant.startswith("s") else first_seed
+    arm, seed, _ = parse_run(name)
+    return arm, first_seed if seed is None else seed
 
 
 def by_arm(rows: dict[str, list[dict]], first_seed: int, responses_per_step: int) -> dict[str, dict[int, Endpoints]]:

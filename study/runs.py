@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from common.config import ConfigError, load_config
 from common.metrics import read_metrics
-from study.arms import ARMS, STALENESS_ARMS, STALENESS_LAGS, staleness_steps
+from study.arms import ARMS, STALENESS_ARMS, STALENESS_LAGS, parse_run, run_name, staleness_steps
 from study.dose_report import write_dose_report
 from study.staleness_report import write_staleness_report
 from study.report import write_report
@@ -217,21 +217,9 @@ def run_names(plan: Plan) -> list[str]:
     preset runs every method at every forced lag and seed instead: seed by seed, method by method, lag by lag
     (<method>@k<k>@s<seed>)."""
     if plan.preset == "staleness":
-        return [f"{m}@k{k}@s{seed}" for seed in plan.seeds for m in plan.methods for k in plan.staleness]
-    names = [m if i == 0 else f"{m}@s{seed}" for m in plan.methods for i, seed in enumerate(plan.seeds)]
-    return names + [f"{m}@k{k}" for m in plan.staleness_methods for k in plan.staleness]
-
-
-def parse_run(name: str) -> tuple[str, int | None, int | None]:
-    """(method, seed or None, staleness k or None) of a run name: grpo, grpo@s1, grpo@k4, grpo_tis@k16@s2."""
-    method, *variants = name.split("@")
-    seed = k = None
-    for v in variants:
-        if v.startswith("s"):
-            seed = int(v[1:])
-        elif v.startswith("k"):
-            k = int(v[1:])
-    return method, seed, k
+        return [run_name(m, seed, k) for seed in plan.seeds for m in plan.methods for k in plan.staleness]
+    names = [run_name(m, None if i == 0 else seed) for m in plan.methods for i, seed in enumerate(plan.seeds)]
+    return names + [run_name(m, k=k) for m in plan.staleness_methods for k in plan.staleness]
 
 
 def run_steps(plan: Plan, name: str) -> int:

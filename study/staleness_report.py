@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from common.metrics import read_metrics
-from study.arms import STALENESS_ARMS, STALENESS_LAGS, staleness_steps
+from study.arms import STALENESS_ARMS, STALENESS_LAGS, parse_run, run_name, staleness_steps
 from study.dose_report import Contrast, ci_text, contrast, fmt, md_table, mean_by_step, mean_or_none, on_policy_points
 from study.lawfit import key_series, merge_rows, row_value
 from study.stats import diff_interval
@@ -51,9 +51,11 @@ class LagRun:
 
 
 def parse_name(name: str) -> tuple[str, int, int]:
-    """(method, k, seed) of <method>@k<k>@s<seed>."""
-    method, k, seed = name.split("@")
-    return method, int(k[1:]), int(seed[1:])
+    """(method, k, seed) of <method>@k<k>@s<seed> (study.arms.parse_run, reordered; both variants required)."""
+    method, seed, k = parse_run(name)
+    if seed is None or k is None:
+        raise ValueError(f"{name!r} is not a staleness run name (<method>@k<k>@s<seed>)")
+    return method, k, seed
 
 
 def first_collapse(points: list[tuple[int, float]]) -> int | None:
@@ -101,7 +103,7 @@ Cells = dict[str, dict[int, LagRun]]  # "<method>@k<k>" -> seed -> run
 
 
 def cell(method: str, k: int) -> str:
-    return f"{method}@k{k}"
+    return run_name(method, k=k)
 
 
 def by_cell(runs: list[LagRun]) -> Cells:

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from study import runs as study_runs
-from study.arms import staleness_steps
+from study.arms import parse_run, run_name, staleness_steps
 from study import staleness_report as sr
 from study.dose_report import Contrast
 
@@ -129,7 +129,15 @@ def test_staleness_preset_plans_forced_lag_runs(tmp_path):
     over = study_runs.run_overrides(plan, "kl_cov_m2po@k64@s1")
     assert over[0] == "run.seed=1" and "learner.importance.m2po_threshold=0.04" in over
     assert over[-3:] == ["rollout.max_staleness_steps=64", "rollout.forced_lag=64", "eval.every_steps=32"]
-    assert study_runs.parse_run("grpo_ess@k16@s2") == ("grpo_ess", 2, 16)
+    assert parse_run("grpo_ess@k16@s2") == ("grpo_ess", 2, 16)
+
+
+def test_run_names_round_trip_through_one_contract():
+    for method, seed, k in [("grpo", None, None), ("grpo", 1, None), ("grpo", None, 4), ("kl_cov_m2po", 2, 64)]:
+        assert parse_run(run_name(method, seed, k)) == (method, seed, k)
+    assert sr.parse_name("grpo_ess@k16@s2") == ("grpo_ess", 16, 2)
+    with pytest.raises(ValueError, match="not a staleness run name"):
+        sr.parse_name("grpo_ess@s2")
 
 
 def _lag_run(method, seed, collapse, ess):
