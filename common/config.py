@@ -157,6 +157,10 @@ class ClipCovLoss(_Loss, tag="clip_cov"):
     # "random": a control for the covariance choice. The same count of tokens a step as "covariance" would choose,
     # drawn uniformly among all valid tokens (learner.cov_scope = "step" only).
     selection: Literal["covariance", "random"] = "covariance"
+    # The staleness-aware budget (a covrl extension, off at 0): each valid token counts 1 + lag / lag_ref_steps
+    # towards the step's budget (lag: versions between the token's sampler and the step), so stale batches get a
+    # larger budget (learner.cov_scope = "step" only).
+    lag_ref_steps: Annotated[float, Meta(ge=0)] = 0.0
 
 
 class KLCovLoss(_Loss, tag="kl_cov"):
@@ -165,6 +169,10 @@ class KLCovLoss(_Loss, tag="kl_cov"):
     # "random": a control for the covariance choice. The same count of tokens a step as "covariance" would choose,
     # drawn uniformly among all valid tokens (learner.cov_scope = "step" only).
     selection: Literal["covariance", "random"] = "covariance"
+    # The staleness-aware budget (a covrl extension, off at 0): each valid token counts 1 + lag / lag_ref_steps
+    # towards the step's budget (lag: versions between the token's sampler and the step), so stale batches get a
+    # larger budget (learner.cov_scope = "step" only).
+    lag_ref_steps: Annotated[float, Meta(ge=0)] = 0.0
 
 
 class GSPOLoss(_Loss, tag="gspo"):
@@ -515,6 +523,9 @@ def check(cfg: Config) -> None:
     if getattr(loss, "selection", "covariance") == "random" and cfg.learner.cov_scope != "step":
         raise ConfigError("learner.loss.selection = \"random\" draws its tokens over the whole step; set "
                           "learner.cov_scope = \"step\" (the default) or selection = \"covariance\"")
+    if getattr(loss, "lag_ref_steps", 0.0) > 0 and cfg.learner.cov_scope != "step":
+        raise ConfigError(f"learner.loss.lag_ref_steps={loss.lag_ref_steps} scales the step's token budget by its lags; set "
+                          "learner.cov_scope = \"step\" (the default) or lag_ref_steps = 0")
     imp = cfg.learner.importance
     if imp.lo >= imp.hi or imp.geo_lo >= imp.geo_hi:
         raise ConfigError(f"learner.importance: lo ({imp.lo}) must be below hi ({imp.hi}) and geo_lo ({imp.geo_lo}) below geo_hi ({imp.geo_hi})")

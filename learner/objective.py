@@ -29,29 +29,36 @@ from learner.tokens import Collectives, Surveyed, Tokens
 # ---- step-wide token choices ------------------------------------------------------
 
 
-def step_means(entries: list[Surveyed], comm: Collectives) -> tuple[tuple[torch.Tensor, torch.Tensor], float]:
-    """((mean log pi_prox, mean A) over the valid tokens of the step's batch on all ranks, the token count): the
-    centre of every covariance score of the step (one all_reduce)."""
-    sums = torch.zeros(3, dtype=torch.float64)
+def step_means(entries: list[Surveyed], comm: Collectives,
+               lag_ref_steps: float = 0.0) -> tuple[tuple[torch.Tensor, torch.Tensor], float, float]:
+    """((mean log pi_prox, mean A) over the valid tokens of the step's batch on all ranks, the token count, the
+    budget count): the centre of every covariance score of the step and what its token budget is a fraction of
+    (one all_reduce). The budget count is the token count, or with `lag_ref_steps` > 0 (the staleness-aware
+    budget, a covrl extension) the sum over valid tokens of 1 + lag / lag_ref_steps (`Surveyed.lag`)."""
+    sums = torch.zeros(4, dtype=torch.float64)
     for e in entries:
-        sums += torch.stack([(e.old * e.mask).sum(), (e.adv * e.mask).sum(), e.mask.sum()]).double().cpu()
+        budget = ((e.mask.double() * (1.0 + e.lag.double() / lag_ref_steps)).sum() if lag_ref_steps > 0
+                  else e.mask.sum())
+        sums += torch.stack([(e.old * e.mask).sum(), (e.adv * e.mask).sum(), e.mask.sum(), budget]).double().cpu()
     comm.sum_(sums)
     n = sums[2].clamp(min=1.0)
-    return (sums[0] / n, sums[1] / n), float(sums[2])
+    return (sums[0] / n, sums[1] / n), float(sums[2]), float(sums[3])
 
 
 def _select_top_covariance(entries: list[Surveyed], comm: Collectives, fraction: float,
                            score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                           floor: float, random: torch.Generator | None = None) -> list[torch.Tensor]:
+                           floor: float, random: torch.Generator | None = None,
+                           lag_ref_steps: float = 0.0) -> list[torch.Tensor]:
     """Tokens with the k = max(1, int(fraction * n_valid)) largest `score(cov, mask)` of the step's batch on all
     ranks, Cov taken around the global means of log pi_prox and A (docs/DESIGN.md section 4). A token scoring
-    `floor` or less is never chosen. Bool [1, N] per entry.
+    `floor` or less is never chosen. Bool [1, N] per entry. With `lag_ref_steps` > 0, n_valid counts each token as
+    1 + lag / lag_ref_steps (`step_means`): a budget that grows with the batch's staleness.
 
     `random` (`learner.loss.selection = "random"`, the control for the covariance choice): as many tokens as the
     covariance rule would choose, min(k, tokens scoring above `floor`), drawn uniformly among all valid tokens
     with this seeded stream instead."""
-    means, tokens = step_means(entries, comm)
-    k = max(1, int(fraction * tokens))
+    means, _, budget = step_means(entries, comm, lag_ref_steps)
+    k = max(1, int(fraction * budget))
     scores = [score(losses.covariance_score(e.old.double(), e.adv.double(), e.mask, means=means), e.mask) for e in entries]
     if random is not None:
         eligible = comm.sum_(torch.tensor([float(sum(int((s > floor).sum()) for s in scores))], dtype=torch.float64))
@@ -86,7 +93,7 @@ def covariance_profile(entries: list[Surveyed], comm: Collectives, bounds: tuple
     largest carry (`cov_top<K>_share`, exact under ties), and how many tokens lie in Clip-Cov's candidate band
     (`cov_candidates`, `bounds` = (cov_lb, cov_ub)) and the share they carry together (`cov_candidates_share`).
     The shares are absent when the sum is not positive."""
-    means, _ = step_means(entries, comm)
+    means, _, _ = step_means(entries, comm)
     covs = [losses.covariance_score(e.old.double(), e.adv.double(), e.mask, means=means).cpu() for e in entries]
     flat = torch.cat([c[e.mask.cpu() > 0] for c, e in zip(covs, entries)]) if entries else torch.zeros(0, dtype=torch.float64)
     selected = sum(float(c[(e.selected.cpu() & (e.mask.cpu() > 0))].sum()) for c, e in zip(covs, entries)
@@ -155,6 +162,7 @@ class ClipCov(PolicyLoss):
             return losses.clip_cov_keys(candidate, generator).double()
 
         return _select_top_covariance(entries, comm, self.cfg.cov_fraction, keys, floor=-1.0,
+                                      lag_ref_steps=self.cfg.lag_ref_steps,
                                       random=generator if self.cfg.selection == "random" else None)
 
 
@@ -179,6 +187,7 @@ class KLCov(PolicyLoss):
             return torch.where(losses.kl_cov_eligible(cov, mask), cov - tie, torch.full_like(cov, float("-inf")))
 
         return _select_top_covariance(entries, comm, self.cfg.kl_fraction, score, floor=float("-inf"),
+                                      lag_ref_steps=self.cfg.lag_ref_steps,
                                       random=generator if self.cfg.selection == "random" else None)
 
 

@@ -51,6 +51,7 @@ class Surveyed:
     m2po_keep: torch.Tensor | None = None
     clipped: torch.Tensor | None = None  # tokens the trust region clipped (the loss's pg_clipfrac)
     masked: torch.Tensor | None = None  # tokens the off-policy correction capped or masked (IS weight, M2PO)
+    lag: torch.Tensor | None = None  # each token's version lag: the step's version minus the version that sampled it
 
 
 class Collectives(Protocol):

@@ -274,7 +274,8 @@ class Trainer:
             logp, ent = self._logp_entropy(self.module, mb)
             ref = self._logp_entropy(self.ref, mb)[0] if self.ref is not None else None
             per[(m, k)] = Surveyed(old=logp, entropy=ent, adv=mb["adv"], mask=mb["mask"], ref=ref, behav=mb["behav"],
-                                   seq_ids=mb["seq_ids"], num_seqs=max(len(idx), 1))
+                                   seq_ids=mb["seq_ids"], num_seqs=max(len(idx), 1),
+                                   lag=batch.version - mb["versions"].double())
         self.engine.train()
         self.objective.select(list(per.values()), self.comm, self._generator(batch))
         return per

@@ -72,6 +72,10 @@ STALENESS_ARMS: dict[str, Arm] = {
     "kl_cov_m2po": Arm([*KL_COV, *M2PO], "kl_cov", "KL-Cov + TIS + M2PO 0.04"),
     "grpo_m2po": Arm([*GRPO, *M2PO], "grpo", "GRPO + TIS + M2PO 0.04"),
     "grpo_ess": Arm([*GRPO, "learner.ess_step_scaling=sqrt"], "grpo", "GRPO + TIS + ESS-scaled steps (sqrt)"),
+    # covrl's staleness-aware budget (PLAN.md amendment 4): KL-Cov's count x (1 + lag / 16), so x 1.25 at lag 4,
+    # x 2 at 16, x 5 at 64; at lag 0 the run is kl_cov_tis's, to the bit.
+    "kl_cov_lag": Arm([*KL_COV, "learner.loss.lag_ref_steps=16"], "kl_cov", "KL-Cov + TIS, budget x (1 + lag / 16)",
+                      "covrl extension: the staleness-aware budget"),
 }
 # The forced lags of the staleness study, and each lag's run length: at least 4 k steps, so 3/4 of it at full lag.
 STALENESS_LAGS = (0, 4, 16, 64)

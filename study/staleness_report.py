@@ -301,9 +301,43 @@ def section_secondary(cells: Cells) -> str:
     return "\n".join(["## 5. M2PO and ESS-scaled steps on GRPO (rule 4)", "", table])
 
 
+def lag_budget_verdict(gain: Contrast, acc: Contrast, control: Contrast) -> str:
+    """Rule 7 at one lag: gain = end entropy (KL-Cov, lag budget) - (KL-Cov + TIS), acc the same for held-out
+    accuracy, control = end entropy (KL-Cov, lag budget) - (GRPO + TIS); all paired by seed."""
+    if gain.n < 2:
+        return "undetermined (fewer than two seeds)"
+    effect = ("it **raises** the on-policy entropy over KL-Cov's" if gain.excludes_zero(1) else
+              "it **lowers** the on-policy entropy below KL-Cov's" if gain.excludes_zero(-1) else
+              f"no detectable effect on entropy (MDE {fmt(gain.mde)})")
+    cost = ("; it **costs accuracy**" if acc.excludes_zero(-1) else "; it **gains accuracy**" if acc.excludes_zero(1)
+            else "")
+    held = ("; it keeps entropy above GRPO's" if control.n >= 2 and control.excludes_zero(1) else
+            "; it does not keep entropy above GRPO's" if control.n >= 2 else "")
+    return effect + cost + held
+
+
+def section_lag_budget(cells: Cells) -> str:
+    lines = ["## 6. The staleness-aware budget (rule 7, a covrl extension: KL-Cov's count x (1 + lag / 16); read at "
+             "k = 16 and 64)", ""]
+    for k in STALENESS_LAGS[1:]:
+        gain = _pair(cells, "kl_cov_lag", "kl_cov_tis", k, end_entropy, "end entropy, lag budget - KL-Cov + TIS")
+        acc = _pair(cells, "kl_cov_lag", "kl_cov_tis", k, accuracy, "accuracy")
+        control = _pair(cells, "kl_cov_lag", "grpo_tis", k, end_entropy, "end entropy, lag budget - GRPO + TIS")
+        lines += [f"- k = {k}: {gain.text()}; {acc.text(3)}; {control.text()}; collapses "
+                  f"{_collapse_text(cells, 'kl_cov_lag', k)} with the lag budget, {_collapse_text(cells, 'kl_cov_tis', k)} "
+                  f"without. Verdict: {lag_budget_verdict(gain, acc, control)}."]
+    lo, hi = STALENESS_LAGS[0], STALENESS_LAGS[-1]
+    d = {k: _pair(cells, "kl_cov_tis", "grpo_tis", k, end_entropy, "") for k in (lo, hi)}
+    if d[lo].n >= 2 and d[lo].excludes_zero(1) and d[hi].n >= 2 and not d[hi].excludes_zero(1):  # rule 2: fails
+        restores = _pair(cells, "kl_cov_lag", "grpo_tis", hi, end_entropy, "").excludes_zero(1)
+        lines += ["", f"KL-Cov fails at lag {hi} (rule 2); the lag budget "
+                  + ("**restores the control** there (C_64 above 0)." if restores else "does not restore it (C_64 not above 0).")]
+    return "\n".join(lines)
+
+
 def section_clip(cells: Cells) -> str:
     tilt = lambda r: r.clip_tilt  # noqa: E731
-    lines = ["## 6. Where the clip falls (rule 5, GRPO + TIS): clip share in the top minus the bottom entropy quintile", ""]
+    lines = ["## 7. Where the clip falls (rule 5, GRPO + TIS): clip share in the top minus the bottom entropy quintile", ""]
     for k in STALENESS_LAGS:
         vals = _values(cells, "grpo_tis", k, tilt)
         lines.append(f"- k = {k}: {ci_text(vals, 5)} over {len(vals)} seeds" +
@@ -317,7 +351,7 @@ def section_clip(cells: Cells) -> str:
 
 def section_ess_collapse(cells: Cells) -> str:
     """Rule 6: the lowest response ESS before the collapse step, collapsed runs against the others of the same k."""
-    lines = ["## 7. Does a falling ESS precede collapse? (rule 6)", ""]
+    lines = ["## 8. Does a falling ESS precede collapse? (rule 6)", ""]
     for k in STALENESS_LAGS:
         runs = [r for c, seeds in cells.items() if c.endswith(f"@k{k}") for r in seeds.values()]
         fell = [r for r in runs if r.collapse_step is not None]
@@ -341,11 +375,16 @@ def implementation_checks(cells: Cells) -> str:
     exact = sum(r.exact_lag for r in runs)
     m2po0 = [v for r in runs if r.k == 0 and "m2po" in r.method and (v := r.off.get("m2po_masked")) is not None]
     no_ess = [v for r in runs if r.method != "grpo_ess" and (v := r.off.get("lr_scale")) is not None]
+    at0 = [(r, twin) for r in cells.get(cell("kl_cov_lag", 0), {}).values()
+           if (twin := cells.get(cell("kl_cov_tis", 0), {}).get(r.seed)) is not None]
+    same = sum((r.end_entropy, r.acc, r.off) == (t.end_entropy, t.acc, t.off) for r, t in at0)
     lines = [f"every trained token exactly min(step - 1, k) versions old (staleness/min = staleness/max): {exact} of "
              f"{len(runs)} runs",
              f"M2PO at k = 0 masked a share of {fmt(max(m2po0), 6) if m2po0 else 'n/a'} at most (on-policy, nothing to mask)",
-             f"the learning-rate scale without ESS scaling: {fmt(min(no_ess), 6) if no_ess else 'n/a'} at least (1 = untouched)"]
-    return "\n".join(["## 8. Implementation checks (not claims)", ""] + [f"- {line}" for line in lines])
+             f"the learning-rate scale without ESS scaling: {fmt(min(no_ess), 6) if no_ess else 'n/a'} at least (1 = untouched)",
+             f"the lag budget at k = 0 (every lag 0) equals KL-Cov + TIS in every endpoint and off-policy measure: "
+             f"{same} of {len(at0)} seeds"]
+    return "\n".join(["## 9. Implementation checks (not claims)", ""] + [f"- {line}" for line in lines])
 
 
 def caveat(bites: bool | None) -> str:
@@ -363,12 +402,12 @@ def _with_caveat(section: str, note: str) -> str:
 def render(cells: Cells, meta: dict, now: datetime.datetime, names: list[str], missing: list[str]) -> str:
     manipulation, bites = section_manipulation(cells)
     note = caveat(bites)
-    later = [section_kl_cov(cells), section_m2po(cells), section_secondary(cells), section_clip(cells),
-             section_ess_collapse(cells)]
+    later = [section_kl_cov(cells), section_m2po(cells), section_secondary(cells), section_lag_budget(cells),
+             section_clip(cells), section_ess_collapse(cells)]
     return "\n\n".join([
         section_header(meta, now, names, missing), manipulation, section_endpoints(cells),
         *(_with_caveat(s, note) for s in later), implementation_checks(cells),
-        "## 9. Plots (means over seeds; one panel per lag)\n\n" + "\n\n".join(f"![{p.removesuffix('.png')}]({p})" for p in PLOTS),
+        "## 10. Plots (means over seeds; one panel per lag)\n\n" + "\n\n".join(f"![{p.removesuffix('.png')}]({p})" for p in PLOTS),
     ]) + "\n"
 
 

@@ -60,6 +60,7 @@ m2po_threshold = 1e-6
 [learner.loss]
 type = "kl_cov"
 kl_fraction = 0.02
+lag_ref_steps = 1
 [learner.par]
 schedule = "entropy_guided"
 """,
@@ -114,12 +115,15 @@ def test_loss_mode_runs_three_steps(mode, tmp_path):
             assert r.get(key) is not None, key
         assert all(r.get(f"offpolicy/{key}") is not None for key in OFFPOLICY)
         assert sum(v for k, v in r.items() if k.startswith("staleness/share_lag_")) == pytest.approx(1.0)
-    if mode == "kl_cov":  # forced lag 2, M2PO and ESS-scaled steps, over two ranks and two mini-batches
+    if mode == "kl_cov":  # forced lag 2, M2PO, ESS-scaled steps, the lag budget; two ranks, two mini-batches
         assert [(r["staleness/min"], r["staleness/max"]) for r in rows] == [(0, 0), (1, 1), (2, 2)]
         assert rows[2]["staleness/share_lag_2-3"] == 1.0
         assert rows[0]["offpolicy/m2po_masked"] == 0 < rows[2]["offpolicy/m2po_masked"]
         assert sum(rows[2][f"offpolicy/masked_q{q}"] for q in range(1, 6)) > 0  # M2PO's drops, placed by entropy
         assert rows[2]["offpolicy/ess_lr_scale"] < 1.0 and rows[2]["offpolicy/ess_seq"] < 1.0
+        for r in rows:  # the staleness-aware budget: every token counts 1 + lag / 1, so k = int(0.02 n (1 + lag))
+            n = round(r["response_length/mean"] * 16)
+            assert round(r["actor/cov_selected_frac"] * n) == int(0.02 * (n * (1 + r["staleness/min"])))
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
         board = EventAccumulator(str(run / "tb"), size_guidance={"histograms": 0, "scalars": 0})

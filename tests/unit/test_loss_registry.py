@@ -5,6 +5,7 @@ micro-batches seen by one rank (`OneRank`), where the step's statistics differ f
 """
 
 import typing
+from dataclasses import replace
 
 import pytest
 import torch
@@ -149,6 +150,42 @@ def test_random_selection_needs_the_step_scope():
     with pytest.raises(config.ConfigError, match=r"selection = \"random\" draws its tokens over the whole step; set "
                                                  r"learner.cov_scope = \"step\""):
         config.load_config(None, ["learner.loss.type=kl_cov", "learner.loss.selection=random",
+                                  "learner.cov_scope=micro_batch"])
+
+
+def _lagged(lags, ref, **kw):
+    """`_step`'s KL-Cov choice when its tokens have these lags ([1, 3] per micro-batch, the last slot padding)."""
+    entries = [replace(e, lag=torch.tensor([row], dtype=torch.float64)) for e, row in zip(_step(), lags, strict=True)]
+    loss = make_loss(_lc(config.KLCovLoss(kl_fraction=0.25, lag_ref_steps=ref, **kw)))
+    return [s.tolist() for s in loss.select_step(entries, OneRank(), G(0))]
+
+
+def test_the_staleness_aware_budget_counts_each_token_as_one_plus_its_lag_over_the_reference():
+    # 4 valid tokens, Cov > 0 on two (1.375, 1.125); kl_fraction 0.25. The padded slots' lag 400 must not count.
+    one, both = [[[True, False, False]], [[False, False, False]]], [[[True, False, False]], [[True, False, False]]]
+    assert _lagged([[0, 0, 400], [0, 0, 400]], ref=4.0) == one  # budget 4: k = 1, as without it
+    assert _lagged([[4, 4, 400], [4, 4, 400]], ref=4.0) == both  # each counts 1 + 4 / 4 = 2: budget 8, k = 2
+    assert _lagged([[4, 0, 400], [0, 0, 400]], ref=4.0) == one  # budget 5: k = int(1.25) = 1
+    assert _lagged([[4, 4, 400], [4, 0, 400]], ref=4.0) == one  # budget 7: k = int(1.75) = 1
+    assert _lagged([[4, 4, 400], [4, 4, 400]], ref=0.0) == one  # off: lags are not read
+
+
+def test_the_staleness_aware_budget_sets_the_random_controls_count_too():
+    """32 valid tokens, kl_fraction 0.1: k = int(3.2) = 3 without lags; with half of them 16 versions old and a
+    reference of 8, the budget is 16 + 16 x 3 = 64 tokens, k = int(6.4) = 6 (the control draws the same count)."""
+    lag = torch.zeros(1, 40, dtype=torch.float64)
+    lag[0, 16:] = 16.0  # the 8 padded slots among them
+    for ref, want in ((0.0, 3), (8.0, 6)):
+        loss = make_loss(_lc(config.ClipCovLoss(cov_fraction=0.1, cov_lb=-10.0, cov_ub=10.0, selection="random",
+                                                lag_ref_steps=ref)))
+        chosen = loss.select_step([replace(e, lag=lag) for e in _wide_step()], OneRank(), G(1))[0]
+        assert int(chosen.sum()) == want
+
+
+def test_the_staleness_aware_budget_needs_the_step_scope():
+    with pytest.raises(config.ConfigError, match=r"lag_ref_steps=16.0 scales the step's token budget by its lags; set "
+                                                 r"learner.cov_scope = \"step\""):
+        config.load_config(None, ["learner.loss.type=kl_cov", "learner.loss.lag_ref_steps=16",
                                   "learner.cov_scope=micro_batch"])
 
 

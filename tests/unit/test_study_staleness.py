@@ -73,6 +73,30 @@ def test_m2po_verdict_can_come_out_every_way():
     assert "no detectable effect" in sr.m2po_verdict(_c(0, -.01, .01), _c(0, -.01, .01), (1, 1))
 
 
+def test_lag_budget_verdict_can_come_out_every_way():
+    nul = _c(0, -.01, .01)
+    assert sr.lag_budget_verdict(_c(.02, .01, .03), nul, _c(.03, .01, .05)) == (
+        "it **raises** the on-policy entropy over KL-Cov's; it keeps entropy above GRPO's")
+    assert sr.lag_budget_verdict(_c(-.02, -.03, -.01), _c(-.05, -.09, -.01), nul) == (
+        "it **lowers** the on-policy entropy below KL-Cov's; it **costs accuracy**; it does not keep entropy above "
+        "GRPO's")
+    assert sr.lag_budget_verdict(nul, _c(.05, .01, .09), nul).startswith("no detectable effect on entropy (MDE")
+    assert "gains accuracy" in sr.lag_budget_verdict(nul, _c(.05, .01, .09), nul)
+    assert sr.lag_budget_verdict(_c(0, None, None, n=1), nul, nul) == "undetermined (fewer than two seeds)"
+
+
+def test_lag_budget_restores_the_control_only_where_kl_cov_fails_and_it_holds():
+    def cells(lag_entropy):
+        ends = {("grpo_tis", 0): 0.05, ("grpo_tis", 64): 0.05, ("kl_cov_tis", 0): 0.08, ("kl_cov_tis", 64): 0.05,
+                ("kl_cov_lag", 0): 0.08, ("kl_cov_lag", 64): lag_entropy}
+        runs = [sr.LagRun(m, k, seed, 64, e + 0.001 * seed * (m != "grpo_tis"), 64, True, 0.6, None, {}, None, [], True)
+                for (m, k), e in ends.items() for seed in (0, 1, 2)]
+        return sr.by_cell(runs)
+
+    assert "the lag budget **restores the control** there (C_64 above 0)" in sr.section_lag_budget(cells(0.09))
+    assert "the lag budget does not restore it (C_64 not above 0)" in sr.section_lag_budget(cells(0.05))
+
+
 def _study(tmp_path, names, steps_of, **kinds):
     for name in names:
         method, k, seed = sr.parse_name(name)
@@ -110,21 +134,33 @@ def test_report_from_a_partial_study(tmp_path):
 
 
 def test_report_verdicts_when_every_cell_has_seeds(tmp_path):
-    names = [f"{m}@k{k}@s{s}" for s in (0, 1, 2) for m in ("grpo_tis", "kl_cov_tis") for k in (0, 4, 16, 64)]
-    # KL-Cov's entropy effect shrinks to nothing at lag: seeds differ a little so intervals exist.
+    names = [f"{m}@k{k}@s{s}" for s in (0, 1, 2) for m in ("grpo_tis", "kl_cov_tis", "kl_cov_lag") for k in (0, 4, 16, 64)]
+    # KL-Cov's entropy effect shrinks to nothing at lag: seeds differ a little so intervals exist. The lag budget
+    # raises the end entropy, more with lag, except at k = 0 (its runs there equal KL-Cov's, one seed aside).
     meta = _study(tmp_path, names, {n: staleness_steps(sr.parse_name(n)[1], 8) for n in names}, kl_cov_tis={"entropy_end": 0.05})
+    for name in names:
+        method, k, seed = sr.parse_name(name)
+        if method == "kl_cov_lag" and (k > 0 or seed == 2):
+            rows = _rows(k, staleness_steps(k, 8), kl=0.001 * (k + 1) * (1 + 0.1 * seed), capfrac=1e-4 * (k + 1) * (1 + 0.1 * seed),
+                         entropy_end=0.05 + 0.001 * (k + 1) * (1 + 0.1 * seed))
+            with open(tmp_path / name / "metrics.jsonl", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
     text = open(sr.write_staleness_report(str(tmp_path), names, meta)).read()
     assert "Verdict: **the lag bites**" in text
     assert "**cannot be answered positively at this scale**" in text  # same entropy: no control at k = 0 or 64
-    assert "every trained token exactly min(step - 1, k) versions old (staleness/min = staleness/max): 24 of 24 runs" in text
+    assert "every trained token exactly min(step - 1, k) versions old (staleness/min = staleness/max): 36 of 36 runs" in text
+    section = text.split("## 6. The staleness-aware budget")[1].split("## 7.")[0]
+    assert section.count("Verdict: it **raises** the on-policy entropy over KL-Cov's; it keeps entropy above GRPO's") == 3
+    assert "equals KL-Cov + TIS in every endpoint and off-policy measure: 2 of 3 seeds" in text
 
 
 def test_staleness_preset_plans_forced_lag_runs(tmp_path):
     args = study_runs.parse_args(["--preset", "staleness", "--seeds", "0,1", "--study-dir", str(tmp_path / "s")])
     plan = study_runs.make_plan(args, "cmd", datetime.datetime(2026, 11, 26))
     names = study_runs.run_names(plan)
-    assert len(names) == 2 * 5 * 4 and names[:4] == ["grpo_tis@k0@s0", "grpo_tis@k4@s0", "grpo_tis@k16@s0", "grpo_tis@k64@s0"]
-    assert names[20] == "grpo_tis@k0@s1"
+    assert len(names) == 2 * 6 * 4 and names[:4] == ["grpo_tis@k0@s0", "grpo_tis@k4@s0", "grpo_tis@k16@s0", "grpo_tis@k64@s0"]
+    assert names[24] == "grpo_tis@k0@s1"
+    assert "learner.loss.lag_ref_steps=16" in study_runs.run_overrides(plan, "kl_cov_lag@k16@s0")
     assert [study_runs.run_steps(plan, n) for n in names[:4]] == [64, 64, 64, 256]
     over = study_runs.run_overrides(plan, "kl_cov_m2po@k64@s1")
     assert over[0] == "run.seed=1" and "learner.importance.m2po_threshold=0.04" in over
