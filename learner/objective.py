@@ -37,6 +37,8 @@ def step_means(entries: list[Surveyed], comm: Collectives,
     budget, a covrl extension) the sum over valid tokens of 1 + lag / lag_ref_steps (`Surveyed.lag`)."""
     sums = torch.zeros(4, dtype=torch.float64)
     for e in entries:
+        if lag_ref_steps > 0 and e.lag is None:
+            raise ValueError("the staleness-aware budget (lag_ref_steps > 0) needs each surveyed token's lag (Surveyed.lag)")
         budget = ((e.mask.double() * (1.0 + e.lag.double() / lag_ref_steps)).sum() if lag_ref_steps > 0
                   else e.mask.sum())
         sums += torch.stack([(e.old * e.mask).sum(), (e.adv * e.mask).sum(), e.mask.sum(), budget]).double().cpu()

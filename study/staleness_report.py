@@ -312,7 +312,7 @@ def lag_budget_verdict(gain: Contrast, acc: Contrast, control: Contrast) -> str:
     cost = ("; it **costs accuracy**" if acc.excludes_zero(-1) else "; it **gains accuracy**" if acc.excludes_zero(1)
             else "")
     held = ("; it keeps entropy above GRPO's" if control.n >= 2 and control.excludes_zero(1) else
-            "; it does not keep entropy above GRPO's" if control.n >= 2 else "")
+            f"; it is not shown to keep entropy above GRPO's (MDE {fmt(control.mde)})" if control.n >= 2 else "")
     return effect + cost + held
 
 
@@ -328,10 +328,11 @@ def section_lag_budget(cells: Cells) -> str:
                   f"without. Verdict: {lag_budget_verdict(gain, acc, control)}."]
     lo, hi = STALENESS_LAGS[0], STALENESS_LAGS[-1]
     d = {k: _pair(cells, "kl_cov_tis", "grpo_tis", k, end_entropy, "") for k in (lo, hi)}
-    if d[lo].n >= 2 and d[lo].excludes_zero(1) and d[hi].n >= 2 and not d[hi].excludes_zero(1):  # rule 2: fails
-        restores = _pair(cells, "kl_cov_lag", "grpo_tis", hi, end_entropy, "").excludes_zero(1)
-        lines += ["", f"KL-Cov fails at lag {hi} (rule 2); the lag budget "
-                  + ("**restores the control** there (C_64 above 0)." if restores else "does not restore it (C_64 not above 0).")]
+    if "**KL-Cov fails under staleness**" in kl_cov_verdict(d, (math.nan,) * 3):  # rule 2's own verdict
+        c = _pair(cells, "kl_cov_lag", "grpo_tis", hi, end_entropy, "")
+        restores = ("undetermined (C_64 lacks two seeds)." if c.n < 2 else "**restores the control** there (C_64 above 0)."
+                    if c.excludes_zero(1) else f"does not restore it (C_64 not above 0; MDE {fmt(c.mde)}).")
+        lines += ["", f"KL-Cov fails at lag {hi} (rule 2); the lag budget: {restores}"]
     return "\n".join(lines)
 
 

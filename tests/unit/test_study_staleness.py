@@ -78,8 +78,8 @@ def test_lag_budget_verdict_can_come_out_every_way():
     assert sr.lag_budget_verdict(_c(.02, .01, .03), nul, _c(.03, .01, .05)) == (
         "it **raises** the on-policy entropy over KL-Cov's; it keeps entropy above GRPO's")
     assert sr.lag_budget_verdict(_c(-.02, -.03, -.01), _c(-.05, -.09, -.01), nul) == (
-        "it **lowers** the on-policy entropy below KL-Cov's; it **costs accuracy**; it does not keep entropy above "
-        "GRPO's")
+        "it **lowers** the on-policy entropy below KL-Cov's; it **costs accuracy**; it is not shown to keep entropy "
+        "above GRPO's (MDE 0.0100)")
     assert sr.lag_budget_verdict(nul, _c(.05, .01, .09), nul).startswith("no detectable effect on entropy (MDE")
     assert "gains accuracy" in sr.lag_budget_verdict(nul, _c(.05, .01, .09), nul)
     assert sr.lag_budget_verdict(_c(0, None, None, n=1), nul, nul) == "undetermined (fewer than two seeds)"
@@ -93,8 +93,12 @@ def test_lag_budget_restores_the_control_only_where_kl_cov_fails_and_it_holds():
                 for (m, k), e in ends.items() for seed in (0, 1, 2)]
         return sr.by_cell(runs)
 
-    assert "the lag budget **restores the control** there (C_64 above 0)" in sr.section_lag_budget(cells(0.09))
-    assert "the lag budget does not restore it (C_64 not above 0)" in sr.section_lag_budget(cells(0.05))
+    assert "the lag budget: **restores the control** there (C_64 above 0)" in sr.section_lag_budget(cells(0.09))
+    assert "the lag budget: does not restore it (C_64 not above 0; MDE" in sr.section_lag_budget(cells(0.05))
+    without = {c: seeds for c, seeds in cells(0.09).items() if not c.startswith("kl_cov_lag")}
+    assert "the lag budget: undetermined (C_64 lacks two seeds)" in sr.section_lag_budget(without)
+    holds = {c: seeds for c, seeds in cells(0.09).items() if c != "kl_cov_tis@k64"}  # rule 2 cannot say "fails"
+    assert "KL-Cov fails" not in sr.section_lag_budget(holds)
 
 
 def _study(tmp_path, names, steps_of, **kinds):
