@@ -54,8 +54,9 @@ def _no_data(ax, why: str = "no data") -> None:
     ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, color="grey")
 
 
-def plot_lines(panels: dict[str, Series], path: str, *, xlabel: str, ylabel: str, title: str) -> str:
-    """One subplot per panel (shared x and y axes), one line per label; returns `path`.
+def plot_lines(panels: dict[str, Series], path: str, *, xlabel: str, ylabel: str, title: str, sharex: bool = True) -> str:
+    """One subplot per panel (shared y axis, and x unless `sharex` is False: panels of different lengths), one line
+    per label; returns `path`.
 
     `panels` maps a panel title to its series; a single panel gives a single plot.
     """
@@ -63,7 +64,7 @@ def plot_lines(panels: dict[str, Series], path: str, *, xlabel: str, ylabel: str
     cols = min(len(names), 3)
     rows = math.ceil(len(names) / cols)
     fig = _figure(6.4 * cols, 4.2 * rows)
-    axes = fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False).ravel()
+    axes = fig.subplots(rows, cols, sharex=sharex, sharey=True, squeeze=False).ravel()
     labels = list(dict.fromkeys(label for series in panels.values() for label in series))
     for i, (ax, name) in enumerate(zip(axes, names)):
         series = panels.get(name, {})

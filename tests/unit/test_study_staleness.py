@@ -191,7 +191,11 @@ def test_ess_before_collapse_rule_both_ways():
     text = sr.section_ess_collapse({"grpo_tis@k4": fell, "kl_cov_tis@k4": held})
     assert "k = 4: lowest ESS before collapse -0.4000" in text and "VCPO's claim: holds" in text
     higher = {s: _lag_run("grpo_tis", s, 8, 0.9 + 0.01 * s) for s in range(3)}
-    assert "VCPO's claim: does not hold" in sr.section_ess_collapse({"grpo_tis@k4": higher, "kl_cov_tis@k4": held})
+    assert "VCPO's claim: does not hold (the collapsed runs' ESS was higher)" in sr.section_ess_collapse(
+        {"grpo_tis@k4": higher, "kl_cov_tis@k4": held})
+    mixed = {s: _lag_run("grpo_tis", s, 8, (0.3, 0.9, 0.6)[s]) for s in range(3)}  # mean below, interval across 0
+    assert "VCPO's claim: not shown (the interval includes 0)" in sr.section_ess_collapse(
+        {"grpo_tis@k4": mixed, "kl_cov_tis@k4": held})
     early = {s: _lag_run("grpo_tis", s, 1, 0.2) for s in range(3)}  # collapsed before any ESS reading
     assert "undetermined (too few ESS readings)" in sr.section_ess_collapse({"grpo_tis@k4": early, "kl_cov_tis@k4": held})
     assert "k = 0: 0 collapsed, 0 did not: undetermined" in text
