@@ -260,7 +260,9 @@ def m2po_verdict(m: Contrast, a: Contrast, collapses: tuple[int, int]) -> str:
         return "M2PO **fights** KL-Cov (lower on-policy entropy)"
     if a.excludes_zero(1) or collapses[0] < collapses[1]:
         return "M2PO **helps** KL-Cov (higher accuracy or fewer collapses, entropy not lower)"
-    return f"no detectable effect (entropy MDE {fmt(m.mde)})"
+    lower = (" on entropy; but held-out accuracy is **lower** with M2PO (A_k below 0: an outcome rule 3 does not name, "
+             "reported beside it)") if a.excludes_zero(-1) else ""
+    return f"no detectable effect (entropy MDE {fmt(m.mde)}){lower}"
 
 
 def _collapses(cells: Cells, method: str, k: int) -> int:

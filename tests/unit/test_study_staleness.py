@@ -71,6 +71,8 @@ def test_m2po_verdict_can_come_out_every_way():
     assert "helps" in sr.m2po_verdict(_c(0, -.01, .01), _c(.05, .01, .09), (0, 0))
     assert "helps" in sr.m2po_verdict(_c(0, -.01, .01), _c(0, -.01, .01), (0, 2))  # fewer collapses
     assert "no detectable effect" in sr.m2po_verdict(_c(0, -.01, .01), _c(0, -.01, .01), (1, 1))
+    assert "lower" not in sr.m2po_verdict(_c(0, -.01, .01), _c(0, -.01, .01), (1, 1))
+    assert "held-out accuracy is **lower** with M2PO" in sr.m2po_verdict(_c(0, -.01, .01), _c(-.05, -.09, -.01), (1, 1))
 
 
 def test_lag_budget_verdict_can_come_out_every_way():
