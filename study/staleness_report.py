@@ -356,7 +356,7 @@ def section_ess_collapse(cells: Cells) -> str:
     """Rule 6: the lowest response ESS before the collapse step, collapsed runs against the others of the same k."""
     lines = ["## 8. Does a falling ESS precede collapse? (rule 6)", ""]
     for k in STALENESS_LAGS:
-        runs = [r for c, seeds in cells.items() if c.endswith(f"@k{k}") for r in seeds.values()]
+        runs = [r for c, seeds in cells.items() if parse_run(c)[2] == k for r in seeds.values()]
         fell = [r for r in runs if r.collapse_step is not None]
         held = [r for r in runs if r.collapse_step is None]
         if len(fell) < 3 or len(held) < 3:
