@@ -156,8 +156,9 @@ gpu-wheels: gpu-kit
 # The proof stops starting stages GPU_PROOF_DEADLINE_S seconds in (a lease's command runs at most 9 minutes; the
 # machine's start and the transfers take the rest of 12) and records the rest as not run. Seen on an H200
 # (2026-11-26): vllm-kit 70 s, vllm-run 82 s, throughput 72 s (learner) + 72 s (model, torch and vLLM generation),
-# the vLLM engine tests without gpu_check 40 s; so the torch stages z1 and z3 come after the deadline: a later
-# command runs them with GPU_PROOF_ARGS="--stages tests,z1,z3".
+# the vLLM engine tests without gpu_check 40 s; so the torch stages z1 and z3 come after the deadline: later
+# commands run them. Seen on an H100 (2026-11-27): tests 32 s, z1 255 s, z3 253 s (each with its resume half), so
+# GPU_PROOF_ARGS="--stages tests,z1" and then GPU_PROOF_ARGS="--stages z3".
 GPU_PROOF_DEADLINE_S ?= 480
 .PHONY: gpu-proof-rehearse
 gpu-proof:

@@ -77,8 +77,9 @@ from 2, a tiny random model for throughput, MFU null), so this script's logic is
 vllm-kit then only imports vLLM's Python (`--python .venv-vllm-0.26.0/bin/python` has it) and vllm-tests is skipped:
 a skipped stage is recorded as such, never as passed.
 
-`--record FILE.json [...]`: merges finished gpu_proof.json files (later files' stages win) into
-tests/bench/results.json under "gpu_proof"; the rest of results.json stays as it is.
+`--record FILE.json [...]`: merges finished gpu_proof.json files of one device (later files' stages win) into
+tests/bench/results.json under "gpu_proofs", keyed by the device: that device's earlier record is replaced (pass
+every file of its leases to keep their stages), another device's stays; the rest of results.json stays as it is.
 """
 
 from __future__ import annotations
@@ -1288,12 +1289,18 @@ def record(files: list[str], force: bool, results_path: str = RESULTS) -> int:
         res["key_lines"] = res.get("key_lines", [])[:40]
     with open(results_path) as f:
         results = json.load(f)
-    results["gpu_proof"] = merged
+    proofs = results.setdefault("gpu_proofs", {})
+    if "gpu_proof" in results:  # the one-record layout before 2026-11-27: it becomes its device's entry
+        old = results.pop("gpu_proof")
+        proofs.setdefault(old["device"], old)
+    replaced = merged["device"] in proofs
+    proofs[merged["device"]] = merged  # one record per device: another device's record stays as it is
     with open(results_path + ".tmp", "w") as f:  # the format tests/bench/common.py writes
         json.dump(results, f, indent=1, sort_keys=True)
     os.replace(results_path + ".tmp", results_path)
     print(f"recorded {', '.join(merged['stages'])} ({merged['device']}, {merged['date']}) into {results_path} "
-          f"under \"gpu_proof\": {'all passed' if merged['all_passed'] else 'NOT all passed'}")
+          f"under \"gpu_proofs\" / {merged['device']!r}{' (replacing its earlier record)' if replaced else ''}: "
+          f"{'all passed' if merged['all_passed'] else 'NOT all passed'}")
     return 0
 
 

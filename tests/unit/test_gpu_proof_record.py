@@ -1,0 +1,52 @@
+"""`hardware.proof --record`: finished gpu_proof.json files go into results.json under "gpu_proofs", one record per
+device, so a lease on another card adds its row rather than erasing the first card's."""
+
+import json
+
+from hardware.proof import record
+
+
+def proof(tmp_path, name, device, stages, date="2026-11-27T02:00:00+00:00", **extra):
+    doc = {"device": device, "date": date, "git_commit": "abc", "stages": stages, **extra}
+    path = tmp_path / name
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def stage(passed=True):
+    return {"passed": passed, "seconds": 1.0, "figures": {}, "checks": {}, "key_lines": ["x"] * 50}
+
+
+def test_records_are_kept_per_device_and_the_old_layout_migrates(tmp_path):
+    results = tmp_path / "results.json"
+    h200 = {"device": "H200", "date": "2026-11-26", "stages": {"vllm-run": stage()}, "all_passed": True}
+    results.write_text(json.dumps({"bench": {"x": 1}, "gpu_proof": h200}))
+    a = proof(tmp_path, "a.json", "H100", {"tests": stage(), "z3": stage(False)})
+    b = proof(tmp_path, "b.json", "H100", {"z3": stage()}, date="2026-11-27T02:11:00+00:00")
+    assert record([a, b], force=False, results_path=str(results)) == 0
+    doc = json.loads(results.read_text())
+    assert "gpu_proof" not in doc and doc["bench"] == {"x": 1}
+    assert doc["gpu_proofs"]["H200"] == h200  # another device's record is untouched
+    h100 = doc["gpu_proofs"]["H100"]
+    assert sorted(h100["stages"]) == ["tests", "z3"] and h100["stages"]["z3"]["passed"]  # the later file wins
+    assert h100["all_passed"] and h100["date"] == "2026-11-27T02:11:00+00:00"
+    assert len(h100["stages"]["tests"]["key_lines"]) == 40
+    # The same device again replaces its record.
+    c = proof(tmp_path, "c.json", "H100", {"z1": stage(False)})
+    assert record([c], force=False, results_path=str(results)) == 0
+    doc = json.loads(results.read_text())
+    assert sorted(doc["gpu_proofs"]) == ["H100", "H200"]
+    assert list(doc["gpu_proofs"]["H100"]["stages"]) == ["z1"] and not doc["gpu_proofs"]["H100"]["all_passed"]
+
+
+def test_mixed_devices_and_rehearsals_are_refused(tmp_path, capsys):
+    results = tmp_path / "results.json"
+    results.write_text("{}")
+    a = proof(tmp_path, "a.json", "H100", {"tests": stage()})
+    b = proof(tmp_path, "b.json", "H200", {"z1": stage()})
+    assert record([a, b], force=False, results_path=str(results)) == 2
+    assert "one device per record" in capsys.readouterr().err
+    r = proof(tmp_path, "r.json", "cpu", {"z1": stage()}, rehearse_cpu=True)
+    assert record([r], force=False, results_path=str(results)) == 2
+    assert "CPU rehearsal" in capsys.readouterr().err
+    assert json.loads(results.read_text()) == {}
