@@ -142,11 +142,13 @@ def _pair(cells: Cells, a: str, b: str, k: int, value, label: str) -> Contrast:
 # ---------------------------------------------------------------------------
 
 def section_header(meta: dict, now: datetime.datetime, names: list[str], missing: list[str]) -> str:
-    lr = next((o.split("=", 1)[1] for o in [*meta.get("overrides", {}).get("preset", []),
-                                            *meta.get("overrides", {}).get("user", [])] if o.startswith("learner.lr=")), "?")
-    lines = [f"# Staleness study at learner.lr = {lr}", "",
+    overrides = [*meta.get("overrides", {}).get("preset", []), *meta.get("overrides", {}).get("user", [])]
+    lrs = [o.split("=", 1)[1] for o in overrides if o.startswith("learner.lr=")]  # the last one set wins, as in a run
+    lines = [f"# Staleness study at learner.lr = {lrs[-1] if lrs else '?'}", "",
              f"Written {now:%Y-%m-%d %H:%M} by `covrl study --report-only`. Plan, endpoints and verdict rules: "
-             f"[docs/study-staleness/PLAN.md](../PLAN.md), fixed before the runs. Command: `{meta.get('command', '?')}`.",
+             f"[docs/study-staleness/PLAN.md](../PLAN.md), fixed before the runs. The study's last invocation: "
+             f"`{meta.get('command', '?')}` (the runs come from every invocation of the same study directory, which "
+             f"must share its settings; a run's own settings are its config.toml).",
              "", f"{len(names)} of {len(names) + len(missing)} runs complete; every number below is from them. Each "
              f"run's directory is its name (`<method>@k<lag>@s<seed>`) beside this report (config.toml and "
              f"metrics.jsonl.xz)."]

@@ -224,3 +224,14 @@ def test_archive_keeps_every_complete_run_any_invocation_asked_for(tmp_path):
     with open(src / "study.json", "w") as f:
         json.dump(second, f)
     assert sorted(archive.archive(str(src), str(tmp_path / "dest"))) == sorted(names)
+
+
+def test_header_names_the_learning_rate_that_the_runs_used():
+    """The preset sets lr 5e-5 and a user's --set learner.lr=2e-5 comes after it: the runs train at 2e-5 (the last
+    override wins), so the report's title must say 2e-5, not the preset's value."""
+    meta = {"overrides": {"preset": ["learner.lr=5e-5"], "user": ["learner.lr=2e-5"]}, "command": "covrl study x"}
+    now = datetime.datetime(2026, 11, 27, 3, 30)
+    head = sr.section_header(meta, now, ["grpo_tis@k0@s0"], [])
+    assert head.startswith("# Staleness study at learner.lr = 2e-5\n") and "last invocation: `covrl study x`" in head
+    assert sr.section_header({"overrides": {"preset": ["learner.lr=5e-5"]}}, now, [], []).startswith(
+        "# Staleness study at learner.lr = 5e-5\n")
