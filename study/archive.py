@@ -4,7 +4,10 @@
 
 Copies STUDY_DIR/study.json and, for every run it names that is complete (a metrics row at its last step),
 RUN/config.toml and RUN/metrics.jsonl as RUN/metrics.jsonl.xz (common.metrics.read_metrics reads either),
-into DEST; checkpoints, rollouts, logs and TensorBoard files stay behind. Run it again as runs finish: it rewrites
+into DEST; checkpoints, rollouts, logs and TensorBoard files stay behind. The archived metrics keep every key but
+the machine's clocks (`timing_s/*`, `perf/*`: seconds and tokens/s of a shared 2-core machine running two studies'
+runs at once, a fifth of the compressed bytes, and no study reads them; study.json keeps each run's wall clock),
+every kept value exactly as logged. Run it again as runs finish: it rewrites
 what changed. `covrl study --report-only --study-dir DEST` then rebuilds the report from DEST alone.
 """
 
@@ -24,13 +27,17 @@ def complete(run_dir: str, steps: int) -> bool:
     return any(r.get("step") == steps for r in read_metrics(run_dir))
 
 
+MACHINE_KEYS = ("timing_s/", "perf/")  # what the archive leaves out (see the module's docstring)
+
+
 def archive_run(src: str, dest: str) -> None:
-    """RUN/config.toml and RUN/metrics.jsonl (as .xz) from src into dest."""
+    """RUN/config.toml and RUN/metrics.jsonl (as .xz, without MACHINE_KEYS) from src into dest."""
     os.makedirs(dest, exist_ok=True)
     shutil.copyfile(os.path.join(src, "config.toml"), os.path.join(dest, "config.toml"))
-    with open(os.path.join(src, "metrics.jsonl"), "rb") as f, lzma.open(os.path.join(dest, "metrics.jsonl.xz"), "wb",
-                                                                         preset=9) as out:
-        shutil.copyfileobj(f, out)
+    with lzma.open(os.path.join(dest, "metrics.jsonl.xz"), "wt", preset=9, encoding="utf-8") as out:
+        for row in read_metrics(src):
+            kept = {k: v for k, v in row.items() if not k.startswith(MACHINE_KEYS)}
+            out.write(json.dumps(kept, separators=(",", ":"), allow_nan=False) + "\n")
 
 
 def archive(study_dir: str, dest: str) -> list[str]:

@@ -226,6 +226,23 @@ def test_archive_keeps_every_complete_run_any_invocation_asked_for(tmp_path):
     assert sorted(archive.archive(str(src), str(tmp_path / "dest"))) == sorted(names)
 
 
+def test_archive_keeps_every_value_exactly_but_the_machines_clocks(tmp_path):
+    from common.metrics import read_metrics
+    from study import archive
+
+    rows = [{"step": 1, "actor/entropy": 0.1 + 0.2, "offpolicy/ess_seq": 1 / 3, "timing_s/step": 2.5,
+             "perf/gen_tokens_per_s": 812.25, "eval/chain/acc": None, "note": "caf\u00e9"},
+            {"step": 2, "actor/entropy": 1e-300, "timing_s/train": 1.0, "staleness/max": 4}]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.toml").write_text("[run]\nseed = 0\n")
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    archive.archive_run(str(tmp_path / "run"), str(tmp_path / "dest"))
+    assert not (tmp_path / "dest" / "metrics.jsonl").exists()
+    assert read_metrics(str(tmp_path / "dest")) == [
+        {k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows]
+    assert (tmp_path / "dest" / "config.toml").read_text() == "[run]\nseed = 0\n"
+
+
 def test_header_names_the_learning_rate_that_the_runs_used():
     """The preset sets lr 5e-5 and a user's --set learner.lr=2e-5 comes after it: the runs train at 2e-5 (the last
     override wins), so the report's title must say 2e-5, not the preset's value."""
