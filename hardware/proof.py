@@ -1292,7 +1292,7 @@ def record(files: list[str], force: bool, results_path: str = RESULTS) -> int:
     proofs = results.setdefault("gpu_proofs", {})
     if "gpu_proof" in results:  # the one-record layout before 2026-11-27: it becomes its device's entry
         old = results.pop("gpu_proof")
-        proofs.setdefault(old["device"], old)
+        proofs.setdefault(old.get("device", "unknown device"), old)
     replaced = merged["device"] in proofs
     proofs[merged["device"]] = merged  # one record per device: another device's record stays as it is
     with open(results_path + ".tmp", "w") as f:  # the format tests/bench/common.py writes
@@ -1335,8 +1335,8 @@ def parse_args(argv=None):
     ap.add_argument("--commit", help="the git commit to record where the copy has no .git")
     ap.add_argument("--python", default=sys.executable, help="interpreter for the children (default: this one)")
     ap.add_argument("--record", nargs="+", metavar="GPU_PROOF_JSON", help="merge finished gpu_proof.json file(s) into "
-                    "tests/bench/results.json under \"gpu_proof\" and exit")
-    ap.add_argument("--force", action="store_true", help="--record: accept a CPU rehearsal or mixed devices")
+                    "tests/bench/results.json under \"gpu_proofs\" (one record per device: that device's is replaced) and exit")
+    ap.add_argument("--force", action="store_true", help="--record: accept a CPU rehearsal, or mixed devices (filed under the first file's device)")
     args = ap.parse_args(argv)
     args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     if bad := [s for s in args.stages if s not in STAGES]:

@@ -103,3 +103,11 @@ def parse_run(name: str) -> tuple[str, int | None, int | None]:
         elif v.startswith("k"):
             k = int(v[1:])
     return method, seed, k
+
+
+def study_lr(meta: dict) -> str | None:
+    """The learning rate a study's runs trained at, from its study.json: the last `learner.lr=` override, the
+    preset's then the user's (`--set`), in the order a run applies them; None if neither sets it."""
+    overrides = [*meta.get("overrides", {}).get("preset", []), *meta.get("overrides", {}).get("user", [])]
+    lrs = [o.split("=", 1)[1] for o in overrides if o.startswith("learner.lr=")]
+    return lrs[-1] if lrs else None

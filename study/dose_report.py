@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from common.metrics import read_metrics
-from study.arms import ARMS, LADDERS, OFF_POLICY, RANDOM_CONTROLS, parse_run
+from study.arms import ARMS, LADDERS, OFF_POLICY, RANDOM_CONTROLS, parse_run, study_lr
 from study.lawfit import (EvalPoint, eval_lengths, judge_law, key_series, mean_eval_acc, merge_rows, row_value,
                           run_eval_points)
 from study.stats import diff_interval, min_detectable_effect, t_interval
@@ -415,8 +415,7 @@ def write_dose_report(study_dir: str, names: list[str], meta: dict, now: datetim
     with open(tmp, "w") as f:
         points = ({n: on_policy_points(n, r) for n, r in rows.items()}, {n: run_eval_points(n, r) for n, r in rows.items()})
         pilots = study_pilots(study_dir)
-        lr = next((o.split("=", 1)[1] for o in meta.get("overrides", {}).get("preset", []) if o.startswith("learner.lr=")), None)
-        check = reproduces_pilot(study_dir, "grpo", pilots.get(lr)) if "grpo" in names else None
+        check = reproduces_pilot(study_dir, "grpo", pilots.get(study_lr(meta))) if "grpo" in names else None
         f.write(render(arms, meta, now or datetime.datetime.now(), names, pilots, points, check))
     os.replace(tmp, path)
     return path

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from common.metrics import read_metrics
-from study.arms import STALENESS_ARMS, STALENESS_LAGS, parse_run, run_name, staleness_steps
+from study.arms import STALENESS_ARMS, STALENESS_LAGS, parse_run, run_name, staleness_steps, study_lr
 from study.dose_report import Contrast, ci_text, contrast, fmt, md_table, mean_by_step, mean_or_none, on_policy_points
 from study.lawfit import key_series, merge_rows, row_value
 from study.stats import diff_interval
@@ -142,9 +142,7 @@ def _pair(cells: Cells, a: str, b: str, k: int, value, label: str) -> Contrast:
 # ---------------------------------------------------------------------------
 
 def section_header(meta: dict, now: datetime.datetime, names: list[str], missing: list[str]) -> str:
-    overrides = [*meta.get("overrides", {}).get("preset", []), *meta.get("overrides", {}).get("user", [])]
-    lrs = [o.split("=", 1)[1] for o in overrides if o.startswith("learner.lr=")]  # the last one set wins, as in a run
-    lines = [f"# Staleness study at learner.lr = {lrs[-1] if lrs else '?'}", "",
+    lines = [f"# Staleness study at learner.lr = {study_lr(meta) or '?'}", "",
              f"Written {now:%Y-%m-%d %H:%M} by `covrl study --report-only`. Plan, endpoints and verdict rules: "
              f"[docs/study-staleness/PLAN.md](../PLAN.md), fixed before the runs. The study's last invocation: "
              f"`{meta.get('command', '?')}` (the runs come from every invocation of the same study directory, which "

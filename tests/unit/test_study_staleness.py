@@ -252,3 +252,6 @@ def test_header_names_the_learning_rate_that_the_runs_used():
     assert head.startswith("# Staleness study at learner.lr = 2e-5\n") and "last invocation: `covrl study x`" in head
     assert sr.section_header({"overrides": {"preset": ["learner.lr=5e-5"]}}, now, [], []).startswith(
         "# Staleness study at learner.lr = 5e-5\n")
+    # The dose report picks its pilot by the same rule.
+    from study.arms import study_lr
+    assert study_lr(meta) == "2e-5" and study_lr({"overrides": {"preset": ["eval.k=2"]}}) is None
