@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+CLOCK_KEYS = ("timing_s/", "perf/")  # the machine's wall clock: the only keys two runs of one seed may differ in
 PROGRESS_KEYS = ("critic/score/mean", "actor/entropy", "perf/gen_tokens_per_s", "staleness/mean", "staleness/max",
                  "timing_s/step", "cluster/generators")
 

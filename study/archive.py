@@ -20,23 +20,20 @@ import os
 import shutil
 import sys
 
-from common.metrics import read_metrics
+from common.metrics import CLOCK_KEYS, read_metrics
 
 
 def complete(run_dir: str, steps: int) -> bool:
     return any(r.get("step") == steps for r in read_metrics(run_dir))
 
 
-MACHINE_KEYS = ("timing_s/", "perf/")  # what the archive leaves out (see the module's docstring)
-
-
 def archive_run(src: str, dest: str) -> None:
-    """RUN/config.toml and RUN/metrics.jsonl (as .xz, without MACHINE_KEYS) from src into dest."""
+    """RUN/config.toml and RUN/metrics.jsonl (as .xz, without the CLOCK_KEYS) from src into dest."""
     os.makedirs(dest, exist_ok=True)
     shutil.copyfile(os.path.join(src, "config.toml"), os.path.join(dest, "config.toml"))
     with lzma.open(os.path.join(dest, "metrics.jsonl.xz"), "wt", preset=9, encoding="utf-8") as out:
         for row in read_metrics(src):
-            kept = {k: v for k, v in row.items() if not k.startswith(MACHINE_KEYS)}
+            kept = {k: v for k, v in row.items() if not k.startswith(CLOCK_KEYS)}
             out.write(json.dumps(kept, separators=(",", ":"), allow_nan=False) + "\n")
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from common.checkpoint_dirs import complete_checkpoints
-from common.metrics import read_metrics
+from common.metrics import CLOCK_KEYS, read_metrics
 from tests.conftest import BASE_MODEL, REPO
 
 pytestmark = pytest.mark.slow
@@ -22,7 +22,7 @@ SMALL = ["--set", "rollout.groups_per_step=8", "--set", "rollout.group_size=4", 
          "--set", "data.train_size=256", "--set", "eval.every_steps=0"]
 # Evaluation on: small held-out sets, two evaluated versions besides the base model.
 EVAL = [*SMALL[:-2], "--set", "eval.every_steps=2", "--set", "data.eval_size=16", "--set", "eval.temperatures.arith_hard=0"]
-VOLATILE = ("timing_s/", "perf/")  # wall-clock measurements: the only keys allowed to differ between runs
+VOLATILE = CLOCK_KEYS  # wall-clock measurements: the only keys allowed to differ between runs
 
 
 def start(run_dir, *args) -> subprocess.Popen:
