@@ -25,7 +25,7 @@ limit cuts the ZeRO-3 repeat first), each timed, each with its log in `--out` (`
               every token scores under the version it is labelled with, keep mode or its refusal on 0.26, and
               hardware/check.py's learner + generator roles over the rpc weight channel).
   vllm-run    A colocated 1-GPU cluster run with the vLLM generator (rpc weights, gpu_memory_utilization 0.3, eager)
-              and the bf16 DeepSpeed learner (ZeRO-1) on assets/arith-base: 12 steps on-policy
+              and the bf16 DeepSpeed learner (ZeRO-1; --vllm-zero 3: ZeRO-3) on assets/arith-base: 12 steps on-policy
               (rollout.max_staleness_steps = 0) at temperature 0.7. The z1 checks (checksums equal on both sides
               after every publish, every version received, the checkpoint, the device lines), staleness 0, and at
               most 1 % of tokens with pi_prox / pi_behav over the importance cap; the mean ratio within 1 +- 0.05
@@ -660,8 +660,9 @@ def stage_vllm_run(ctx) -> dict:
     steps = s.vllm_steps
     extra = ("rollout.max_staleness_steps=0", "rollout.temperature=0.7", "generator.gpu_memory_utilization=0.3",
              "generator.enforce_eager=true")
-    figures = {"engine": engine, "zero_stage": 1, "dtype": s.dtype, "gpus": s.gpus,
-               "full_run": full_run(ctx, "vllm-run", 1, steps, steps, engine, extra)}
+    zero = ctx.args.vllm_zero
+    figures = {"engine": engine, "zero_stage": zero, "dtype": s.dtype, "gpus": s.gpus,
+               "full_run": full_run(ctx, "vllm-run", zero, steps, steps, engine, extra)}
     rows = [r for r in read_jsonl(os.path.join(ctx.args.work, "vllm-run", "metrics.jsonl"))
             if r.get("actor/is_weight_mean") is not None]
     stale = [r.get("staleness/max") for r in rows]
@@ -1039,7 +1040,8 @@ def short(stage: str, res: dict) -> str:
                 f"seeded repeat {f.get('seeded_repeat_equal')}")
     if stage == "vllm-run":
         full = f.get("full_run", {})
-        return (f"{full.get('steps_logged', 0)} steps ({f.get('engine')}), {full.get('s_per_step_mean')} s/step, "
+        return (f"{full.get('steps_logged', 0)} steps ({f.get('engine')}, ZeRO-{f.get('zero_stage', 1)}), "
+                f"{full.get('s_per_step_mean')} s/step, "
                 f"{full.get('checksums_equal', 0)} checksums equal, is_weight_mean "
                 f"{min(f.get('is_weight_mean') or [0])}..{max(f.get('is_weight_mean') or [0])}")
     if stage in ("z1", "z3"):
@@ -1316,6 +1318,8 @@ def parse_args(argv=None):
                     help="learner,gen,vllm-gen (default all; vllm-gen is not rehearsed on CPU)")
     ap.add_argument("--z3-resume", action=argparse.BooleanOptionalAction, default=True,
                     help="z3 also proves interrupt-and-resume (default); --no-z3-resume: only the full run")
+    ap.add_argument("--vllm-zero", type=int, choices=(1, 3), default=1,
+                    help="the vllm-run stage's learner ZeRO stage (default 1; 3: ZeRO-3 gathers before each publish)")
     ap.add_argument("--rehearse-cpu", action="store_true", help="the same stages on CPU at toy scale (no GPU needed)")
     ap.add_argument("--deadline-s", type=float, default=0, help="stop starting work after this many seconds in all; "
                     "a stage cut short fails, later ones are recorded as not run (0: no deadline)")
