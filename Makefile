@@ -158,7 +158,8 @@ gpu-wheels: gpu-kit
 # (2026-11-26): vllm-kit 70 s, vllm-run 82 s, throughput 72 s (learner) + 72 s (model, torch and vLLM generation),
 # the vLLM engine tests without gpu_check 40 s; so the torch stages z1 and z3 come after the deadline: later
 # commands run them. Seen on an H100 (2026-11-27): tests 32 s, z1 255 s, z3 253 s (each with its resume half), so
-# GPU_PROOF_ARGS="--stages tests,z1" and then GPU_PROOF_ARGS="--stages z3".
+# GPU_PROOF_ARGS="--stages tests,z1" and then GPU_PROOF_ARGS="--stages z3". Seen on an H200 (2026-11-27): vllm-tests
+# with gpu_check 153 s, vllm-run with --vllm-zero 3 153 s, tests 25 s, z1 194 s.
 GPU_PROOF_DEADLINE_S ?= 480
 .PHONY: gpu-proof-rehearse
 gpu-proof:

@@ -1268,6 +1268,9 @@ def record(files: list[str], force: bool, results_path: str = RESULTS) -> int:
                   f"record it anyway)", file=sys.stderr)
             return 2
         origin = f"{','.join(doc['stages'])} run {doc.get('date')}"
+        for res in doc["stages"].values():  # each stage keeps its own provenance (a record may span leases)
+            for key in ("date", "git_commit", "git_dirty"):
+                res.setdefault(key, doc.get(key))
         if merged is None:
             merged = doc
             merged["merged_from"] = [origin]
@@ -1277,6 +1280,8 @@ def record(files: list[str], force: bool, results_path: str = RESULTS) -> int:
                   f"(--force to merge anyway)", file=sys.stderr)
             return 2
         merged["stages"].update(doc["stages"])
+        if doc["date"] >= merged["date"]:  # the record's own commit is its newest file's; stages carry theirs
+            merged["git_commit"], merged["git_dirty"] = doc.get("git_commit"), doc.get("git_dirty")
         merged["date"] = max(merged["date"], doc["date"])
         merged["merged_from"].append(origin)
         merged["warnings"] = sorted(set(merged.get("warnings", [])) | set(doc.get("warnings", [])))

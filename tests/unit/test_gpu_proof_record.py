@@ -50,3 +50,21 @@ def test_mixed_devices_and_rehearsals_are_refused(tmp_path, capsys):
     assert record([r], force=False, results_path=str(results)) == 2
     assert "CPU rehearsal" in capsys.readouterr().err
     assert json.loads(results.read_text()) == {}
+
+
+def test_a_record_merged_across_leases_keeps_each_stages_commit_and_date(tmp_path):
+    """An earlier record of the same device, passed first, keeps the stages the new lease did not rerun, each with
+    the commit and date it ran at; a rerun stage takes the new file's."""
+    results = tmp_path / "results.json"
+    results.write_text("{}")
+    old = proof(tmp_path, "old.json", "H200", {"vllm-kit": stage(), "vllm-run": stage(False)},
+                date="2026-11-26T09:00:00+00:00", git_commit="old", git_dirty=True)
+    new = proof(tmp_path, "new.json", "H200", {"vllm-run": stage()}, date="2026-11-27T05:00:00+00:00",
+                git_commit="new", git_dirty=False)
+    assert record([old, new], force=False, results_path=str(results)) == 0
+    rec = json.loads(results.read_text())["gpu_proofs"]["H200"]
+    kit, run = rec["stages"]["vllm-kit"], rec["stages"]["vllm-run"]
+    assert (kit["git_commit"], kit["date"], kit["git_dirty"]) == ("old", "2026-11-26T09:00:00+00:00", True)
+    assert (run["git_commit"], run["date"], run["passed"]) == ("new", "2026-11-27T05:00:00+00:00", True)
+    assert (rec["git_commit"], rec["git_dirty"], rec["date"]) == ("new", False, "2026-11-27T05:00:00+00:00")
+    assert rec["all_passed"]
