@@ -159,7 +159,7 @@ gpu-wheels: gpu-kit
 # the vLLM engine tests without gpu_check 40 s; so the torch stages z1 and z3 come after the deadline: later
 # commands run them. Seen on an H100 (2026-11-27): tests 32 s, z1 255 s, z3 253 s (each with its resume half), so
 # GPU_PROOF_ARGS="--stages tests,z1" and then GPU_PROOF_ARGS="--stages z3". Seen on an H200 (2026-11-27): vllm-tests
-# with gpu_check 153 s, vllm-run with --vllm-zero 3 153 s, tests 25 s, z1 194 s.
+# with gpu_check 153 s, vllm-z3 153 s, tests 25 s, z1 194 s.
 GPU_PROOF_DEADLINE_S ?= 480
 .PHONY: gpu-proof-rehearse
 gpu-proof:

@@ -1,7 +1,7 @@
 """GPU proof: one command that shows, on a machine with one NVIDIA GPU, that covrl's GPU path works end to end,
 and measures it.
 
-    python3 -m hardware.proof [--out DIR] [--work DIR] [--stages vllm-kit,...,z3] [--rehearse-cpu] [--deadline-s S]
+    python3 -m hardware.proof [--out DIR] [--work DIR] [--stages vllm-kit,...,vllm-z3] [--rehearse-cpu] [--deadline-s S]
     python3 -m hardware.proof --record DIR/gpu_proof.json [MORE.json ...]   # into tests/bench/results.json
 
 Run it from the repository root: a GPU machine without covrl installed finds the packages there (`-m` puts the
@@ -10,8 +10,8 @@ current directory on sys.path); with covrl installed, `covrl gpu-proof` is the s
 
 Everything a stage needs is checked first (CUDA, the packages, the colocated placement, the engine's device
 argument); a missing piece is one line on stderr and exit 2, before anything runs. Then the stages, in the
-order given (default: the order of value, vllm-kit, vllm-tests, vllm-run, tests, z1, throughput, z3, so a time
-limit cuts the ZeRO-3 repeat first), each timed, each with its log in `--out` (`<stage>.log`):
+order given (default: the order of value, vllm-kit, vllm-tests, vllm-run, tests, z1, throughput, z3, vllm-z3, so a
+time limit cuts the ZeRO-3 repeats first), each timed, each with its log in `--out` (`<stage>.log`):
 
   vllm-kit    vLLM itself, without covrl's engine (a child process, hardware/proof_workers.py vllm-smoke): its
               compiled ops load (`vllm._C_stable_libtorch`, in the kit pruned to sm_90) and `_C.rms_norm` matches a
@@ -25,7 +25,7 @@ limit cuts the ZeRO-3 repeat first), each timed, each with its log in `--out` (`
               every token scores under the version it is labelled with, keep mode or its refusal on 0.26, and
               hardware/check.py's learner + generator roles over the rpc weight channel).
   vllm-run    A colocated 1-GPU cluster run with the vLLM generator (rpc weights, gpu_memory_utilization 0.3, eager)
-              and the bf16 DeepSpeed learner (ZeRO-1; --vllm-zero 3: ZeRO-3) on assets/arith-base: 12 steps on-policy
+              and the bf16 DeepSpeed learner (ZeRO-1) on assets/arith-base: 12 steps on-policy
               (rollout.max_staleness_steps = 0) at temperature 0.7. The z1 checks (checksums equal on both sides
               after every publish, every version received, the checkpoint, the device lines), staleness 0, and at
               most 1 % of tokens with pi_prox / pi_behav over the importance cap; the mean ratio within 1 +- 0.05
@@ -46,6 +46,8 @@ limit cuts the ZeRO-3 repeat first), each timed, each with its log in `--out` (`
               again, then 13..24) must equal the learner's. Whether the resumed run's final weights equal the
               uninterrupted run's, to the bit, is recorded (not required: bf16 kernels need not be deterministic).
   z3          The same with ZeRO-3 (`--no-z3-resume`: only the 24-step run with its checkpoints, when time is short).
+  vllm-z3     vllm-run with the learner in ZeRO-3 (one rank: the publisher gathers its partitioned parameters for
+              every update), the same checks.
   throughput  On a random-init model of Qwen2.5-0.5B's shape, built offline (the tokenizer of assets/arith-base,
               whose vocabulary is smaller than the model's: fine for throughput). (1) Learner: `learner.trainer.
               Trainer` built as the learner builds it (torch.distributed over one rank), bf16, ZeRO-1, fed the same
@@ -77,9 +79,12 @@ from 2, a tiny random model for throughput, MFU null), so this script's logic is
 vllm-kit then only imports vLLM's Python (`--python .venv-vllm-0.26.0/bin/python` has it) and vllm-tests is skipped:
 a skipped stage is recorded as such, never as passed.
 
-`--record FILE.json [...]`: merges finished gpu_proof.json files of one device (later files' stages win) into
-tests/bench/results.json under "gpu_proofs", keyed by the device: that device's earlier record is replaced (pass
-every file of its leases to keep their stages), another device's stays; the rest of results.json stays as it is.
+`--record FILE.json [...]`: merges finished gpu_proof.json files of one device into tests/bench/results.json under
+"gpu_proofs", keyed by the device, in the order of their dates: a stage run later replaces the same stage run
+earlier, and the record's machine, versions and commit are its newest file's (keys only older files have, such as
+notes written into an earlier record, are kept). Every stage carries its own date, commit and source digest. That
+device's earlier record is replaced (pass it, or every file of its leases, to keep their stages), another device's
+stays; the rest of results.json stays as it is.
 """
 
 from __future__ import annotations
@@ -104,8 +109,9 @@ from dataclasses import dataclass, replace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-STAGES = ("vllm-kit", "vllm-tests", "vllm-run", "tests", "z1", "throughput", "z3")
-VLLM_STAGES = ("vllm-kit", "vllm-tests", "vllm-run")
+STAGES = ("vllm-kit", "vllm-tests", "vllm-run", "tests", "z1", "throughput", "z3", "vllm-z3")
+VLLM_STAGES = ("vllm-kit", "vllm-tests", "vllm-run", "vllm-z3")
+STAMP_KEYS = ("date", "git_commit", "git_dirty", "source_digest")  # each stage's provenance in gpu_proof.json
 VLLM_TESTS = "tests/gpu/test_vllm_engine.py"
 KIT_FAILED_EXIT = 3  # the kit's compiled ops did not load: rerun with the fallback kit (README "GPU proof")
 DEADLINE_EXIT = 4  # every stage that ran passed, and --deadline-s left some not run: run those in another command
@@ -384,7 +390,7 @@ def preflight(args, scale: Scale) -> tuple[dict, list[str]]:
                  os.path.join(REPO, "launch", "cluster.py")):
         if not os.path.isfile(path):
             refuse(f"{path} is missing: run from a complete checkout of the repository")
-    if {"z1", "z3", "vllm-run"} & set(args.stages) and scale.gpus:
+    if {"z1", "z3", "vllm-run", "vllm-z3"} & set(args.stages) and scale.gpus:
         facts["placement"] = cluster_placement(facts, scale)
     from common.paths import unwritable
 
@@ -651,19 +657,18 @@ IS_WEIGHT_BAND = 0.05
 IS_CLIP_MAX = 0.01
 
 
-def stage_vllm_run(ctx) -> dict:
-    """A colocated 1-GPU run with the vLLM generator (rpc weights) and the bf16 DeepSpeed learner, on-policy
-    (max_staleness_steps = 0) at temperature 0.7, so behaviour and learner logprobs are of the same weights and
-    the same tempered distribution. Rehearsed on CPU with the torch engine (the checks, not vLLM)."""
+def stage_vllm_run(ctx, name: str = "vllm-run", zero: int = 1) -> dict:
+    """A colocated 1-GPU run with the vLLM generator (rpc weights) and the bf16 DeepSpeed learner in ZeRO `zero`,
+    on-policy (max_staleness_steps = 0) at temperature 0.7, so behaviour and learner logprobs are of the same
+    weights and the same tempered distribution. Rehearsed on CPU with the torch engine (the checks, not vLLM)."""
     chk, s = ctx.checks, ctx.scale
     engine = "torch" if ctx.args.rehearse_cpu else "vllm"
     steps = s.vllm_steps
     extra = ("rollout.max_staleness_steps=0", "rollout.temperature=0.7", "generator.gpu_memory_utilization=0.3",
              "generator.enforce_eager=true")
-    zero = ctx.args.vllm_zero
     figures = {"engine": engine, "zero_stage": zero, "dtype": s.dtype, "gpus": s.gpus,
-               "full_run": full_run(ctx, "vllm-run", zero, steps, steps, engine, extra)}
-    rows = [r for r in read_jsonl(os.path.join(ctx.args.work, "vllm-run", "metrics.jsonl"))
+               "full_run": full_run(ctx, name, zero, steps, steps, engine, extra)}
+    rows = [r for r in read_jsonl(os.path.join(ctx.args.work, name, "metrics.jsonl"))
             if r.get("actor/is_weight_mean") is not None]
     stale = [r.get("staleness/max") for r in rows]
     chk("every step trained on-policy (staleness/max 0)", bool(rows) and all(v == 0 for v in stale), f"{stale}")
@@ -1038,7 +1043,7 @@ def short(stage: str, res: dict) -> str:
         return (f"vLLM {f.get('vllm') or f.get('probe', {}).get('version')}: _C {'loads' if f.get('c_loaded') else 'FAILED'}, "
                 f"rms_norm rel err {f.get('rms_norm_rel_err')}, FA3 {f.get('fa3')}, engine built in {f.get('build_s')}s, "
                 f"seeded repeat {f.get('seeded_repeat_equal')}")
-    if stage == "vllm-run":
+    if stage in ("vllm-run", "vllm-z3"):
         full = f.get("full_run", {})
         return (f"{full.get('steps_logged', 0)} steps ({f.get('engine')}, ZeRO-{f.get('zero_stage', 1)}), "
                 f"{full.get('s_per_step_mean')} s/step, "
@@ -1166,6 +1171,7 @@ def run_proof(args) -> int:
     ctx = Ctx(args=args, scale=scale, facts=facts, deadline=deadline, bundle=[], bundle_runs=[])
     interrupted, stopped = False, None
     for name in args.stages:
+        stamp = {"date": utc_now(), **{k: doc[k] for k in STAMP_KEYS[1:]}}
         broken = ctx.vllm_broken if name in VLLM_STAGES else None
         if stopped or broken or (deadline is not None and deadline - time.monotonic() < 60):
             why = f"not run: {stopped or broken or '--deadline-s reached'}"
@@ -1173,6 +1179,7 @@ def run_proof(args) -> int:
                                    "key_lines": []}
         else:
             doc["stages"][name], stopped, interrupted = proof_stage(ctx, name)
+        doc["stages"][name].update(stamp)
         write_doc(doc_path, doc)
         if interrupted:
             break
@@ -1240,6 +1247,8 @@ def run_stage(ctx, name: str) -> dict:
         return stage_vllm_tests(ctx)
     if name == "vllm-run":
         return stage_vllm_run(ctx)
+    if name == "vllm-z3":
+        return stage_vllm_run(ctx, name, zero=3)
     if name == "tests":
         return stage_tests(ctx)
     if name in ("z1", "z3"):
@@ -1251,45 +1260,59 @@ def run_stage(ctx, name: str) -> dict:
 # --record
 
 
-def record(files: list[str], force: bool, results_path: str = RESULTS) -> int:
-    merged = None
+def load_proofs(files: list[str], force: bool) -> list[dict] | None:
+    """The gpu_proof.json files, each stage stamped with its file's date, commit and digest where it carries none
+    (files from before 2026-11-27), oldest first; None after a one-line error."""
+    docs = []
     for path in files:
         try:
             with open(path) as f:
                 doc = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             print(f"error: {path}: {e}", file=sys.stderr)
-            return 2
+            return None
         if "stages" not in doc or "device" not in doc:
             print(f"error: {path} is not a gpu_proof.json (no stages / device)", file=sys.stderr)
-            return 2
+            return None
         if doc.get("rehearse_cpu") and not force:
             print(f"error: {path} is a CPU rehearsal, not a GPU proof; it does not go into results.json (--force to "
                   f"record it anyway)", file=sys.stderr)
-            return 2
-        origin = f"{','.join(doc['stages'])} run {doc.get('date')}"
-        for res in doc["stages"].values():  # each stage keeps its own provenance (a record may span leases)
-            for key in ("date", "git_commit", "git_dirty"):
-                res.setdefault(key, doc.get(key))
-        if merged is None:
-            merged = doc
-            merged["merged_from"] = [origin]
-            continue
-        if doc["device"] != merged["device"] and not force:
-            print(f"error: {path} ran on {doc['device']}, {files[0]} on {merged['device']}: one device per record "
+            return None
+        if docs and doc["device"] != docs[0]["device"] and not force:
+            print(f"error: {path} ran on {doc['device']}, {files[0]} on {docs[0]['device']}: one device per record "
                   f"(--force to merge anyway)", file=sys.stderr)
-            return 2
+            return None
+        stages = doc["stages"]
+        run = stages.pop("vllm-run", None)  # the H200 lease of 2026-11-27 ran vllm-z3 as vllm-run --vllm-zero 3
+        if run is not None:
+            stages["vllm-z3" if (run.get("figures") or {}).get("zero_stage") == 3 else "vllm-run"] = run
+        for res in stages.values():
+            for key in STAMP_KEYS:
+                res.setdefault(key, doc.get(key))
+        doc.setdefault("merged_from", [f"{','.join(stages)} run {doc.get('date')}"])
+        docs.append(doc)
+    return sorted(docs, key=lambda d: d["date"])  # stable: files of one date keep the order given
+
+
+def record(files: list[str], force: bool, results_path: str = RESULTS) -> int:
+    docs = load_proofs(files, force)
+    if docs is None:
+        return 2
+    merged = {}
+    for doc in docs:  # oldest first: a newer file's head and stages replace an older one's
+        merged.update({k: v for k, v in doc.items() if k not in ("stages", "merged_from", "warnings")})
+    merged["stages"] = {}
+    for doc in docs:
         merged["stages"].update(doc["stages"])
-        if doc["date"] >= merged["date"]:  # the record's own commit is its newest file's; stages carry theirs
-            merged["git_commit"], merged["git_dirty"] = doc.get("git_commit"), doc.get("git_dirty")
-        merged["date"] = max(merged["date"], doc["date"])
-        merged["merged_from"].append(origin)
-        merged["warnings"] = sorted(set(merged.get("warnings", [])) | set(doc.get("warnings", [])))
+    merged["merged_from"] = [origin for doc in docs for origin in doc["merged_from"]]
+    merged["warnings"] = sorted({w for doc in docs for w in doc.get("warnings", [])})
     merged["all_passed"] = all(r.get("passed") for r in merged["stages"].values() if not r.get("skipped"))
-    if merged.get("git_commit") == "unknown" and merged.get("source_digest") == source_digest():
-        # The GPU machine's copy had no .git; this checkout has the very same sources.
-        merged["git_commit"], merged["git_dirty"] = git_commit()
-        merged["git_commit_from"] = "this checkout (same source_digest)"
+    here = source_digest()
+    for res in [merged, *merged["stages"].values()]:
+        if res.get("git_commit") == "unknown" and res.get("source_digest") == here:
+            # The GPU machine's copy had no .git; this checkout has the very same sources.
+            res["git_commit"], res["git_dirty"] = git_commit()
+            res["git_commit_from"] = "this checkout (same source_digest)"
     merged.pop("command", None)
     merged.pop("scale", None)
     for res in merged["stages"].values():  # what the repo keeps: verdicts, figures, key lines
@@ -1323,8 +1346,6 @@ def parse_args(argv=None):
                     help="learner,gen,vllm-gen (default all; vllm-gen is not rehearsed on CPU)")
     ap.add_argument("--z3-resume", action=argparse.BooleanOptionalAction, default=True,
                     help="z3 also proves interrupt-and-resume (default); --no-z3-resume: only the full run")
-    ap.add_argument("--vllm-zero", type=int, choices=(1, 3), default=1,
-                    help="the vllm-run stage's learner ZeRO stage (default 1; 3: ZeRO-3 gathers before each publish)")
     ap.add_argument("--rehearse-cpu", action="store_true", help="the same stages on CPU at toy scale (no GPU needed)")
     ap.add_argument("--deadline-s", type=float, default=0, help="stop starting work after this many seconds in all; "
                     "a stage cut short fails, later ones are recorded as not run (0: no deadline)")

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def test_the_gpu_proof_passes_its_cpu_rehearsal(tmp_path):
     # As `make gpu-proof` runs it on a GPU machine: a module, from the repository root.
     out = subprocess.run([sys.executable, "-m", "hardware.proof", "--rehearse-cpu",
-                          "--stages", "vllm-kit,vllm-tests,vllm-run,z1,throughput", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
+                          "--stages", "vllm-kit,vllm-tests,vllm-run,z1,throughput,vllm-z3", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
                          cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     doc = json.loads((tmp_path / "out" / "gpu_proof.json").read_text())
@@ -28,6 +28,10 @@ def test_the_gpu_proof_passes_its_cpu_rehearsal(tmp_path):
     run = doc["stages"]["vllm-run"]
     assert run["passed"] and run["figures"]["engine"] == "torch" and run["figures"]["full_run"]["checksums_equal"] == 4
     assert run["figures"]["is_weight_mean"] == [1.0] * 4  # fp32 on both sides, on-policy: the same logprobs
+    z3 = doc["stages"]["vllm-z3"]  # the same run and checks with the learner in ZeRO-3 (its own run directory)
+    assert z3["passed"] and z3["figures"]["zero_stage"] == 3 and z3["figures"]["full_run"]["checksums_equal"] == 4
+    assert run["figures"]["zero_stage"] == 1 and any("ZeRO-3" in line for line in z3["checks"])
+    assert all(st["git_commit"] == doc["git_commit"] and st["date"] >= doc["date"] for st in doc["stages"].values())
     assert "ALL PASSED" in out.stdout
     full, resume = z1["figures"]["full_run"], z1["figures"]["resume"]
     assert full["checksums_equal"] == full["steps_logged"] == 4 and full["checkpoints"] == [2, 4]

@@ -52,19 +52,39 @@ def test_mixed_devices_and_rehearsals_are_refused(tmp_path, capsys):
     assert json.loads(results.read_text()) == {}
 
 
-def test_a_record_merged_across_leases_keeps_each_stages_commit_and_date(tmp_path):
-    """An earlier record of the same device, passed first, keeps the stages the new lease did not rerun, each with
-    the commit and date it ran at; a rerun stage takes the new file's."""
+def test_a_record_merged_across_leases_keeps_each_stages_provenance_in_date_order(tmp_path):
+    """An earlier record of the same device keeps the stages the new lease did not rerun, each with the commit and
+    date it ran at; a rerun stage, the machine's head and the commit are the newest file's, whatever the order the
+    files are given in; notes only the earlier record has stay; stamps a stage already carries are kept."""
     results = tmp_path / "results.json"
     results.write_text("{}")
-    old = proof(tmp_path, "old.json", "H200", {"vllm-kit": stage(), "vllm-run": stage(False)},
-                date="2026-11-26T09:00:00+00:00", git_commit="old", git_dirty=True)
+    kept = {**stage(), "date": "2026-11-25T00:00:00+00:00", "git_commit": "older", "git_dirty": False}
+    old = proof(tmp_path, "old.json", "H200", {"vllm-kit": stage(), "vllm-run": stage(False), "z1": kept},
+                date="2026-11-26T09:00:00+00:00", git_commit="old", git_dirty=True, source_digest="d-old",
+                driver="570", notes="written by hand", merged_from=["a run", "another run"], warnings=["w-old"])
     new = proof(tmp_path, "new.json", "H200", {"vllm-run": stage()}, date="2026-11-27T05:00:00+00:00",
-                git_commit="new", git_dirty=False)
-    assert record([old, new], force=False, results_path=str(results)) == 0
+                git_commit="new", git_dirty=False, source_digest="d-new", driver="580", warnings=["w-new"])
+    assert record([new, old], force=False, results_path=str(results)) == 0
     rec = json.loads(results.read_text())["gpu_proofs"]["H200"]
-    kit, run = rec["stages"]["vllm-kit"], rec["stages"]["vllm-run"]
-    assert (kit["git_commit"], kit["date"], kit["git_dirty"]) == ("old", "2026-11-26T09:00:00+00:00", True)
-    assert (run["git_commit"], run["date"], run["passed"]) == ("new", "2026-11-27T05:00:00+00:00", True)
-    assert (rec["git_commit"], rec["git_dirty"], rec["date"]) == ("new", False, "2026-11-27T05:00:00+00:00")
-    assert rec["all_passed"]
+    kit, run, z1 = rec["stages"]["vllm-kit"], rec["stages"]["vllm-run"], rec["stages"]["z1"]
+    assert (kit["git_commit"], kit["date"], kit["git_dirty"], kit["source_digest"]) == (
+        "old", "2026-11-26T09:00:00+00:00", True, "d-old")
+    assert (run["git_commit"], run["date"], run["git_dirty"], run["passed"]) == (
+        "new", "2026-11-27T05:00:00+00:00", False, True)
+    assert (z1["git_commit"], z1["date"]) == ("older", "2026-11-25T00:00:00+00:00")
+    assert (rec["git_commit"], rec["git_dirty"], rec["source_digest"], rec["driver"]) == ("new", False, "d-new", "580")
+    assert rec["date"] == "2026-11-27T05:00:00+00:00" and rec["notes"] == "written by hand"
+    assert rec["merged_from"] == ["a run", "another run", "vllm-run run 2026-11-27T05:00:00+00:00"]
+    assert rec["warnings"] == ["w-new", "w-old"] and rec["all_passed"]
+
+
+def test_a_zero3_vllm_run_of_the_old_option_is_filed_as_vllm_z3(tmp_path):
+    results = tmp_path / "results.json"
+    results.write_text("{}")
+    z3 = {**stage(), "figures": {"zero_stage": 3}}
+    a = proof(tmp_path, "a.json", "H200", {"vllm-run": stage()}, date="2026-11-26T00:00:00+00:00")
+    b = proof(tmp_path, "b.json", "H200", {"vllm-run": z3}, date="2026-11-27T00:00:00+00:00")
+    assert record([a, b], force=False, results_path=str(results)) == 0
+    rec = json.loads(results.read_text())["gpu_proofs"]["H200"]
+    assert sorted(rec["stages"]) == ["vllm-run", "vllm-z3"]
+    assert rec["stages"]["vllm-z3"]["figures"]["zero_stage"] == 3 and "zero_stage" not in rec["stages"]["vllm-run"]["figures"]
