@@ -1283,9 +1283,8 @@ def load_proofs(files: list[str], force: bool) -> list[dict] | None:
                   f"(--force to merge anyway)", file=sys.stderr)
             return None
         stages = doc["stages"]
-        run = stages.pop("vllm-run", None)  # the H200 lease of 2026-11-27 ran vllm-z3 as vllm-run --vllm-zero 3
-        if run is not None:
-            stages["vllm-z3" if (run.get("figures") or {}).get("zero_stage") == 3 else "vllm-run"] = run
+        if (stages.get("vllm-run", {}).get("figures") or {}).get("zero_stage") == 3:
+            stages["vllm-z3"] = stages.pop("vllm-run")  # the H200 lease of 2026-11-27 ran it as --vllm-zero 3
         for res in stages.values():
             for key in STAMP_KEYS:
                 res.setdefault(key, doc.get(key))
@@ -1298,12 +1297,11 @@ def record(files: list[str], force: bool, results_path: str = RESULTS) -> int:
     docs = load_proofs(files, force)
     if docs is None:
         return 2
-    merged = {}
+    merged, stages = {}, {}
     for doc in docs:  # oldest first: a newer file's head and stages replace an older one's
         merged.update({k: v for k, v in doc.items() if k not in ("stages", "merged_from", "warnings")})
-    merged["stages"] = {}
-    for doc in docs:
-        merged["stages"].update(doc["stages"])
+        stages.update(doc["stages"])
+    merged["stages"] = stages
     merged["merged_from"] = [origin for doc in docs for origin in doc["merged_from"]]
     merged["warnings"] = sorted({w for doc in docs for w in doc.get("warnings", [])})
     merged["all_passed"] = all(r.get("passed") for r in merged["stages"].values() if not r.get("skipped"))
