@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from common.metrics import read_metrics
 from study.arms import STALENESS_ARMS, STALENESS_LAGS, parse_run, run_name, staleness_steps, study_lr
-from study.dose_report import Contrast, ci_text, contrast, fmt, md_table, mean_by_step, mean_or_none, on_policy_points
+from study.dose_report import Contrast, bounds, ci_text, contrast, fmt, num, md_table, mean_by_step, mean_or_none, on_policy_points
 from study.lawfit import key_series, merge_rows, row_value
 from study.stats import diff_interval
 
@@ -247,7 +247,7 @@ def section_kl_cov(cells: Cells) -> str:
     change = diff_interval(d64, d0, paired=False) if d0 and d64 else (math.nan, math.nan, math.nan)
     lines = ["## 3. Does covariance-based entropy control survive staleness? (rule 2)", ""]
     lines += [f"- {c.text()}" for c in d.values()] + [f"- {c.text(3)}" for c in acc]
-    lines += [f"- D_64 - D_0 (unpaired): {fmt(change[0])} [{fmt(change[1])}, {fmt(change[2])}]", "",
+    lines += [f"- D_64 - D_0 (unpaired): {num(change[0])} {bounds(change[1], change[2])}", "",
               f"Verdict: {kl_cov_verdict(d, change)}."]
     return "\n".join(lines)
 
@@ -288,7 +288,7 @@ def section_m2po(cells: Cells) -> str:
 
 
 def _diff_cell(c: Contrast, digits: int) -> str:
-    return "n/a" if c.mean is None else f"{c.mean:+.{digits}f} [{fmt(c.lo, digits)}, {fmt(c.hi, digits)}] (n {c.n})"
+    return "n/a" if c.mean is None else f"{num(c.mean, digits, sign=True)} {bounds(c.lo, c.hi, digits)} (n {c.n})"
 
 
 def section_secondary(cells: Cells) -> str:
@@ -347,7 +347,7 @@ def section_clip(cells: Cells) -> str:
                      (" (falls on high-entropy tokens)" if len(vals) > 1 and diff_interval(vals, [0.0] * len(vals), True)[1] > 0 else ""))
     change = _unpaired(cells, "grpo_tis", STALENESS_LAGS[-1], STALENESS_LAGS[0], tilt)
     more = not math.isnan(change[1]) and change[1] > 0
-    lines.append(f"- k = 64 minus k = 0: {fmt(change[0], 5)} [{fmt(change[1], 5)}, {fmt(change[2], 5)}]: "
+    lines.append(f"- k = 64 minus k = 0: {num(change[0], 5)} {bounds(change[1], change[2], 5)}: "
                  + ("more so with lag" if more else "not detectably more with lag" if not math.isnan(change[1]) else "undetermined"))
     return "\n".join(lines)
 
@@ -370,7 +370,7 @@ def section_ess_collapse(cells: Cells) -> str:
         verdict = ("undetermined (too few ESS readings)" if math.isnan(d[1]) else "holds" if d[2] < 0 else
                    "does not hold (the collapsed runs' ESS was higher)" if d[1] > 0 else
                    "not shown (the interval includes 0)")
-        lines.append(f"- k = {k}: lowest ESS before collapse {fmt(d[0])} [{fmt(d[1])}, {fmt(d[2])}] collapsed minus "
+        lines.append(f"- k = {k}: lowest ESS before collapse {num(d[0])} {bounds(d[1], d[2])} collapsed minus "
                      f"not: VCPO's claim: {verdict}")
     return "\n".join(lines)
 

@@ -46,6 +46,19 @@ def test_endpoints_hand_computed():
     assert never.censored and never.half_step == 20 and never.acc is None  # one eval only: no last-3 mean
 
 
+def test_an_interval_end_that_is_not_zero_never_prints_as_zero():
+    # A lower end of 7e-06 excludes 0 (the verdict says so); at 4 decimals it would read 0.0000 and seem to touch it.
+    assert dose_report.bounds(7e-06, 0.0011) == "[7e-06, 0.0011]"
+    assert dose_report.bounds(-3.2e-07, 4.56e-05) == "[-3.2e-07, 4.6e-05]"
+    assert dose_report.bounds(0.0, 0.0) == "[0.0000, 0.0000]"  # an exact 0 stays at its decimals
+    assert dose_report.bounds(-0.0123, 0.0456, 3) == "[-0.012, 0.046]"
+    assert dose_report.bounds(None, float("nan")) == "[n/a, n/a]"
+    assert dose_report.num(1.1e-13, 5) == "1.1e-13" and dose_report.num(2e-05, 3, sign=True) == "+2e-05"
+    assert dose_report.num(0.02, 3, sign=True) == "+0.020" and dose_report.num(0.0) == "0.0000"
+    c = dose_report.Contrast("G", 3, 0.00057, 6.7e-06, 0.0011, 0.0007)
+    assert c.excludes_zero(1) and c.text() == "G: +0.0006 [6.7e-06, 0.0011] over 3 seeds (minimum detectable effect 0.0007)"
+
+
 def arms_from(end_entropy: dict[str, list[float]]) -> dict:
     """{arm: {seed: Endpoints}} with these end entropies per seed (other endpoints fixed)."""
     def ends(h, half=10):
