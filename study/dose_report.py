@@ -21,7 +21,7 @@ from common.metrics import read_metrics
 from study.arms import ARMS, LADDERS, OFF_POLICY, RANDOM_CONTROLS, parse_run, study_lr
 from study.lawfit import (EvalPoint, eval_lengths, judge_law, key_series, mean_eval_acc, merge_rows, row_value,
                           run_eval_points)
-from study.stats import diff_interval, min_detectable_effect, t_interval
+from study.stats import diff_interval, min_detectable_effect, t_interval, t_quantile
 
 HEAD_TAIL = 0.1  # end entropy: the last 10 % of steps; the half-entropy reference: the first 10 %
 LAST_EVALS = 3  # held-out accuracy: mean of the last 3 evaluations
@@ -107,12 +107,14 @@ def fmt(x: float | None, digits: int = 4) -> str:
 
 def num(x: float | None, digits: int = 4, sign: bool = False) -> str:
     """`x` with `digits` decimals (a leading + if `sign`); a value that is not 0 but would print as 0 there gets two
-    significant figures instead, so an interval that excludes 0 by 7e-06 never reads as one that touches it."""
-    if x is not None and x != 0 and not math.isnan(x) and round(x, digits) == 0:
+    significant figures instead (`.2g`: 7e-06, 6.7e-06), so an interval that excludes 0 by 7e-06 never reads as one
+    that touches it. -0.0 prints as 0."""
+    if x is None or math.isnan(x):
+        return "n/a"
+    x += 0.0
+    if x != 0 and round(x, digits) == 0:
         return f"{x:+.2g}" if sign else f"{x:.2g}"
-    if sign and x is not None and not math.isnan(x):
-        return f"{x:+.{digits}f}"
-    return fmt(x, digits)
+    return f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"
 
 
 def bounds(lo: float | None, hi: float | None, digits: int = 4) -> str:
@@ -141,6 +143,16 @@ class Contrast:
         if self.lo is None or self.hi is None or math.isnan(self.lo):
             return False
         return self.lo > 0 if direction > 0 else self.hi < 0
+
+    def corrected(self, comparisons: int) -> tuple[float, float] | None:
+        """The paired interval at Bonferroni's level for `comparisons` (1 - 0.05 / comparisons): the same standard
+        error, read back from the 95 % interval, times the stricter t with n - 1 degrees of freedom. None without
+        an interval."""
+        if self.mean is None or self.lo is None or self.hi is None or math.isnan(self.lo) or self.n < 2:
+            return None
+        se = (self.hi - self.lo) / 2.0 / t_quantile(0.975, self.n - 1)
+        half = se * t_quantile(1.0 - 0.025 / comparisons, self.n - 1)
+        return self.mean - half, self.mean + half
 
     def text(self, digits: int = 4) -> str:
         if self.mean is None:
@@ -292,8 +304,8 @@ def section_against_grpo(arms: dict[str, dict[int, Endpoints]]) -> str:
             continue
         h = contrast(arms, arm, "grpo", end_entropy, "end entropy")
         a = contrast(arms, arm, "grpo", lambda e: e.acc, "accuracy")
-        rows.append([arm, f"{num(h.mean)} {bounds(h.lo, h.hi)}", fmt(h.mde), f"{num(a.mean, 3)} {bounds(a.lo, a.hi, 3)}",
-                     fmt(a.mde, 3), str(h.n)])
+        rows.append([arm, f"{num(h.mean)} {bounds(h.lo, h.hi)}", num(h.mde), f"{num(a.mean, 3)} {bounds(a.lo, a.hi, 3)}",
+                     num(a.mde, 3), str(h.n)])
     return "\n".join(["## 4. Each arm against GRPO", "",
                       "Paired-by-seed differences (arm − GRPO) with 95 % t-intervals, and the minimum detectable effect "
                       "(two-sided 5 %, power 80 %) at the seeds used: a difference smaller than it can not be told from "

@@ -87,6 +87,14 @@ def test_lag_budget_verdict_can_come_out_every_way():
     assert sr.lag_budget_verdict(_c(0, None, None, n=1), nul, nul) == "undetermined (fewer than two seeds)"
 
 
+def test_tiny_differences_and_mdes_never_print_as_zero():
+    # Rule 7's lag-64 gain at lr 2e-5 excluded 0 by 6.7e-06; at 4 decimals it read [0.0000, 0.0011].
+    tiny = Contrast("G", 3, 2e-05, -4.8e-06, 4.5e-05, 1.4e-06)
+    assert sr._diff_cell(tiny, 4) == "+2e-05 [-4.8e-06, 4.5e-05] (n 3)"
+    assert sr.lag_budget_verdict(tiny, tiny, tiny) == (
+        "no detectable effect on entropy (MDE 1.4e-06); it is not shown to keep entropy above GRPO's (MDE 1.4e-06)")
+
+
 def test_lag_budget_restores_the_control_only_where_kl_cov_fails_and_it_holds():
     def cells(lag_entropy):
         ends = {("grpo_tis", 0): 0.05, ("grpo_tis", 64): 0.05, ("kl_cov_tis", 0): 0.08, ("kl_cov_tis", 64): 0.05,
@@ -158,6 +166,19 @@ def test_report_verdicts_when_every_cell_has_seeds(tmp_path):
     section = text.split("## 6. The staleness-aware budget")[1].split("## 7.")[0]
     assert section.count("Verdict: it **raises** the on-policy entropy over KL-Cov's; it keeps entropy above GRPO's") == 3
     assert "equals KL-Cov + TIS in every endpoint and off-policy measure: 2 of 3 seeds" in text
+    multi = text.split("## 10. Multiplicity")[1].split("## 11.")[0]
+    assert "rule 2, KL-Cov + TIS - GRPO + TIS (m = 8): none excludes 0 at 95 %" in multi
+    assert multi.count("**holds**") == 4 and "does not hold" not in multi  # G and C at 16 and 64, far from 0
+
+
+def test_a_bonferroni_reading_keeps_only_what_survives_the_stricter_t():
+    # lr 5e-5, ESS steps' accuracy at lag 64 (rule 4, m = 16), and lr 2e-5, rule 7's G_64 (m = 6), from the reports.
+    strong, weak = Contrast("a", 3, 0.229, 0.195, 0.263, 0.05), Contrast("G", 3, 0.00057, 6.7e-06, 0.0011, 0.0007)
+    assert strong.corrected(1) == pytest.approx((0.195, 0.263))  # one comparison: the 95 % interval itself
+    assert strong.corrected(16) == pytest.approx((0.087, 0.371), abs=1e-3)  # t 17.9 instead of 4.30
+    assert weak.excludes_zero(1) and weak.corrected(6)[0] < 0 < weak.corrected(6)[1]
+    assert sr._survivor(strong, 3, 16).endswith("**holds**") and sr._survivor(weak, 4, 6).endswith("does not hold")
+    assert Contrast("one seed", 1, 0.1, None, None, None).corrected(4) is None
 
 
 def test_staleness_preset_plans_forced_lag_runs(tmp_path):
