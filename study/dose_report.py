@@ -101,11 +101,7 @@ def by_arm(rows: dict[str, list[dict]], first_seed: int, responses_per_step: int
 # Statistics and their text
 # ---------------------------------------------------------------------------
 
-def fmt(x: float | None, digits: int = 4) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
-
-
-def num(x: float | None, digits: int = 4, sign: bool = False) -> str:
+def fmt(x: float | None, digits: int = 4, sign: bool = False) -> str:
     """`x` with `digits` decimals (a leading + if `sign`); a value that is not 0 but would print as 0 there gets two
     significant figures instead (`.2g`: 7e-06, 6.7e-06), so an interval that excludes 0 by 7e-06 never reads as one
     that touches it. -0.0 prints as 0."""
@@ -118,15 +114,15 @@ def num(x: float | None, digits: int = 4, sign: bool = False) -> str:
 
 
 def bounds(lo: float | None, hi: float | None, digits: int = 4) -> str:
-    """An interval as `[lo, hi]`, each end written by `num`."""
-    return f"[{num(lo, digits)}, {num(hi, digits)}]"
+    """An interval as `[lo, hi]`, each end written by `fmt`."""
+    return f"[{fmt(lo, digits)}, {fmt(hi, digits)}]"
 
 
 def ci_text(values: list[float], digits: int = 4) -> str:
     if not values:
         return "n/a"
     mean, lo, hi = t_interval(values)
-    return f"{num(mean, digits)} {bounds(lo, hi, digits)}"
+    return f"{fmt(mean, digits)} {bounds(lo, hi, digits)}"
 
 
 @dataclass(frozen=True)
@@ -157,8 +153,8 @@ class Contrast:
     def text(self, digits: int = 4) -> str:
         if self.mean is None:
             return f"{self.label}: n/a (no seed in both arms)"
-        return (f"{self.label}: {num(self.mean, digits, sign=True)} {bounds(self.lo, self.hi, digits)} over "
-                f"{self.n} seeds (minimum detectable effect {num(self.mde, digits)})")
+        return (f"{self.label}: {fmt(self.mean, digits, sign=True)} {bounds(self.lo, self.hi, digits)} over "
+                f"{self.n} seeds (minimum detectable effect {fmt(self.mde, digits)})")
 
 
 def contrast(arms: dict[str, dict[int, Endpoints]], a: str, b: str, value, label: str) -> Contrast:
@@ -304,8 +300,8 @@ def section_against_grpo(arms: dict[str, dict[int, Endpoints]]) -> str:
             continue
         h = contrast(arms, arm, "grpo", end_entropy, "end entropy")
         a = contrast(arms, arm, "grpo", lambda e: e.acc, "accuracy")
-        rows.append([arm, f"{num(h.mean)} {bounds(h.lo, h.hi)}", num(h.mde), f"{num(a.mean, 3)} {bounds(a.lo, a.hi, 3)}",
-                     num(a.mde, 3), str(h.n)])
+        rows.append([arm, f"{fmt(h.mean)} {bounds(h.lo, h.hi)}", fmt(h.mde), f"{fmt(a.mean, 3)} {bounds(a.lo, a.hi, 3)}",
+                     fmt(a.mde, 3), str(h.n)])
     return "\n".join(["## 4. Each arm against GRPO", "",
                       "Paired-by-seed differences (arm − GRPO) with 95 % t-intervals, and the minimum detectable effect "
                       "(two-sided 5 %, power 80 %) at the seeds used: a difference smaller than it can not be told from "

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from common.metrics import read_metrics
 from study.arms import STALENESS_ARMS, STALENESS_LAGS, parse_run, run_name, staleness_steps, study_lr
-from study.dose_report import Contrast, bounds, ci_text, contrast, fmt, num, md_table, mean_by_step, mean_or_none, on_policy_points
+from study.dose_report import Contrast, bounds, ci_text, contrast, fmt, md_table, mean_by_step, mean_or_none, on_policy_points
 from study.lawfit import key_series, merge_rows, row_value
 from study.stats import diff_interval
 
@@ -173,7 +173,7 @@ def section_manipulation(cells: Cells) -> tuple[str, bool | None]:
         why = ("**the lag bites**" if verdict else "**the lag did not bite** by the rule: no effect below is read as "
                "a staleness effect") + "; rises at every k: " + ", ".join(
             f"{a} {'yes' if r else 'no'}" for a, r in rises.items()) + "; k = 64 minus k = 0: " + "; ".join(
-            f"{a} {num(d[0], 5, sign=True)} {bounds(d[1], d[2], 5)}" for a, d in diffs.items())
+            f"{a} {fmt(d[0], 5, sign=True)} {bounds(d[1], d[2], 5)}" for a, d in diffs.items())
     table = md_table(["k", "seeds", "KL(behav‖prox) per token", "TIS cap fraction", "M2PO m2", "ESS (responses)",
                       "ESS (tokens)"], rows)
     return "\n".join(["## 1. Manipulation check: does the lag bite? (rule 1, GRPO + TIS)", "", table, "", f"Verdict: {why}."]), verdict
@@ -224,7 +224,7 @@ def kl_cov_verdict(d: dict[int, Contrast], lag_change: tuple[float, float, float
         return "**KL-Cov survives staleness**: it keeps the on-policy entropy above GRPO's at lag 0 and at lag 64"
     if controls[lo]:
         shrinks = "" if falls else (f"; D_64 - D_0 does not lie below 0, so the effect is not shown to shrink: it is "
-                                    f"only not shown at lag 64, whose minimum detectable effect is {num(d[hi].mde)}")
+                                    f"only not shown at lag 64, whose minimum detectable effect is {fmt(d[hi].mde)}")
         return "**KL-Cov fails under staleness**: it controls entropy on-policy but not at lag 64" + shrinks
     if controls[hi]:
         return ("KL-Cov does not control entropy on-policy here, but does at lag 64 (D_64 above 0): an effect that "
@@ -247,7 +247,7 @@ def section_kl_cov(cells: Cells) -> str:
     change = diff_interval(d64, d0, paired=False) if d0 and d64 else (math.nan, math.nan, math.nan)
     lines = ["## 3. Does covariance-based entropy control survive staleness? (rule 2)", ""]
     lines += [f"- {c.text()}" for c in d.values()] + [f"- {c.text(3)}" for c in acc]
-    lines += [f"- D_64 - D_0 (unpaired): {num(change[0])} {bounds(change[1], change[2])}", "",
+    lines += [f"- D_64 - D_0 (unpaired): {fmt(change[0])} {bounds(change[1], change[2])}", "",
               f"Verdict: {kl_cov_verdict(d, change)}."]
     return "\n".join(lines)
 
@@ -262,7 +262,7 @@ def m2po_verdict(m: Contrast, a: Contrast, collapses: tuple[int, int]) -> str:
         return "M2PO **helps** KL-Cov (higher accuracy or fewer collapses, entropy not lower)"
     lower = (" on entropy; but held-out accuracy is **lower** with M2PO (A_k below 0: an outcome rule 3 does not name, "
              "reported beside it)") if a.excludes_zero(-1) else ""
-    return f"no detectable effect (entropy MDE {num(m.mde)}){lower}"
+    return f"no detectable effect (entropy MDE {fmt(m.mde)}){lower}"
 
 
 def _collapses(cells: Cells, method: str, k: int) -> int:
@@ -288,7 +288,7 @@ def section_m2po(cells: Cells) -> str:
 
 
 def _diff_cell(c: Contrast, digits: int) -> str:
-    return "n/a" if c.mean is None else f"{num(c.mean, digits, sign=True)} {bounds(c.lo, c.hi, digits)} (n {c.n})"
+    return "n/a" if c.mean is None else f"{fmt(c.mean, digits, sign=True)} {bounds(c.lo, c.hi, digits)} (n {c.n})"
 
 
 def section_secondary(cells: Cells) -> str:
@@ -310,11 +310,11 @@ def lag_budget_verdict(gain: Contrast, acc: Contrast, control: Contrast) -> str:
         return "undetermined (fewer than two seeds)"
     effect = ("it **raises** the on-policy entropy over KL-Cov's" if gain.excludes_zero(1) else
               "it **lowers** the on-policy entropy below KL-Cov's" if gain.excludes_zero(-1) else
-              f"no detectable effect on entropy (MDE {num(gain.mde)})")
+              f"no detectable effect on entropy (MDE {fmt(gain.mde)})")
     cost = ("; it **costs accuracy**" if acc.excludes_zero(-1) else "; it **gains accuracy**" if acc.excludes_zero(1)
             else "")
     held = ("; it keeps entropy above GRPO's" if control.n >= 2 and control.excludes_zero(1) else
-            f"; it is not shown to keep entropy above GRPO's (MDE {num(control.mde)})" if control.n >= 2 else "")
+            f"; it is not shown to keep entropy above GRPO's (MDE {fmt(control.mde)})" if control.n >= 2 else "")
     return effect + cost + held
 
 
@@ -333,7 +333,7 @@ def section_lag_budget(cells: Cells) -> str:
     if "**KL-Cov fails under staleness**" in kl_cov_verdict(d, (math.nan,) * 3):  # rule 2's own verdict
         c = _pair(cells, "kl_cov_lag", "grpo_tis", hi, end_entropy, "")
         restores = ("undetermined (C_64 lacks two seeds)." if c.n < 2 else "**restores the control** there (C_64 above 0)."
-                    if c.excludes_zero(1) else f"does not restore it (C_64 not above 0; MDE {num(c.mde)}).")
+                    if c.excludes_zero(1) else f"does not restore it (C_64 not above 0; MDE {fmt(c.mde)}).")
         lines += ["", f"KL-Cov fails at lag {hi} (rule 2); the lag budget: {restores}"]
     return "\n".join(lines)
 
@@ -347,7 +347,7 @@ def section_clip(cells: Cells) -> str:
                      (" (falls on high-entropy tokens)" if len(vals) > 1 and diff_interval(vals, [0.0] * len(vals), True)[1] > 0 else ""))
     change = _unpaired(cells, "grpo_tis", STALENESS_LAGS[-1], STALENESS_LAGS[0], tilt)
     more = not math.isnan(change[1]) and change[1] > 0
-    lines.append(f"- k = 64 minus k = 0: {num(change[0], 5)} {bounds(change[1], change[2], 5)}: "
+    lines.append(f"- k = 64 minus k = 0: {fmt(change[0], 5)} {bounds(change[1], change[2], 5)}: "
                  + ("more so with lag" if more else "not detectably more with lag" if not math.isnan(change[1]) else "undetermined"))
     return "\n".join(lines)
 
@@ -370,7 +370,7 @@ def section_ess_collapse(cells: Cells) -> str:
         verdict = ("undetermined (too few ESS readings)" if math.isnan(d[1]) else "holds" if d[2] < 0 else
                    "does not hold (the collapsed runs' ESS was higher)" if d[1] > 0 else
                    "not shown (the interval includes 0)")
-        lines.append(f"- k = {k}: lowest ESS before collapse {num(d[0])} {bounds(d[1], d[2])} collapsed minus "
+        lines.append(f"- k = {k}: lowest ESS before collapse {fmt(d[0])} {bounds(d[1], d[2])} collapsed minus "
                      f"not: VCPO's claim: {verdict}")
     return "\n".join(lines)
 
@@ -414,7 +414,7 @@ def multiplicity_families(cells: Cells) -> list[tuple[str, list[tuple[Contrast, 
 def _survivor(c: Contrast, digits: int, m: int) -> str:
     corrected = c.corrected(m)
     kept = corrected is not None and (corrected[0] > 0 or corrected[1] < 0)
-    return (f"{c.label}: {num(c.mean, digits, sign=True)} {bounds(c.lo, c.hi, digits)}, corrected "
+    return (f"{c.label}: {fmt(c.mean, digits, sign=True)} {bounds(c.lo, c.hi, digits)}, corrected "
             f"{bounds(*corrected, digits) if corrected else 'n/a'}: " + ("**holds**" if kept else "does not hold"))
 
 

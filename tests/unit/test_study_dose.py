@@ -53,9 +53,9 @@ def test_an_interval_end_that_is_not_zero_never_prints_as_zero():
     assert dose_report.bounds(0.0, 0.0) == "[0.0000, 0.0000]"  # an exact 0 stays at its decimals
     assert dose_report.bounds(-0.0123, 0.0456, 3) == "[-0.012, 0.046]"
     assert dose_report.bounds(None, float("nan")) == "[n/a, n/a]"
-    assert dose_report.num(1.1e-13, 5) == "1.1e-13" and dose_report.num(2e-05, 3, sign=True) == "+2e-05"
-    assert dose_report.num(0.02, 3, sign=True) == "+0.020" and dose_report.num(0.0) == "0.0000"
-    assert dose_report.bounds(-0.0, 0.0) == "[0.0000, 0.0000]" and dose_report.num(-4e-05, sign=True) == "-4e-05"
+    assert dose_report.fmt(1.1e-13, 5) == "1.1e-13" and dose_report.fmt(2e-05, 3, sign=True) == "+2e-05"
+    assert dose_report.fmt(0.02, 3, sign=True) == "+0.020" and dose_report.fmt(0.0) == "0.0000"
+    assert dose_report.bounds(-0.0, 0.0) == "[0.0000, 0.0000]" and dose_report.fmt(-4e-05, sign=True) == "-4e-05"
     # Every table and verdict goes through it: a mean over seeds, and the dose report's arm-against-GRPO table.
     assert dose_report.ci_text([1e-06, 2e-06, 3e-06]) == "2e-06 [-4.8e-07, 4.5e-06]"
     tiny = {"grpo": [0.03, 0.03, 0.03], "kl_cov": [0.03002, 0.03001, 0.03003]}
