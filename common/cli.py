@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import sys
 
+from common.checkpoint_dirs import CheckpointError
 from common.config import ConfigError
 from common.datasets import DatasetError
 from common.runfiles import PlacementError
 
-USER_ERRORS = (ConfigError, DatasetError, PlacementError, FileNotFoundError)
+USER_ERRORS = (ConfigError, DatasetError, PlacementError, CheckpointError, FileNotFoundError)
 EXIT_USAGE = 2  # as argparse exits on a bad flag
 
 

@@ -47,6 +47,9 @@ def resume_options() -> argparse.ArgumentParser:
                     help='extra Ray resources in each learner rank\'s bundle, e.g. \'{"trainer_node": 1}\'')
     ap.add_argument("--ray-generator-resources", type=_resources, default=None, metavar="JSON",
                     help="extra Ray resources in each generator's bundle")
+    ap.add_argument("--from", dest="from_", metavar="step_N", default=None,
+                    help="with --resume: start from this checkpoint instead of the newest one that verifies; newer "
+                         "ones are set aside (renamed step_M.superseded), not deleted")
     ap.add_argument("--tensorboard", action="store_true", help="also serve TensorBoard for this run on 127.0.0.1")
     ap.add_argument("--quiet", action="store_true", help="no live progress line")
     ap.add_argument("--progress-every", type=float, default=10.0, metavar="SECONDS",
@@ -158,10 +161,8 @@ def start(args) -> int:
 
 
 def banner(args, run: RunDir, gpus: int) -> None:
-    from common.checkpoint_dirs import latest_checkpoint
-
     info, cfg = run.info, run.cfg
-    resumed = f", resuming from {ckpt[1]}" if args.resume and (ckpt := latest_checkpoint(run.path)) else ""
+    resumed = f", resuming from {run.resumed.path}" if run.resumed else ""
     where = "" if args.ray is None else f" on Ray ({'a local instance' if args.ray == LOCAL_RAY else args.ray})"
     print(f"covrl run {info.run_id}: {info.learners} learner rank(s), {info.generators} generator(s), {cfg.run.steps} "
           f"steps{where} -> {run.path}{resumed}")
@@ -202,7 +203,7 @@ def supervised(args, sup: Supervisor, backend, run: RunDir, gpus: int) -> int:
         backend.close(GRACE_S)
     sup.progress.finish()
     again = "" if args.ray is None else " --ray" if args.ray == LOCAL_RAY else f" --ray {args.ray}"
-    print(summary(run.path, run.cfg, time.monotonic() - t0, again))
+    print(summary(run.path, run.cfg, time.monotonic() - t0, again, run.resumed.step if run.resumed else 0, code))
     print_plots(run.path)
     return code
 

@@ -1,8 +1,9 @@
 """`covrl`: one command for every tool (launch/, study/, hardware/), as sub-commands.
 
     covrl run [--gens G --learners L ...]       a training run
-    covrl resume RUN_DIR [--steps N] [--gens G] [--ray [ADDRESS]]
+    covrl resume RUN_DIR [--from step_N] [--steps N] [--gens G] [--ray [ADDRESS]]
     covrl scale RUN_DIR --gens N                change a running run's generator count
+    covrl verify RUN_DIR [--fast]               every checkpoint's state (good, damaged: which file)
     covrl eval --model DIR [--data FILE ...]    avg@k / pass@k of a model directory
     covrl study [--preset P] [--methods ...]    several methods, then the report
     covrl fit-law RUN_DIR [--on eval|train]     fit R = -a exp(H) + b
@@ -24,8 +25,9 @@ import sys
 # name -> (module with main(argv), one line for `covrl --help`)
 COMMANDS = {
     "run": ("launch.cluster", "start a training run: learner ranks and generators, here or on Ray"),
-    "resume": (None, "continue a stopped or crashed run from its newest checkpoint"),
+    "resume": (None, "continue a stopped or crashed run from its newest checkpoint that verifies"),
     "scale": ("launch.scale", "change the number of generators of a running run"),
+    "verify": ("launch.verify", "check a run's checkpoints against their manifests"),
     "eval": ("launch.evaluate", "avg@k / pass@k of a model directory on held-out sets"),
     "study": ("study.runs", "several methods on one preset, then the report"),
     "fit-law": ("study.fit_law", "fit R = -a exp(H) + b on a run"),

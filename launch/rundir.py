@@ -4,7 +4,9 @@ A new run: defaults, --config, --set and --steps resolved; the placement, the ho
 shard count, W&B credentials, the model and every data row checked in this process; only then config.toml,
 secret.key, cluster.json and generators.json written (nothing is written if a check fails). A resumed run
 (`covrl resume RUN_DIR`): the run's own config (only --steps may change), its learner count, the generator count it
-last ran with, fresh addresses.
+last ran with, fresh addresses, and the checkpoint it starts from: the newest that verifies (or --from's), every file
+checksummed against its manifest; newer ones it passes over are set aside (`step_N.damaged`, `.superseded`), never
+deleted.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from common.checkpoint_dirs import latest_checkpoint
+from common.checkpoint_dirs import (DAMAGED, UNVERIFIED, Choice, choose, complete_checkpoints, set_aside, step_name,
+                                    verify)
 from common.config import ConfigError, load_config, to_toml, with_absolute_paths
 from common.data import check_inputs, resolve_model
 from common.paths import unwritable
@@ -37,6 +40,7 @@ class RunDir:
     info: ClusterInfo
     notes: list[str]  # the data lines of the start banner
     placement: Placement  # this node's GPUs for the learner ranks and the starting generators
+    resumed: Choice | None = None  # the checkpoint a resume starts from (None: a new run, or one with no checkpoint)
 
 
 def resolved_config(args):
@@ -56,6 +60,9 @@ def prepare(args, gpus: int = 0) -> RunDir:
     nothing is written if a check fails."""
     if args.resume:
         return prepare_resume(args, gpus)
+    if args.from_ is not None:
+        raise ConfigError(f"--from {args.from_} picks the checkpoint a resume starts from: use it with --resume RUN_DIR "
+                          f"(covrl resume RUN_DIR --from {args.from_})")
     args.gens = 1 if args.gens is None else args.gens
     args.learners = 1 if args.learners is None else args.learners
     if args.gens < 1 or args.learners < 1:
@@ -94,9 +101,11 @@ def prepare_resume(args, gpus: int = 0) -> RunDir:
             raise ConfigError(f"--resume {args.resume}: {name} is missing, so this is not a covrl run directory; "
                               f"give the RUN_DIR a run was started with")
     cfg = resolved_config(args)
-    if (last := latest_checkpoint(run_dir)) is not None and last[0] >= cfg.run.steps:
-        raise RunComplete(f"{run_dir} is complete: it trained {last[0]} of {cfg.run.steps} steps (checkpoint {last[1]}); "
-                          f"nothing to resume. To train further: covrl resume {run_dir} --steps N (N > {last[0]})")
+    choice = choose(run_dir, checksums=True, from_step=None if args.from_ is None else step_name(args.from_))
+    if choice is not None and choice.step >= cfg.run.steps:
+        raise RunComplete(f"{run_dir} is complete: it trained {choice.step} of {cfg.run.steps} steps (checkpoint "
+                          f"{choice.path}); nothing to resume. To train further: covrl resume {run_dir} --steps N "
+                          f"(N > {choice.step})")
     old = read_cluster(run_dir)
     learners = old.learners if args.learners is None else args.learners
     if learners != old.learners:
@@ -111,11 +120,31 @@ def prepare_resume(args, gpus: int = 0) -> RunDir:
         with open(os.path.join(run_dir, "config.toml"), "w") as f:
             f.write(to_toml(cfg))
     check_hub_port(cfg)
+    notes = [*resume_lines(run_dir, choice), *notes]
     info = write_addresses(run_dir, cfg, old.run_id, gens, learners)
     write_generator_target(run_dir, gens)
     if os.path.exists(stale := os.path.join(run_dir, "progress.json")):
         os.remove(stale)  # the dead run's last step, past the checkpoint the learner resumes from
-    return RunDir(run_dir, cfg, info, notes, placement)
+    return RunDir(run_dir, cfg, info, notes, placement, choice)
+
+
+def resume_lines(run_dir: str, choice: Choice | None) -> list[str]:
+    """Set aside every checkpoint newer than the one the resume starts from (a damaged one, or a good one --from
+    rewinds past: its steps are trained again, so a later resume must not take it), and say so: the banner's lines."""
+    if choice is None:
+        return ["no checkpoint yet: the run starts again from step 0"]
+    damaged = {c.step: c for c in choice.skipped}
+    lines = []
+    for step, path in complete_checkpoints(run_dir):
+        if step > choice.step:  # under --from, not verified yet: sizes tell the damaged from the superseded
+            bad = damaged.get(step) or (c if (c := verify(path, checksums=False, step=step)).state == DAMAGED else None)
+            moved = os.path.basename(set_aside(path, "damaged" if bad else "superseded"))
+            why = f"is damaged ({bad.why()})" if bad else f"is newer than --from step_{choice.step}"
+            lines.append(f"step_{step} {why}: set aside as checkpoints/{moved}")
+    check = choice.check
+    how = (f"verified: {check.files} files, {check.bytes / 1e6:.1f} MB checksummed in {check.seconds:.1f}s"
+           if check.state != UNVERIFIED else "unverified: it has no manifest, written before covrl verified checkpoints")
+    return [*lines, f"resuming from step_{choice.step} ({how})"]
 
 
 def resumed_generators(args, run_dir: str, old: ClusterInfo) -> int:

@@ -5,40 +5,72 @@ from __future__ import annotations
 import os
 import sys
 
-from common.checkpoint_dirs import complete_checkpoints
-from common.metrics import read_metrics
+from common.checkpoint_dirs import CheckpointError, choose, complete_checkpoints
+from common.metrics import read_metrics, read_progress
 
 
-def summary(run_dir: str, cfg, elapsed: float, resume_flags: str = "") -> str:
-    """The run in a few lines: steps, reward and entropy first quarter to last, held-out accuracy, staleness, where
-    its files are; `resume_flags` (e.g. " --ray"): what the resume command it prints needs besides RUN_DIR."""
-    rows = read_metrics(run_dir)
+def summary(run_dir: str, cfg, elapsed: float, resume_flags: str = "", start: int = 0, code: int = 0) -> str:
+    """The launch in a few lines: the steps it trained (from `start`, the checkpoint it resumed from, to the step
+    progress.json last recorded: prepare_resume removes the dead run's), reward and entropy first quarter to last,
+    held-out accuracy, staleness, where its files are, and the command that continues the run when one can.
+    `resume_flags` (e.g. " --ray"): what that command needs besides RUN_DIR; `code`: the launch's exit status."""
+    progress = read_progress(run_dir)
+    end = progress["step"] if progress else start
+    # Rows past `end` are an earlier launch's, after the checkpoint this one resumed from: its learner had not
+    # purged them yet. They are not this run's history.
+    rows = [r for r in read_metrics(run_dir) if r["step"] <= end]
     train = [r for r in rows if r.get("critic/score/mean") is not None]
-    if not train:
-        return f"no steps recorded in {run_dir}/metrics.jsonl"
-    q = max(1, len(train) // 4)
-    avg = lambda rs, k: sum(r.get(k) or 0.0 for r in rs) / len(rs)  # noqa: E731
-    last = complete_checkpoints(run_dir)
-    lines = [
-        f"covrl: {len(train)} steps in {elapsed:.0f}s -> {run_dir}",
-        f"  reward (critic/score/mean): first quarter {avg(train[:q], 'critic/score/mean'):.3f} -> last quarter {avg(train[-q:], 'critic/score/mean'):.3f}",
-        f"  entropy (actor/entropy):    first quarter {avg(train[:q], 'actor/entropy'):.3f} -> last quarter {avg(train[-q:], 'actor/entropy'):.3f}",
-    ]
+    trained = (f"{end - start} steps in this launch (steps {start + 1}-{end}) in {elapsed:.0f}s" if end > start else
+               f"no step trained in this launch ({elapsed:.0f}s)")
+    lines = [f"covrl: {trained}; the run is at step {end} of {cfg.run.steps} -> {run_dir}"]
+    if train:
+        q = max(1, len(train) // 4)
+        avg = lambda rs, k: sum(r.get(k) or 0.0 for r in rs) / len(rs)  # noqa: E731
+        lines += [f"  reward (critic/score/mean): first quarter {avg(train[:q], 'critic/score/mean'):.3f} -> last "
+                  f"quarter {avg(train[-q:], 'critic/score/mean'):.3f}",
+                  f"  entropy (actor/entropy):    first quarter {avg(train[:q], 'actor/entropy'):.3f} -> last quarter "
+                  f"{avg(train[-q:], 'actor/entropy'):.3f}"]
+        lines += eval_lines(rows, cfg)
+        lines.append(f"  staleness max {max(r.get('staleness/max') or 0 for r in train):.0f} "
+                     f"(bound {cfg.rollout.max_staleness_steps})")
+    lines.append(f"  metrics: {run_dir}/metrics.jsonl  tensorboard: {run_dir}/tb")
+    lines.append("  " + checkpoint_line(run_dir, cfg, resume_flags, start, end, code))
+    return "\n".join(lines)
+
+
+def eval_lines(rows: list[dict], cfg) -> list[str]:
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     sources = sorted({k.split("/")[1] for r in evals for k in r if k.startswith("eval/") and k.endswith("/acc")})
+    lines = []
     for ds in sources:
         pts = [r for r in evals if r.get(f"eval/{ds}/acc") is not None]
         first, end = pts[0], pts[-1]
         lines.append(f"  eval {ds}: acc (avg@{cfg.eval.k}) {first[f'eval/{ds}/acc']:.3f} at step {first['step']} -> "
                      f"{end[f'eval/{ds}/acc']:.3f} at step {end['step']}; pass@k {first[f'eval/{ds}/pass@k']:.3f} -> "
                      f"{end[f'eval/{ds}/pass@k']:.3f}")
-    lines += [
-        f"  staleness max {max(r.get('staleness/max') or 0 for r in train):.0f} (bound {cfg.rollout.max_staleness_steps})",
-        f"  metrics: {run_dir}/metrics.jsonl  tensorboard: {run_dir}/tb",
-        f"  checkpoint: {last[-1][1] if last else 'none'}" + (f" (continue with covrl resume {run_dir}{resume_flags})" if last and
-                                                               last[-1][0] < cfg.run.steps else ""),
-    ]
-    return "\n".join(lines)
+    return lines
+
+
+def checkpoint_line(run_dir: str, cfg, flags: str, start: int, end: int, code: int) -> str:
+    """The checkpoint a resume would take (sizes checked against its manifest) and whether resuming can help: no
+    "continue with" when none verifies, or when this launch failed before training a step from that very one."""
+    try:
+        choice = choose(run_dir, checksums=False)
+    except CheckpointError:
+        return f"checkpoint: none verifies, so a resume cannot start; `covrl verify {run_dir}` says what is damaged"
+    if choice is None:
+        return "checkpoint: none"
+    line = f"checkpoint: {choice.path}"
+    if choice.skipped:
+        line += f" (newer, damaged: {', '.join(c.name for c in choice.skipped)})"
+    if choice.step >= cfg.run.steps:
+        return line
+    earlier = [s for s, _ in complete_checkpoints(run_dir) if s < choice.step]
+    if code == 1 and end == start == choice.step:
+        other = f"; or resume from an earlier one: covrl resume {run_dir}{flags} --from step_{earlier[-1]}" if earlier else ""
+        return (line + f"; this launch failed before training a step from it: resuming from it fails the same way "
+                       f"until the cause above is fixed{other}")
+    return line + f" (continue with covrl resume {run_dir}{flags})"
 
 
 def print_plots(run_dir: str) -> None:

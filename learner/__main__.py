@@ -25,7 +25,7 @@ from common.lifeline import watch_parent
 from common.metrics import MetricsWriter, keep_metrics
 from common.transport import load_secret
 from common.wandb_log import open_wandb
-from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.checkpoint import load_checkpoint, resume_point, save_checkpoint
 from learner.loop import Follower, Lead, Learner, Ranks, fault_steps
 from learner.params import full_state_dict
 from learner.par import ParSchedule
@@ -39,7 +39,7 @@ log = logging.getLogger("covrl.learner")
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m learner")
     ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in RUN_DIR")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in RUN_DIR that verifies")
     args = ap.parse_args()
     watch_parent()  # die with the launcher or Ray actor that started this process
     # Ctrl-C / SIGTERM (the launcher's graceful stop): finish this step, write a checkpoint, exit.
@@ -55,7 +55,7 @@ def main() -> int:
     path = model_dir(cfg)
     trainer = Trainer(cfg, path)
     start, resumed = 0, None
-    if args.resume and (found := latest_checkpoint(args.run_dir)) is not None:
+    if args.resume and (found := resume_point(args.run_dir, rank, trainer.device)) is not None:
         start, ckpt = found
         resumed = load_checkpoint(ckpt, trainer.engine, rank=rank)
         log.info("resumed from %s (step %d)", ckpt, start)

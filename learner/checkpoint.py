@@ -8,11 +8,13 @@
 - `rng/rank_R.pt`: each rank's torch, numpy and python RNG states;
 - `hub.msgpack`: the hub (broker/state.py `HubState`): ledger, data position, admission
   counters, and the rollouts already generated for later steps;
-- `covrl_state.json`: the step, PAR state and held metric rows. Written last.
+- `covrl_state.json`: the step, PAR state and held metric rows;
+- `manifest.json`: every file's size and CRC-32 (common/checkpoint_dirs.py). Written last.
 
-Every rank writes into `step_N.tmp/`; after a barrier rank 0 renames it to `step_N/`. A crash
-mid-write leaves a `.tmp` directory that `latest_checkpoint` ignores, so the previous
-checkpoint stays the one a resume uses.
+Every rank writes into `step_N.tmp/`; after a barrier, ranks 1.. checksum their own shards while rank 0 writes
+the model export and the state, then rank 0 writes the manifest and renames the directory to `step_N/`. A crash
+mid-write leaves a `.tmp` directory that no resume takes, so the previous checkpoint stays the one a resume uses;
+a file damaged afterwards fails `verify` against the manifest, and a resume passes that checkpoint over.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.checkpoint_dirs import DS_TAG, STATE_FILE, complete_checkpoints, latest_checkpoint  # noqa: F401 (re-exported)
+from common.checkpoint_dirs import (DS_TAG, GOOD, STATE_FILE, UNVERIFIED, choose, complete_checkpoints, set_aside,
+                                    verify, write_manifest, write_rank_part)
 
 log = logging.getLogger("covrl.checkpoint")
 
@@ -76,8 +79,14 @@ def save_checkpoint(run_dir: str, step: int, engine, *, rank: int, tokenizer=Non
             os._exit(9)
         _write_synced(os.path.join(tmp, HUB_FILE), hub_state or b"")
         _write_synced(os.path.join(tmp, STATE_FILE), json.dumps({"step": step, **(state or {})}, indent=1).encode())
-        if os.path.exists(final):
-            shutil.rmtree(final)
+    else:
+        write_rank_part(tmp, rank)  # this rank's own shards, checksummed while rank 0 writes the export
+    dist.barrier()  # every file and every rank's share of the manifest is written
+    if rank == 0:
+        write_manifest(tmp, dist.get_world_size())
+        if os.path.exists(final):  # a run resumed from an earlier checkpoint reached this step again
+            log.warning("checkpoint step_%d already exists (from before the resume this run took); kept as %s",
+                        step, set_aside(final, "superseded"))
         os.replace(tmp, final)
         if keep_last:
             for old, path in complete_checkpoints(run_dir)[:-keep_last]:
@@ -87,9 +96,49 @@ def save_checkpoint(run_dir: str, step: int, engine, *, rank: int, tokenizer=Non
     return final
 
 
+def resume_point(run_dir: str, rank: int, device) -> tuple[int, str] | None:
+    """The checkpoint every rank resumes from: rank 0 picks it with `choose` (sizes only: the launcher checksummed
+    the candidates and set aside what failed) and sends its step to the others, so no two ranks load different
+    ones. None: the run has no checkpoint and starts from step 0."""
+    step = -1
+    if rank == 0:
+        choice = choose(run_dir, checksums=False)
+        for c in choice.skipped if choice else []:
+            log.warning("%s is damaged (%s): passed over", c.name, c.why())
+        if choice is not None and choice.check.state == UNVERIFIED:
+            log.warning("%s has no manifest (written before covrl verified its checkpoints): loading it unverified",
+                        choice.path)
+        step = choice.step if choice else -1
+    sent = torch.tensor([step], dtype=torch.int64, device=device)
+    dist.broadcast(sent, src=0)
+    step = int(sent.item())
+    return None if step < 0 else (step, os.path.join(run_dir, "checkpoints", f"step_{step}"))
+
+
 def load_checkpoint(path: str, engine, *, rank: int) -> dict:
-    """Restore this rank's engine (parameters, optimizer, step counts) and RNG states; returns the
-    run state (`covrl_state.json`) and, on rank 0, the hub state bytes under "hub"."""
+    """Restore this rank's engine (parameters, optimizer, step counts) and RNG states; returns the run state
+    (`covrl_state.json`) and, on rank 0, the hub state bytes under "hub". A failure says what to do, in one line."""
+    try:
+        return _load(path, engine, rank)
+    except Exception as e:  # re-raised with the checkpoint's state and the way out
+        cause = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+        raise RuntimeError(f"{os.path.basename(path)} could not be loaded by learner rank {rank}: "
+                           f"{load_advice(path)} ({cause})") from e
+
+
+def load_advice(path: str) -> str:
+    """What a user can do about a checkpoint that did not load, from what its manifest says of it."""
+    run_dir = os.path.dirname(os.path.dirname(path))
+    check = verify(path, checksums=True)
+    earlier = [s for s, _ in complete_checkpoints(run_dir) if s < check.step]
+    way = (f"resume from an earlier one: covrl resume {run_dir} --from step_{earlier[-1]}" if earlier else
+           f"no earlier checkpoint: start a new run (covrl run --config {run_dir}/config.toml)")
+    if check.state == GOOD:
+        return f"its files match its manifest, so the cause is elsewhere (the traceback above); or {way}"
+    return f"it is {check.summary()}; {way}"
+
+
+def _load(path: str, engine, rank: int) -> dict:
     with open(os.path.join(path, STATE_FILE)) as f:
         state = json.load(f)
     world = dist.get_world_size()
@@ -99,12 +148,8 @@ def load_checkpoint(path: str, engine, *, rank: int) -> dict:
     load_path, _ = engine.load_checkpoint(path, tag=DS_TAG, load_module_strict=True, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
     if load_path is None:
-        raise RuntimeError(f"DeepSpeed found no engine state in {path}/{DS_TAG}; the checkpoint is damaged: "
-                           f"delete {path} to resume from the one before it")
+        raise RuntimeError(f"DeepSpeed found no engine state in {path}/{DS_TAG}")
     rng = os.path.join(path, "rng", f"rank_{rank}.pt")
-    if not os.path.exists(rng):
-        raise RuntimeError(f"{rng} is missing: the checkpoint is damaged; delete {path} to resume from the one "
-                           f"before it")
     set_rng_state(torch.load(rng, weights_only=False))  # our own file: numpy's state is a tuple with an array
     if rank == 0:
         with open(os.path.join(path, HUB_FILE), "rb") as f:

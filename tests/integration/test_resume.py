@@ -1,12 +1,14 @@
-"""Learner death and resume, a crash inside a checkpoint write, graceful stop, numerical faults.
+"""Learner death and resume, a crash inside a checkpoint write, damaged checkpoints, numerical faults.
 
 Every run here is deterministic (`run.deterministic`, the default), so a resumed run must write exactly
-the rows an uninterrupted run writes, wall-clock figures and the restart's own bookkeeping aside.
+the rows an uninterrupted run writes, wall-clock figures and the restart's own bookkeeping aside. One
+uninterrupted run (`whole`, checkpoints at steps 2, 4 and 6) is the reference for every resume here.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.checkpoint_dirs import complete_checkpoints
+from common.checkpoint_dirs import MANIFEST, complete_checkpoints
 from common.metrics import read_metrics
 from tests.conftest import REPO
 from tests.integration.test_cluster import EVAL, VOLATILE, launch, start
@@ -48,11 +50,18 @@ def learner0(p: subprocess.Popen) -> psutil.Process:
     return proc
 
 
-def test_resume_after_sigkill_and_after_a_crash_mid_checkpoint_equals_the_uninterrupted_run(tmp_path):
-    whole = tmp_path / "whole"
-    launch(whole, *RUN)
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The uninterrupted run: 6 steps, 2 learner ranks, checkpoints at 2, 4 and 6."""
+    run = tmp_path_factory.mktemp("resume") / "whole"
+    launch(run, *RUN)
+    assert [r["step"] for r in read_metrics(str(run))] == list(range(7))
+    assert [s for s, _ in complete_checkpoints(str(run))] == [2, 4, 6]
+    return run
+
+
+def test_resume_after_sigkill_and_after_a_crash_mid_checkpoint_equals_the_uninterrupted_run(tmp_path, whole):
     expected = read_metrics(str(whole))
-    assert [r["step"] for r in expected] == list(range(7))
 
     # 1. SIGKILL learner rank 0 (and nothing else) once the step-2 checkpoint is on disk: the launcher stops the run.
     run = tmp_path / "killed"
@@ -110,3 +119,86 @@ def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_with_a_checkpoi
     assert [s for s, _ in complete_checkpoints(str(run))] == [6]
     saved = load_file(str(run / "checkpoints" / "step_6" / "model.safetensors"))
     assert all(torch.isfinite(t).all() for t in saved.values())
+
+
+# ---- damaged checkpoints: each damage a storage hiccup leaves, on a copy of `whole`
+
+SHARD = "deepspeed/mp_rank_00_model_states.pt"
+OPTIM = "deepspeed/zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+
+
+def truncate(path: str, size: int = 1000) -> None:
+    os.truncate(path, size)
+
+
+def flip_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def resumed_like_whole(run, whole, *args) -> subprocess.CompletedProcess:
+    """Resume `run` to step 6 (covrl resume, as a user types it); its rows and final weights must be `whole`'s."""
+    p = subprocess.run([sys.executable, "-m", "launch.covrl", "resume", str(run), "--quiet", *args], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    got, expected = read_metrics(str(run)), read_metrics(str(whole))
+    assert [r["step"] for r in got] == list(range(7)), "rows lost or written twice"
+    for want, have in zip(expected, got):
+        assert comparable(have) == comparable(want), f"step {want['step']} differs after resuming"
+    a = load_file(str(whole / "checkpoints" / "step_6" / "model.safetensors"))
+    b = load_file(str(run / "checkpoints" / "step_6" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a), "the resumed run's final weights differ"
+    return p
+
+
+def damaged(whole, tmp_path, **damage) -> os.PathLike:
+    """A copy of `whole` with `damage[step_N](checkpoint_dir)` done to each named checkpoint."""
+    run = tmp_path / "run"
+    shutil.copytree(whole, run)
+    for name, do in damage.items():
+        do(str(run / "checkpoints" / name))
+    return run
+
+
+def test_damaged_checkpoints_are_passed_over_and_the_resume_equals_the_uninterrupted_run(tmp_path, whole):
+    """What storage does to files after the rename: a copy cut short (the DeepSpeed shard, the HF export), a flipped
+    byte (the optimizer state: same size, caught by its checksum), a lost rank file (rank 1's optimizer state). Each
+    resume says what is wrong with each checkpoint it passes over, sets it aside (kept), starts from step_2 and
+    trains steps 3-6 exactly as `whole` did. In the second, step_2 has no manifest, as a checkpoint written before
+    covrl wrote them: it still loads, said unverified."""
+    run = damaged(whole, tmp_path / "a", step_6=lambda c: flip_byte(os.path.join(c, OPTIM.format(0))),
+                  step_4=lambda c: truncate(os.path.join(c, SHARD)))
+    p = resumed_like_whole(run, whole, "--steps", "6")
+    assert f"step_6 is damaged ({OPTIM.format(0)} has CRC-32 " in p.stdout, p.stdout
+    assert f"step_4 is damaged ({SHARD} is 1,000 bytes, expected " in p.stdout
+    assert "resuming from step_2 (verified: 14 files" in p.stdout
+    assert "covrl: 4 steps in this launch (steps 3-6)" in p.stdout, p.stdout
+    assert sorted(os.listdir(run / "checkpoints")) == ["step_2", "step_4", "step_4.damaged", "step_6", "step_6.damaged"]
+
+    run = damaged(whole, tmp_path / "b", step_6=lambda c: os.remove(os.path.join(c, OPTIM.format(1))),
+                  step_4=lambda c: truncate(os.path.join(c, "model.safetensors")),
+                  step_2=lambda c: os.remove(os.path.join(c, MANIFEST)))
+    p = resumed_like_whole(run, whole, "--steps", "6")
+    assert f"step_6 is damaged ({OPTIM.format(1)} is missing)" in p.stdout, p.stdout
+    assert "step_4 is damaged (model.safetensors is 1,000 bytes, expected " in p.stdout
+    assert "resuming from step_2 (unverified: it has no manifest" in p.stdout
+    # --from: back to step_4 of this resumed run (steps 5-6 again); the newer good one is kept aside.
+    p = resumed_like_whole(run, whole, "--from", "step_4")
+    assert "step_6 is newer than --from step_4: set aside as checkpoints/step_6.superseded" in p.stdout, p.stdout
+    assert "covrl: 2 steps in this launch (steps 5-6)" in p.stdout
+    assert (run / "checkpoints" / "step_6.superseded").is_dir() and (run / "checkpoints" / "step_6.damaged").is_dir()
+
+
+def test_with_no_good_checkpoint_a_resume_stops_in_one_line_and_moves_nothing(tmp_path, whole):
+    run = damaged(whole, tmp_path, **{f"step_{s}": lambda c: truncate(os.path.join(c, "model.safetensors"))
+                                      for s in (2, 4, 6)})
+    before = sorted(os.listdir(run / "checkpoints"))
+    p = subprocess.run([sys.executable, "-m", "launch.covrl", "resume", str(run), "--steps", "8"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1, p.stdout + p.stderr
+    assert p.stderr.startswith(f"error: {run}: no checkpoint verifies (step_6: model.safetensors is 1,000 bytes")
+    assert f"covrl verify {run}" in p.stderr
+    assert sorted(os.listdir(run / "checkpoints")) == before, "a damaged checkpoint was moved or deleted"
