@@ -29,11 +29,13 @@ $(STAMP): $(DEPS)
 demo: $(STAMP)
 	.venv/bin/covrl run --gens 1 --learners 1 --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
+# `long` cases (pyproject.toml's markers) run in `make bench`: make test stays under 20 minutes on 2 cores.
 test: $(STAMP)
-	$(PY) -m pytest -q tests/unit tests/integration
+	$(PY) -m pytest -q tests/unit tests/integration -m "not long"
 
 # All benchmarks in one go (tests/bench/results.json), then the README table rendered from it.
 bench: $(STAMP) $(BSTAMP)
+	$(PY) -m pytest -q tests/integration -m long -p no:cacheprovider
 	$(PY) -m pytest -q tests/bench -p no:cacheprovider -s
 	$(PY) tests/bench/readme_table.py --write
 

@@ -25,6 +25,7 @@ STATE_FILE = "covrl_state.json"  # the run's state: a directory without it is no
 DS_TAG = "deepspeed"  # the engine state's subdirectory
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
+LOAD_FAILED = "load_failed.json"  # RUN_DIR/: a learner that could not load its checkpoint says so (the summary reads it)
 _PART = "manifest.rank_{}.json"  # one rank's share, merged into MANIFEST by rank 0 and removed
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _SET_ASIDE = re.compile(r"^step_(\d+)\.(damaged|superseded)(?:\.\d+)?$")
@@ -53,6 +54,14 @@ def complete_checkpoints(run_dir: str) -> list[tuple[int, str]]:
         if m and os.path.isfile(os.path.join(path, STATE_FILE)) and os.path.isdir(os.path.join(path, DS_TAG)):
             found.append((int(m.group(1)), path))
     return sorted(found)
+
+
+def step_dirs(run_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every `step_N` directory, oldest first, whatever it holds: each was renamed into place only
+    once complete, so one that lacks a file now was damaged since (`verify` says which)."""
+    root = os.path.join(run_dir, "checkpoints")
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted((int(m.group(1)), os.path.join(root, n)) for n in names if (m := _STEP_DIR.match(n)))
 
 
 def latest_checkpoint(run_dir: str) -> tuple[int, str] | None:
@@ -101,10 +110,13 @@ def _write_json_synced(path: str, obj) -> None:
         os.fsync(f.fileno())
 
 
-def write_rank_part(tmp: str, rank: int) -> None:
-    """Learner rank `rank` > 0, once every rank's shards are on disk: the sizes and checksums of its own files."""
-    _write_json_synced(os.path.join(tmp, _PART.format(rank)),
-                       {rel: _entry(tmp, rel) for rel in _files(tmp) if owner(rel) == rank})
+def write_rank_part(tmp: str, rank: int, world: int) -> None:
+    """Learner rank `rank` > 0, once every rank's engine state is on disk and while rank 0 writes the model export:
+    the sizes and checksums of its own files; the last rank also takes rank 0's share of them (the module's states,
+    under ZeRO-1/2 the whole model), which leaves rank 0 only the export and the run state."""
+    take = {rank, 0} if rank == world - 1 else {rank}
+    ours = [rel for rel in _files(tmp) if rel.startswith((DS_TAG + "/", "rng/")) and owner(rel) in take]
+    _write_json_synced(os.path.join(tmp, _PART.format(rank)), {rel: _entry(tmp, rel) for rel in ours})
 
 
 def write_manifest(tmp: str, world: int) -> dict:
@@ -207,8 +219,10 @@ def verify(path: str, checksums: bool = True, step: int | None = None) -> Check:
     except ValueError as e:
         check.state, check.problems = DAMAGED, [str(e)]
         return check
-    if manifest is None:
-        check.state = UNVERIFIED
+    if manifest is None:  # written before manifests: what every checkpoint has, or it is damaged
+        check.problems = [f"{need} is missing" for need in (STATE_FILE, DS_TAG + "/")
+                          if not os.path.exists(os.path.join(path, need))]
+        check.state = DAMAGED if check.problems else UNVERIFIED
         return check
     for rel, want in sorted(manifest["files"].items()):
         if (problem := _file_problem(path, rel, want, checksums)) is not None:
@@ -248,7 +262,7 @@ def step_name(text: str) -> int:
 def choose(run_dir: str, checksums: bool = True, from_step: int | None = None) -> Choice | None:
     """The checkpoint a resume of `run_dir` starts from: `from_step`'s, or the newest that verifies. None when the
     run has no checkpoint at all (it starts from step 0). CheckpointError, in one line, when none can be used."""
-    found = complete_checkpoints(run_dir)
+    found = step_dirs(run_dir)
     if from_step is not None:
         return _chosen(run_dir, found, from_step, checksums)
     skipped = []
@@ -262,15 +276,16 @@ def choose(run_dir: str, checksums: bool = True, from_step: int | None = None) -
     damage = "; ".join(f"{c.name}: {c.why()}" for c in skipped)
     raise CheckpointError(f"{run_dir}: no checkpoint verifies ({damage}); restore the files from a copy and check "
                           f"them with `covrl verify {run_dir}`, or start a new run from its config: covrl run "
-                          f"--config {os.path.join(run_dir, 'config.toml')}")
+                          f"--config {os.path.join(run_dir, 'config.toml')} with the --learners and --gens of "
+                          f"{os.path.join(run_dir, 'cluster.json')}")
 
 
 def _chosen(run_dir: str, found: list[tuple[int, str]], step: int, checksums: bool) -> Choice:
     paths = dict(found)
     if step not in paths:
         have = ", ".join(f"step_{s}" for s, _ in found) or "none"
-        raise CheckpointError(f"--from step_{step}: {run_dir}/checkpoints has no complete checkpoint step_{step} "
-                              f"(complete ones: {have})")
+        raise CheckpointError(f"--from step_{step}: {run_dir}/checkpoints has no step_{step} (it has: {have}; one a "
+                              f"resume set aside, step_{step}.superseded, is taken again once renamed step_{step})")
     check = verify(paths[step], checksums, step)
     if check.state == DAMAGED:
         earlier = [s for s, p in found if s < step]

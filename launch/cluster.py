@@ -203,7 +203,7 @@ def supervised(args, sup: Supervisor, backend, run: RunDir, gpus: int) -> int:
         backend.close(GRACE_S)
     sup.progress.finish()
     again = "" if args.ray is None else " --ray" if args.ray == LOCAL_RAY else f" --ray {args.ray}"
-    print(summary(run.path, run.cfg, time.monotonic() - t0, again, run.resumed.step if run.resumed else 0, code))
+    print(summary(run.path, run.cfg, time.monotonic() - t0, again, run.resumed.step if run.resumed else 0))
     print_plots(run.path)
     return code
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from common.checkpoint_dirs import (DAMAGED, UNVERIFIED, Choice, choose, complete_checkpoints, set_aside, step_name,
+from common.checkpoint_dirs import (DAMAGED, LOAD_FAILED, UNVERIFIED, Choice, choose, set_aside, step_dirs, step_name,
                                     verify)
 from common.config import ConfigError, load_config, to_toml, with_absolute_paths
 from common.data import check_inputs, resolve_model
@@ -123,8 +123,9 @@ def prepare_resume(args, gpus: int = 0) -> RunDir:
     notes = [*resume_lines(run_dir, choice), *notes]
     info = write_addresses(run_dir, cfg, old.run_id, gens, learners)
     write_generator_target(run_dir, gens)
-    if os.path.exists(stale := os.path.join(run_dir, "progress.json")):
-        os.remove(stale)  # the dead run's last step, past the checkpoint the learner resumes from
+    for name in ("progress.json", LOAD_FAILED):  # the last launch's last step, and its failure to load a checkpoint
+        if os.path.exists(stale := os.path.join(run_dir, name)):
+            os.remove(stale)
     return RunDir(run_dir, cfg, info, notes, placement, choice)
 
 
@@ -135,7 +136,7 @@ def resume_lines(run_dir: str, choice: Choice | None) -> list[str]:
         return ["no checkpoint yet: the run starts again from step 0"]
     damaged = {c.step: c for c in choice.skipped}
     lines = []
-    for step, path in complete_checkpoints(run_dir):
+    for step, path in step_dirs(run_dir):
         if step > choice.step:  # under --from, not verified yet: sizes tell the damaged from the superseded
             bad = damaged.get(step) or (c if (c := verify(path, checksums=False, step=step)).state == DAMAGED else None)
             moved = os.path.basename(set_aside(path, "damaged" if bad else "superseded"))

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
-from common.checkpoint_dirs import CheckpointError, choose, complete_checkpoints
+from common.checkpoint_dirs import LOAD_FAILED, CheckpointError, choose, step_dirs
 from common.metrics import read_metrics, read_progress
 
 
-def summary(run_dir: str, cfg, elapsed: float, resume_flags: str = "", start: int = 0, code: int = 0) -> str:
+def summary(run_dir: str, cfg, elapsed: float, resume_flags: str = "", start: int = 0) -> str:
     """The launch in a few lines: the steps it trained (from `start`, the checkpoint it resumed from, to the step
     progress.json last recorded: prepare_resume removes the dead run's), reward and entropy first quarter to last,
     held-out accuracy, staleness, where its files are, and the command that continues the run when one can.
-    `resume_flags` (e.g. " --ray"): what that command needs besides RUN_DIR; `code`: the launch's exit status."""
+    `resume_flags` (e.g. " --ray"): what that command needs besides RUN_DIR."""
     progress = read_progress(run_dir)
     end = progress["step"] if progress else start
     # Rows past `end` are an earlier launch's, after the checkpoint this one resumed from: its learner had not
@@ -34,7 +35,7 @@ def summary(run_dir: str, cfg, elapsed: float, resume_flags: str = "", start: in
         lines.append(f"  staleness max {max(r.get('staleness/max') or 0 for r in train):.0f} "
                      f"(bound {cfg.rollout.max_staleness_steps})")
     lines.append(f"  metrics: {run_dir}/metrics.jsonl  tensorboard: {run_dir}/tb")
-    lines.append("  " + checkpoint_line(run_dir, cfg, resume_flags, start, end, code))
+    lines.append("  " + checkpoint_line(run_dir, cfg, resume_flags))
     return "\n".join(lines)
 
 
@@ -51,9 +52,10 @@ def eval_lines(rows: list[dict], cfg) -> list[str]:
     return lines
 
 
-def checkpoint_line(run_dir: str, cfg, flags: str, start: int, end: int, code: int) -> str:
+def checkpoint_line(run_dir: str, cfg, flags: str) -> str:
     """The checkpoint a resume would take (sizes checked against its manifest) and whether resuming can help: no
-    "continue with" when none verifies, or when this launch failed before training a step from that very one."""
+    "continue with" when none verifies, or when a learner of this launch could not load that very one
+    (RUN_DIR/load_failed.json, learner/checkpoint.py)."""
     try:
         choice = choose(run_dir, checksums=False)
     except CheckpointError:
@@ -65,12 +67,24 @@ def checkpoint_line(run_dir: str, cfg, flags: str, start: int, end: int, code: i
         line += f" (newer, damaged: {', '.join(c.name for c in choice.skipped)})"
     if choice.step >= cfg.run.steps:
         return line
-    earlier = [s for s, _ in complete_checkpoints(run_dir) if s < choice.step]
-    if code == 1 and end == start == choice.step:
+    earlier = [s for s, _ in step_dirs(run_dir) if s < choice.step]
+    if load_failed(run_dir) == choice.check.name:
         other = f"; or resume from an earlier one: covrl resume {run_dir}{flags} --from step_{earlier[-1]}" if earlier else ""
-        return (line + f"; this launch failed before training a step from it: resuming from it fails the same way "
-                       f"until the cause above is fixed{other}")
+        return (line + f"; this launch could not load it: resuming from it fails the same way until the cause "
+                       f"above is fixed{other}")
     return line + f" (continue with covrl resume {run_dir}{flags})"
+
+
+def load_failed(run_dir: str) -> str | None:
+    """The checkpoint a learner of this launch could not load, if one could not."""
+    try:
+        with open(os.path.join(run_dir, LOAD_FAILED)) as f:
+            return json.load(f)["checkpoint"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a torn write: the failure is still a fact
+        print(f"  {LOAD_FAILED} cannot be read ({e}): a learner could not load a checkpoint", file=sys.stderr)
+        return None
 
 
 def print_plots(run_dir: str) -> None:

@@ -6,7 +6,7 @@
 Each checkpoint's files are checked against its manifest (common/checkpoint_dirs.py): present, at their size and,
 unless --fast, with their CRC-32. States: good, damaged (the file and what is wrong with it), unverified (written
 before covrl wrote manifests), incomplete (`step_N.tmp`: a write that never finished), set aside (a resume passed
-it over and renamed it). The last line names the checkpoint a resume would start from. Exit status: 0 when nothing
+it over and renamed it). The last line names the checkpoint a resume would start from (whether or not the run has steps left). Exit status: 0 when nothing
 is damaged, 1 when one is (set-aside ones aside), 2 on a bad argument.
 """
 
@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from common.checkpoint_dirs import DAMAGED, MANIFEST, STATE_FILE, complete_checkpoints, set_aside_dirs, verify
+from common.checkpoint_dirs import DAMAGED, MANIFEST, STATE_FILE, set_aside_dirs, step_dirs, verify
 from common.cli import fail
 
 
@@ -30,6 +30,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     path = os.path.abspath(args.path)
+    if path.endswith(".tmp") and os.path.isdir(path):
+        print(f"{path}: incomplete: a checkpoint write that never finished (no resume takes it)")
+        return 1
     if os.path.isfile(os.path.join(path, STATE_FILE)) or os.path.isfile(os.path.join(path, MANIFEST)):
         check = verify(path, checksums=not args.fast)  # one checkpoint directory, e.g. copied for evaluation
         print(f"{path}: {check.summary()}")
@@ -44,7 +47,7 @@ def main(argv=None) -> int:
 
 
 def report(run_dir: str, root: str, checksums: bool) -> int:
-    found = complete_checkpoints(run_dir)
+    found = step_dirs(run_dir)
     checks = [verify(p, checksums, s) for s, p in found]
     width = max([len(os.path.basename(p)) for p in os.listdir(root)] + [6])
     print(f"{root}:")
@@ -57,15 +60,17 @@ def report(run_dir: str, root: str, checksums: bool) -> int:
     for path in set_aside_dirs(run_dir):
         print(f"  {os.path.basename(path):<{width}}  set aside by a resume: {verify(path, checksums).summary()}")
     if not found:
-        print("  no complete checkpoint: a resume starts from step 0")
+        print("  no checkpoint: a resume starts from step 0")
         return 0
     usable = [c for c in checks if c.state != DAMAGED]  # what `choose` takes: the newest of these
     if not usable:
         print("no checkpoint verifies: a resume cannot start (restore the damaged files from a copy)")
         return 1
     skipped = [c.name for c in checks if c.step > usable[-1].step]
-    passing = f", passing over {', '.join(skipped)}" if skipped else ""
-    print(f"a resume starts from {usable[-1].name}{passing}: covrl resume {run_dir}")
+    line = f"the checkpoint a resume takes: {usable[-1].name}"
+    if skipped:
+        line += f", passing over {', '.join(skipped)} (it sets them aside, renamed step_N.damaged)"
+    print(line)
     return 1 if skipped or len(usable) < len(checks) else 0
 
 

@@ -55,7 +55,7 @@ def main() -> int:
     path = model_dir(cfg)
     trainer = Trainer(cfg, path)
     start, resumed = 0, None
-    if args.resume and (found := resume_point(args.run_dir, rank, trainer.device)) is not None:
+    if args.resume and (found := resume_point(args.run_dir, rank)) is not None:
         start, ckpt = found
         resumed = load_checkpoint(ckpt, trainer.engine, rank=rank)
         log.info("resumed from %s (step %d)", ckpt, start)

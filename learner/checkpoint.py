@@ -29,8 +29,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.checkpoint_dirs import (DS_TAG, GOOD, STATE_FILE, UNVERIFIED, choose, complete_checkpoints, set_aside,
-                                    verify, write_manifest, write_rank_part)
+from common.checkpoint_dirs import (DS_TAG, GOOD, LOAD_FAILED, STATE_FILE, UNVERIFIED, CheckpointError, choose,
+                                    complete_checkpoints, set_aside, step_dirs, verify, write_manifest, write_rank_part)
 
 log = logging.getLogger("covrl.checkpoint")
 
@@ -80,7 +80,7 @@ def save_checkpoint(run_dir: str, step: int, engine, *, rank: int, tokenizer=Non
         _write_synced(os.path.join(tmp, HUB_FILE), hub_state or b"")
         _write_synced(os.path.join(tmp, STATE_FILE), json.dumps({"step": step, **(state or {})}, indent=1).encode())
     else:
-        write_rank_part(tmp, rank)  # this rank's own shards, checksummed while rank 0 writes the export
+        write_rank_part(tmp, rank, dist.get_world_size())  # checksummed while rank 0 writes the export
     dist.barrier()  # every file and every rank's share of the manifest is written
     if rank == 0:
         write_manifest(tmp, dist.get_world_size())
@@ -96,45 +96,64 @@ def save_checkpoint(run_dir: str, step: int, engine, *, rank: int, tokenizer=Non
     return final
 
 
-def resume_point(run_dir: str, rank: int, device) -> tuple[int, str] | None:
+def resume_point(run_dir: str, rank: int) -> tuple[int, str] | None:
     """The checkpoint every rank resumes from: rank 0 picks it with `choose` (sizes only: the launcher checksummed
-    the candidates and set aside what failed) and sends its step to the others, so no two ranks load different
-    ones. None: the run has no checkpoint and starts from step 0."""
-    step = -1
+    the candidates and set aside what failed) and sends its step to the others (a CPU tensor: gloo, as for every
+    bookkeeping collective), so no two ranks load different ones. None: no checkpoint, the run starts from step 0."""
+    step, error = NONE, None
     if rank == 0:
-        choice = choose(run_dir, checksums=False)
+        try:
+            choice = choose(run_dir, checksums=False)
+        except CheckpointError as e:
+            choice, step, error = None, REFUSED, e  # the other ranks are told, then this rank raises
         for c in choice.skipped if choice else []:
             log.warning("%s is damaged (%s): passed over", c.name, c.why())
         if choice is not None and choice.check.state == UNVERIFIED:
             log.warning("%s has no manifest (written before covrl verified its checkpoints): loading it unverified",
                         choice.path)
-        step = choice.step if choice else -1
-    sent = torch.tensor([step], dtype=torch.int64, device=device)
+        step = choice.step if choice else step
+    sent = torch.tensor([step], dtype=torch.int64)
     dist.broadcast(sent, src=0)
     step = int(sent.item())
-    return None if step < 0 else (step, os.path.join(run_dir, "checkpoints", f"step_{step}"))
+    if step == REFUSED:
+        raise error or RuntimeError("learner rank 0 found no checkpoint to resume from (its log says why)")
+    return None if step == NONE else (step, os.path.join(run_dir, "checkpoints", f"step_{step}"))
+
+
+NONE, REFUSED = -1, -2  # resume_point's broadcast: no checkpoint (start from step 0) / none usable (stop)
+
+
+class WorldMismatch(RuntimeError):
+    """The checkpoint was written by another number of learner ranks: the run's shape, not damage."""
 
 
 def load_checkpoint(path: str, engine, *, rank: int) -> dict:
     """Restore this rank's engine (parameters, optimizer, step counts) and RNG states; returns the run state
-    (`covrl_state.json`) and, on rank 0, the hub state bytes under "hub". A failure says what to do, in one line."""
+    (`covrl_state.json`) and, on rank 0, the hub state bytes under "hub". A failure to load says what to do, in one
+    line, and leaves RUN_DIR/load_failed.json for the launcher's summary."""
     try:
         return _load(path, engine, rank)
+    except WorldMismatch:
+        raise
     except Exception as e:  # re-raised with the checkpoint's state and the way out
         cause = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+        run_dir = os.path.dirname(os.path.dirname(path))
+        _write_synced(os.path.join(run_dir, LOAD_FAILED), json.dumps(
+            {"checkpoint": os.path.basename(path), "rank": rank, "error": cause}).encode())
         raise RuntimeError(f"{os.path.basename(path)} could not be loaded by learner rank {rank}: "
                            f"{load_advice(path)} ({cause})") from e
 
 
 def load_advice(path: str) -> str:
-    """What a user can do about a checkpoint that did not load, from what its manifest says of it."""
+    """What a user can do about a checkpoint that did not load, from what its manifest says of it (sizes only:
+    every failing rank asks, and the files may be large)."""
     run_dir = os.path.dirname(os.path.dirname(path))
-    check = verify(path, checksums=True)
-    earlier = [s for s, _ in complete_checkpoints(run_dir) if s < check.step]
+    check = verify(path, checksums=False)
+    earlier = [s for s, _ in step_dirs(run_dir) if s < check.step]
     way = (f"resume from an earlier one: covrl resume {run_dir} --from step_{earlier[-1]}" if earlier else
            f"no earlier checkpoint: start a new run (covrl run --config {run_dir}/config.toml)")
     if check.state == GOOD:
-        return f"its files match its manifest, so the cause is elsewhere (the traceback above); or {way}"
+        return f"its files have their manifest's sizes (`covrl verify {run_dir}` reads their checksums too); or {way}"
     return f"it is {check.summary()}; {way}"
 
 
@@ -143,8 +162,8 @@ def _load(path: str, engine, rank: int) -> dict:
         state = json.load(f)
     world = dist.get_world_size()
     if state["learners"] != world:
-        raise RuntimeError(f"{path} was written by {state['learners']} learner ranks and this run has {world}: "
-                           f"the optimizer state is sharded per rank; resume with --learners {state['learners']}")
+        raise WorldMismatch(f"{path} was written by {state['learners']} learner ranks and this run has {world}: "
+                            f"the optimizer state is sharded per rank; resume with --learners {state['learners']}")
     load_path, _ = engine.load_checkpoint(path, tag=DS_TAG, load_module_strict=True, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
     if load_path is None:

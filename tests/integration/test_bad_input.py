@@ -2,7 +2,7 @@
 line on stderr that names what is wrong (file, row and field, or config key) and says how to fix it; no
 traceback, and no run directory left behind.
 
-Each case is a real command line run as a user runs it (a subprocess), on files written here.
+Each case is a real command line run as a user runs it (a subprocess), on files written here; two run at a time.
 """
 
 from __future__ import annotations
@@ -146,21 +146,37 @@ def inputs(tmp_path_factory):
     return {**_files(d), "tmp": str(d)}
 
 
-@pytest.mark.parametrize("case, argv, needle", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_is_one_line_exit_2_nothing_left(case, argv, needle, inputs, tmp_path):
-    run = tmp_path / "run"
-    values = {**inputs, "run": str(run)}
-    cmd = [sys.executable] + [a.format(**values) for a in argv]
-    before = {p: sorted(os.listdir(inputs[p])) for p in ("a_run", "not_a_run")}
+def _run(argv, inputs, run) -> subprocess.CompletedProcess:
+    cmd = [sys.executable] + [a.format(**inputs, run=str(run)) for a in argv]
     env = {**os.environ, "PYTHONPATH": REPO, "HOME": inputs["tmp"], "HF_HUB_OFFLINE": "1",
            "HF_HUB_CACHE": os.path.join(inputs["tmp"], "hub")}  # no W&B login, an empty Hub cache, offline
     env.pop("WANDB_API_KEY", None)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+
+
+@pytest.fixture(scope="module")
+def outcomes(inputs, tmp_path_factory):
+    """Every case's command line, run two at a time (each is mostly Python's start-up on one core; two cores here):
+    the existing directories before any ran, and {case: (its run directory, the finished process)}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    before = {p: sorted(os.listdir(inputs[p])) for p in ("a_run", "not_a_run")}
+    root = tmp_path_factory.mktemp("runs")
+    with ThreadPoolExecutor(2) as pool:
+        started = {case: (root / f"{i}" / "run", argv) for i, (case, argv, _) in enumerate(CASES)}
+        futures = {case: (run, pool.submit(_run, argv, inputs, run)) for case, (run, argv) in started.items()}
+        return before, {case: (run, f.result()) for case, (run, f) in futures.items()}
+
+
+@pytest.mark.parametrize("case, argv, needle", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2_nothing_left(case, argv, needle, inputs, outcomes):
+    before, done = outcomes
+    run, p = done[case]
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2, f"{case}: exit {p.returncode}\n{p.stdout}\n{p.stderr}"
     assert "Traceback" not in p.stderr, p.stderr
     assert len(lines) == 1 and "error: " in lines[0], f"{case}: not one error line:\n{p.stderr}"
-    assert needle.format(**values) in lines[0], f"{case}: {lines[0]!r} does not say {needle!r}"
+    assert needle.format(**inputs, run=str(run)) in lines[0], f"{case}: {lines[0]!r} does not say {needle!r}"
     assert not run.exists(), f"{case}: left {sorted(os.listdir(run))} in the run directory"
     assert before == {p: sorted(os.listdir(inputs[p])) for p in ("a_run", "not_a_run")}, "an existing directory changed"
     assert not any(os.path.exists(os.path.join(inputs["tmp"], f"out.{x}")) for x in ("parquet", "jsonl"))

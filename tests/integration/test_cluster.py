@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from common.checkpoint_dirs import complete_checkpoints
+from common.checkpoint_dirs import GOOD, MANIFEST, complete_checkpoints, verify
 from common.metrics import CLOCK_KEYS, read_metrics
 from tests.conftest import BASE_MODEL, REPO
 
@@ -78,7 +78,7 @@ def test_four_generators_four_learners(tmp_path):
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
-@pytest.mark.parametrize("learners, micro_tokens", [(1, 4096), (2, 64)])
+@pytest.mark.parametrize("learners, micro_tokens", [pytest.param(1, 4096, marks=pytest.mark.long), (2, 64)])
 def test_staleness_zero_equals_synchronous_reference(tmp_path, learners, micro_tokens):
     """Acceptance 3: same seed, k = 0, one generator: the async run ends where the sync loop does.
 
@@ -244,6 +244,12 @@ def test_zero3_publishes_and_checkpoints_gathered_parameters(tmp_path):
             got = {e["version"]: e["checksum"] for e in map(json.loads, f)}
         assert got == {int(r["weights/version"]): r["weights/checksum"] for r in rows}, stage
         ckpts[stage] = load_file(str(run / "checkpoints" / "step_3" / "model.safetensors"))
+        # The manifest covers every rank's own files (ZeRO-3: each rank's module shard too), and they verify.
+        files = json.load(open(run / "checkpoints" / "step_3" / MANIFEST))["files"]
+        per_rank = {f"deepspeed/zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in (0, 1)
+                    for kind in (("optim", "model") if stage == 3 else ("optim",))}
+        assert per_rank <= files.keys() and {"rng/rank_0.pt", "rng/rank_1.pt", "model.safetensors"} <= files.keys()
+        assert verify(str(run / "checkpoints" / "step_3")).state == GOOD
     base = load_file(os.path.join(BASE_MODEL, "model.safetensors"))
     assert ckpts[3].keys() == ckpts[1].keys() == base.keys()
     assert any(not torch.equal(ckpts[3][k], base[k]) for k in base), "nothing trained under ZeRO-3"

@@ -174,6 +174,7 @@ except pytest.skip.Exception:
         pytest.skip("ray is not installed")
 
 
+@pytest.mark.long  # make bench: the verdicts are test_frozen_hung_and_killed_...'s; this adds the Ray actor's kill path
 def test_frozen_and_hung_generators_on_ray_are_dropped_stopped_and_replaced(tmp_path, ray_cluster):  # noqa: F811
     """The same faults under `--ray` on a multi-node Ray cluster (the learner on one node, the three generators on
     another): the launcher asks each lost generator's actor to SIGKILL its process group (`stop_lost`), and starts

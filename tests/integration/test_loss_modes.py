@@ -99,7 +99,12 @@ OFFPOLICY = ("ess_token", "ess_seq", "m2", "kl_behav_prox", "m2po_masked", "ess_
              *(f"{cut}_q{q}" for cut in ("clipped", "masked") for q in range(1, 6)))
 
 
-@pytest.mark.parametrize("mode", CASES)
+# The paper's two losses run end to end in `make test`; the other three, whose maths tests/unit/test_losses*.py
+# check, in `make bench` (the `long` marker), for time.
+LONG = ("ppo", "gspo", "cispo")
+
+
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=[pytest.mark.long] if m in LONG else []) for m in CASES])
 def test_loss_mode_runs_three_steps(mode, tmp_path):
     cfg = tmp_path / f"{mode}.toml"
     cfg.write_text(COMMON + CASES[mode])

@@ -131,6 +131,7 @@ def _stop_node(p: subprocess.Popen) -> None:
         time.sleep(0.5)
 
 
+@pytest.mark.long  # make bench, for time: Ray across local nodes is test_ray.py's; this adds a real network between them
 def test_generators_on_a_ray_node_in_another_network_namespace_train_with_the_hub(tmp_path, netns, monkeypatch):
     ns, host_addr, ns_addr = netns
     if shutil.which(RAY) is None:

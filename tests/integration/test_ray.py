@@ -133,6 +133,7 @@ def test_a_learner_rank_lost_on_ray_stops_the_run_and_resume_on_ray_continues_it
     assert sum(1 for e in placements(run) if e["role"] == "learner0") == 2  # a new learner0 on Ray, not a restart
 
 
+@pytest.mark.long  # make bench: the roles on Ray are the other tests'; this adds the instance covrl starts itself
 def test_ray_without_an_address_starts_a_local_instance_and_stops_it(tmp_path):
     """`--ray` alone: covrl starts Ray on this machine, runs the roles on it and stops it at the end; nothing
     under that instance's directory is left running."""

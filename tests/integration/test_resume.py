@@ -192,6 +192,26 @@ def test_damaged_checkpoints_are_passed_over_and_the_resume_equals_the_uninterru
     assert (run / "checkpoints" / "step_6.superseded").is_dir() and (run / "checkpoints" / "step_6.damaged").is_dir()
 
 
+def test_an_old_checkpoint_that_does_not_load_stops_the_launch_and_names_the_one_before(tmp_path, whole):
+    """The issue's storage hiccup on a checkpoint from before manifests: nothing can tell it is damaged until a
+    learner loads it. The launch stops in one line; its summary counts no step and, instead of a resume that would
+    fail the same way for ever, gives the --from of the checkpoint before."""
+    def old_and_cut_short(c):
+        os.remove(os.path.join(c, MANIFEST))
+        truncate(os.path.join(c, SHARD))
+
+    run = damaged(whole, tmp_path, step_6=old_and_cut_short)
+    p = subprocess.run([sys.executable, "-m", "launch.covrl", "resume", str(run), "--steps", "8", "--quiet"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "resuming from step_6 (unverified: it has no manifest" in p.stdout
+    assert "step_6 could not be loaded by learner rank" in p.stderr and "--from step_4" in p.stderr, p.stderr
+    assert "covrl: no step trained in this launch" in p.stdout and "continue with" not in p.stdout, p.stdout
+    assert f"could not load it: resuming from it fails the same way until the cause above is fixed; or resume from an " \
+           f"earlier one: covrl resume {run} --from step_4" in p.stdout
+    assert [r["step"] for r in read_metrics(str(run))] == list(range(7)), "rows changed by a launch that trained none"
+
+
 def test_with_no_good_checkpoint_a_resume_stops_in_one_line_and_moves_nothing(tmp_path, whole):
     run = damaged(whole, tmp_path, **{f"step_{s}": lambda c: truncate(os.path.join(c, "model.safetensors"))
                                       for s in (2, 4, 6)})

@@ -1,5 +1,5 @@
 """Checkpoint manifests, verification, the resume's choice and `covrl verify`, on checkpoint directories laid out as
-learner/checkpoint.py lays them out (no training: tests/integration/test_damaged_checkpoints.py damages real ones)."""
+learner/checkpoint.py lays them out (no training: tests/integration/test_resume.py damages real ones)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def checkpoint(run, step: int, manifest: bool = True, world: int = 2) -> str:
         (tmp / rel).write_bytes(bytes((step * 7 + i) % 251 for i in range(size)))
     if manifest:
         for r in range(1, world):
-            write_rank_part(str(tmp), r)
+            write_rank_part(str(tmp), r, world)
         write_manifest(str(tmp), world)
     final = run / "checkpoints" / f"step_{step}"
     os.replace(tmp, final)
@@ -41,10 +41,16 @@ def test_every_file_is_in_the_manifest_and_each_rank_checksums_its_own(tmp_path)
     assert [owner(OPTIM_1), owner("rng/rank_3.pt"), owner(SHARD), owner("deepspeed/bf16_zero_pp_rank_2_x.pt")] == [1, 3, 0, 2]
     path = checkpoint(tmp_path, 2)
     tmp = tmp_path / "t"
-    os.makedirs(tmp / "deepspeed")
-    (tmp / OPTIM_1).write_bytes(b"abc")
-    write_rank_part(str(tmp), 1)
+    for rel in (OPTIM_1, SHARD, "deepspeed/zero_pp_rank_2_mp_rank_00_optim_states.pt", "model.safetensors"):
+        os.makedirs(os.path.dirname(tmp / rel), exist_ok=True)
+        (tmp / rel).write_bytes(b"abc")
+    write_rank_part(str(tmp), 1, 3)  # a middle rank: its own files only
     assert json.load(open(tmp / "manifest.rank_1.json")) == {OPTIM_1: {"bytes": 3, "crc32": "352441c2"}}  # CRC-32("abc")
+    write_rank_part(str(tmp), 2, 3)  # the last rank: its own and rank 0's engine state, not the export rank 0 writes
+    assert sorted(json.load(open(tmp / "manifest.rank_2.json"))) == [SHARD, "deepspeed/zero_pp_rank_2_mp_rank_00_optim_states.pt"]
+    with open(tmp / "manifest.rank_1.json", "w") as f:  # rank 0 merges the parts; it does not read those files again
+        json.dump({OPTIM_1: {"bytes": 3, "crc32": "0000abcd"}}, f)
+    assert write_manifest(str(tmp), 3)["files"][OPTIM_1]["crc32"] == "0000abcd"
     manifest = json.load(open(os.path.join(path, MANIFEST)))
     assert manifest["learners"] == 2 and len(manifest["files"]) == 9 and "manifest.rank_1.json" not in manifest["files"]
     assert not [n for n in os.listdir(path) if n.startswith("manifest.rank_")], "the parts were not merged away"
@@ -80,6 +86,16 @@ def test_a_checkpoint_without_a_manifest_is_unverified_not_damaged(tmp_path):
     assert choose(str(tmp_path)).path == path
 
 
+@pytest.mark.parametrize("manifest", [True, False])
+def test_a_step_directory_that_lost_its_state_file_is_damaged_not_ignored(tmp_path, manifest):
+    """Renamed into place only once complete, so a step_N without covrl_state.json was damaged since: reported,
+    passed over, set aside like any other, not silently skipped (a resume would then miss why)."""
+    checkpoint(tmp_path, 2)
+    os.remove(os.path.join(checkpoint(tmp_path, 4, manifest=manifest), "covrl_state.json"))
+    choice = choose(str(tmp_path))
+    assert choice.step == 2 and [(c.step, c.problems) for c in choice.skipped] == [(4, ["covrl_state.json is missing"])]
+
+
 def test_choose_takes_the_newest_that_verifies_and_names_what_it_passed_over(tmp_path):
     assert choose(str(tmp_path)) is None  # no checkpoint: a resume starts from step 0
     for s in (2, 4, 6):
@@ -92,7 +108,7 @@ def test_choose_takes_the_newest_that_verifies_and_names_what_it_passed_over(tmp
     assert choose(str(tmp_path), from_step=2).step == 2
     with pytest.raises(CheckpointError, match=r"--from step_4: it is damaged: .*CRC-32.*--from step_2"):
         choose(str(tmp_path), from_step=4)
-    with pytest.raises(CheckpointError, match=r"no complete checkpoint step_5 \(complete ones: step_2, step_4, step_6\)"):
+    with pytest.raises(CheckpointError, match=r"has no step_5 \(it has: step_2, step_4, step_6; one a resume set aside"):
         choose(str(tmp_path), from_step=5)
     flip(str(tmp_path / "checkpoints" / "step_2" / "rng" / "rank_0.pt"), 0)
     with pytest.raises(CheckpointError, match=r"no checkpoint verifies \(step_6: deepspeed/mp_rank_00_model_states.pt "
@@ -128,9 +144,11 @@ def test_verify_command_lists_every_state(tmp_path, capsys):
     assert "step_6" in out[3] and "damaged: model.safetensors is 10 bytes, expected 3,000" in out[3]
     assert "step_8.tmp" in out[4] and "incomplete" in out[4]
     assert "step_5.superseded" in out[5] and "set aside by a resume: good" in out[5]
-    assert out[6] == f"a resume starts from step_4, passing over step_6: covrl resume {run}"
+    assert out[6] == "the checkpoint a resume takes: step_4, passing over step_6 (it sets them aside, renamed step_N.damaged)"
     assert verify_cmd.main([str(run / "checkpoints" / "step_2"), "--fast"]) == 0
     assert "good: 9 files, 11.3 kB, sizes match (checksums not read: --fast)" in capsys.readouterr().out
+    assert verify_cmd.main([str(run / "checkpoints" / "step_8.tmp")]) == 1
+    assert "incomplete: a checkpoint write that never finished" in capsys.readouterr().out
     assert verify_cmd.main([str(tmp_path)]) == 2
     assert "neither a run directory with checkpoints/ nor a checkpoint directory" in capsys.readouterr().err
 
@@ -195,17 +213,29 @@ def test_the_summary_counts_this_launchs_steps_and_offers_only_a_resume_that_can
             f.write(json.dumps({"step": s, "critic/score/mean": s / 10, "actor/entropy": 1.0}) + "\n")
     checkpoint(old_run, 2)
     checkpoint(old_run, 4)
-    failed = summary(str(old_run), cfg, 9.0, "", start=4, code=1).splitlines()
+    failed = summary(str(old_run), cfg, 9.0, "", start=4).splitlines()  # e.g. a port taken: resuming can work
     assert failed[0] == f"covrl: no step trained in this launch (9s); the run is at step 4 of 8 -> {old_run}"
     assert "last quarter 0.400" in failed[1], "rows past the checkpoint, of the launch before, were counted"
-    assert "continue with" not in failed[-1] and "fails the same way" in failed[-1], failed[-1]
+    assert failed[-1] == f"  checkpoint: {old_run}/checkpoints/step_4 (continue with covrl resume {old_run})"
+    # A learner could not load step_4 (learner/checkpoint.py leaves the file): the same resume fails the same way.
+    (old_run / "load_failed.json").write_text('{"checkpoint": "step_4", "rank": 1, "error": "EOFError"}')
+    failed = summary(str(old_run), cfg, 9.0, "", start=4).splitlines()
+    assert "continue with" not in failed[-1] and "could not load it: resuming from it fails the same way" in failed[-1]
     assert failed[-1].endswith(f"an earlier one: covrl resume {old_run} --from step_2")
+    os.remove(old_run / "load_failed.json")
     (old_run / "progress.json").write_text('{"step": 6}')  # this launch trained steps 5 and 6, then a generator failed
-    trained = summary(str(old_run), cfg, 9.0, " --ray", start=4, code=1).splitlines()
+    trained = summary(str(old_run), cfg, 9.0, " --ray", start=4).splitlines()
     assert trained[0].startswith("covrl: 2 steps in this launch (steps 5-6) in 9s; the run is at step 6 of 8")
     assert trained[-1] == f"  checkpoint: {old_run}/checkpoints/step_4 (continue with covrl resume {old_run} --ray)"
     os.truncate(old_run / "checkpoints" / "step_4" / SHARD, 10)
-    assert summary(str(old_run), cfg, 9.0, "", start=4, code=1).splitlines()[-1] == (
+    assert summary(str(old_run), cfg, 9.0, "", start=4).splitlines()[-1] == (
         f"  checkpoint: {old_run}/checkpoints/step_2 (newer, damaged: step_4) (continue with covrl resume {old_run})")
     os.truncate(old_run / "checkpoints" / "step_2" / SHARD, 10)
-    assert "none verifies, so a resume cannot start" in summary(str(old_run), cfg, 9.0, start=4, code=1)
+    assert "none verifies, so a resume cannot start" in summary(str(old_run), cfg, 9.0, start=4)
+
+
+def test_a_resume_clears_the_last_launchs_load_failure(old_run):
+    checkpoint(old_run, 2)
+    (old_run / "load_failed.json").write_text('{"checkpoint": "step_2"}')
+    cluster.prepare(cluster.parse_args(["--resume", str(old_run)]))
+    assert not (old_run / "load_failed.json").exists()
