@@ -30,7 +30,8 @@ _PART = "manifest.rank_{}.json"  # one rank's share, merged into MANIFEST by ran
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _SET_ASIDE = re.compile(r"^step_(\d+)\.(damaged|superseded)(?:\.\d+)?$")
 # Files one rank writes alone, so that rank checksums them (in parallel with the others): DeepSpeed's per-rank
-# shards (`[bf16_]zero_pp_rank_R_mp_rank_00_*.pt`) and our RNG states (`rng/rank_R.pt`). Anything else: rank 0.
+# shards (`[bf16_]zero_pp_rank_R_mp_rank_00_*.pt`) and our RNG states (`rng/rank_R.pt`). Anything else is rank 0's:
+# the last rank checksums those under deepspeed/ and rng/ too (write_rank_part), rank 0 the export and the state.
 _RANK_FILE = re.compile(r"(?:^|/)(?:bf16_)?(?:zero_pp_)?rank_(\d+)[_.]")
 _CHUNK = 8 << 20
 
@@ -288,11 +289,32 @@ def _chosen(run_dir: str, found: list[tuple[int, str]], step: int, checksums: bo
                               f"resume set aside, step_{step}.superseded, is taken again once renamed step_{step})")
     check = verify(paths[step], checksums, step)
     if check.state == DAMAGED:
-        earlier = [s for s, p in found if s < step]
-        hint = f"; pick an earlier one (--from step_{earlier[-1]})" if earlier else ""
+        earlier = earlier_usable(run_dir, step)
+        hint = f"; pick an earlier one (--from step_{earlier})" if earlier is not None else ""
         raise CheckpointError(f"--from step_{step}: it is damaged: {check.why()}{hint}; `covrl verify {run_dir}` "
                               f"lists every checkpoint's state")
     return Choice(check, [])
+
+
+def earlier_usable(run_dir: str, step: int) -> int | None:
+    """The newest checkpoint before `step` whose files have their manifest's sizes: what `--from` can name."""
+    for s, path in reversed(step_dirs(run_dir)):
+        if s < step and verify(path, checksums=False, step=s).state != DAMAGED:
+            return s
+    return None
+
+
+def read_load_failure(run_dir: str) -> dict:
+    """RUN_DIR/load_failed.json: {"checkpoint": "step_N", "rank", "error"} from a learner rank that could not load
+    the checkpoint it resumed from; {} when none failed. One that cannot be read still says a load failed."""
+    try:
+        with open(os.path.join(run_dir, LOAD_FAILED)) as f:
+            got = json.load(f)
+        return got if isinstance(got, dict) and isinstance(got.get("checkpoint"), str) else {"checkpoint": "?"}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):
+        return {"checkpoint": "?", "error": f"{LOAD_FAILED} cannot be read"}
 
 
 def set_aside(path: str, why: str) -> str:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from common.checkpoint_dirs import (DAMAGED, LOAD_FAILED, UNVERIFIED, Choice, choose, set_aside, step_dirs, step_name,
-                                    verify)
+from common.checkpoint_dirs import (DAMAGED, LOAD_FAILED, UNVERIFIED, Choice, choose, read_load_failure, set_aside,
+                                    step_dirs, step_name, verify)
 from common.config import ConfigError, load_config, to_toml, with_absolute_paths
 from common.data import check_inputs, resolve_model
 from common.paths import unwritable
@@ -134,18 +134,28 @@ def resume_lines(run_dir: str, choice: Choice | None) -> list[str]:
     rewinds past: its steps are trained again, so a later resume must not take it), and say so: the banner's lines."""
     if choice is None:
         return ["no checkpoint yet: the run starts again from step 0"]
-    damaged = {c.step: c for c in choice.skipped}
     lines = []
     for step, path in step_dirs(run_dir):
-        if step > choice.step:  # under --from, not verified yet: sizes tell the damaged from the superseded
-            bad = damaged.get(step) or (c if (c := verify(path, checksums=False, step=step)).state == DAMAGED else None)
-            moved = os.path.basename(set_aside(path, "damaged" if bad else "superseded"))
-            why = f"is damaged ({bad.why()})" if bad else f"is newer than --from step_{choice.step}"
-            lines.append(f"step_{step} {why}: set aside as checkpoints/{moved}")
+        if step > choice.step:
+            why = damage_of(run_dir, step, path, choice)
+            moved = os.path.basename(set_aside(path, "damaged" if why else "superseded"))
+            what = f"is damaged ({why})" if why else f"is newer than --from step_{choice.step}"
+            lines.append(f"step_{step} {what}: set aside as checkpoints/{moved}")
     check = choice.check
     how = (f"verified: {check.files} files, {check.bytes / 1e6:.1f} MB checksummed in {check.seconds:.1f}s"
            if check.state != UNVERIFIED else "unverified: it has no manifest, written before covrl verified checkpoints")
     return [*lines, f"resuming from step_{choice.step} ({how})"]
+
+
+def damage_of(run_dir: str, step: int, path: str, choice: Choice) -> str | None:
+    """Why a checkpoint newer than the one the resume starts from is damaged; None: it is good, only superseded."""
+    if (check := next((c for c in choice.skipped if c.step == step), None)) is not None:
+        return check.why()
+    failed = read_load_failure(run_dir)  # the last launch's learners could not load it (an old one, unverified)
+    if failed.get("checkpoint") == f"step_{step}":
+        return f"a learner could not load it: {failed.get('error', '?')}"
+    check = verify(path, checksums=False, step=step)  # under --from, not verified yet: its sizes
+    return check.why() if check.state == DAMAGED else None
 
 
 def resumed_generators(args, run_dir: str, old: ClusterInfo) -> int:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
-from common.checkpoint_dirs import LOAD_FAILED, CheckpointError, choose, step_dirs
+from common.checkpoint_dirs import CheckpointError, choose, earlier_usable, read_load_failure
 from common.metrics import read_metrics, read_progress
 
 
@@ -67,24 +66,13 @@ def checkpoint_line(run_dir: str, cfg, flags: str) -> str:
         line += f" (newer, damaged: {', '.join(c.name for c in choice.skipped)})"
     if choice.step >= cfg.run.steps:
         return line
-    earlier = [s for s, _ in step_dirs(run_dir) if s < choice.step]
-    if load_failed(run_dir) == choice.check.name:
-        other = f"; or resume from an earlier one: covrl resume {run_dir}{flags} --from step_{earlier[-1]}" if earlier else ""
+    if read_load_failure(run_dir).get("checkpoint") in (choice.check.name, "?"):
+        earlier = earlier_usable(run_dir, choice.step)
+        other = (f"; or resume from an earlier one: covrl resume {run_dir}{flags} --from step_{earlier}"
+                 if earlier is not None else "")
         return (line + f"; this launch could not load it: resuming from it fails the same way until the cause "
                        f"above is fixed{other}")
     return line + f" (continue with covrl resume {run_dir}{flags})"
-
-
-def load_failed(run_dir: str) -> str | None:
-    """The checkpoint a learner of this launch could not load, if one could not."""
-    try:
-        with open(os.path.join(run_dir, LOAD_FAILED)) as f:
-            return json.load(f)["checkpoint"]
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as e:  # a torn write: the failure is still a fact
-        print(f"  {LOAD_FAILED} cannot be read ({e}): a learner could not load a checkpoint", file=sys.stderr)
-        return None
 
 
 def print_plots(run_dir: str) -> None:

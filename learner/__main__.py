@@ -25,7 +25,7 @@ from common.lifeline import watch_parent
 from common.metrics import MetricsWriter, keep_metrics
 from common.transport import load_secret
 from common.wandb_log import open_wandb
-from learner.checkpoint import load_checkpoint, resume_point, save_checkpoint
+from learner.checkpoint import load_checkpoint, restoring, resume_point, save_checkpoint
 from learner.loop import Follower, Lead, Learner, Ranks, fault_steps
 from learner.params import full_state_dict
 from learner.par import ParSchedule
@@ -151,9 +151,10 @@ def lead(cfg, args, cluster, tokenizer, publisher: ModelPublisher, world: int, s
     # An evaluated version's row waits for its eval results; step 0's row is the base model's evaluation.
     held = {0: {}} if 0 in eval_versions(cfg) else {}
     if resumed is not None:
-        par.load_state(resumed["par"])
-        held = {int(k): v for k, v in resumed["held"].items()}
-        hub.restore(resumed["hub"])
+        with restoring(resumed["path"], rank=0):  # a checkpoint without a manifest may be damaged here too
+            par.load_state(resumed["par"])
+            held = {int(k): v for k, v in resumed["held"].items()}
+            hub.restore(resumed["hub"])
     if args.resume:
         # Rows the dead run wrote after its checkpoint go; a held row is written again when its eval is in.
         keep_metrics(args.run_dir, lambda row: row <= start and row not in held)

@@ -11,14 +11,16 @@
 - `covrl_state.json`: the step, PAR state and held metric rows;
 - `manifest.json`: every file's size and CRC-32 (common/checkpoint_dirs.py). Written last.
 
-Every rank writes into `step_N.tmp/`; after a barrier, ranks 1.. checksum their own shards while rank 0 writes
-the model export and the state, then rank 0 writes the manifest and renames the directory to `step_N/`. A crash
+Every rank writes into `step_N.tmp/`; after a barrier, ranks 1.. checksum their own shards (the last rank rank 0's
+engine files too) while rank 0 writes the model export and the state, then rank 0 writes the manifest and renames
+the directory to `step_N/`. A crash
 mid-write leaves a `.tmp` directory that no resume takes, so the previous checkpoint stays the one a resume uses;
 a file damaged afterwards fails `verify` against the manifest, and a resume passes that checkpoint over.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -29,8 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.checkpoint_dirs import (DS_TAG, GOOD, LOAD_FAILED, STATE_FILE, UNVERIFIED, CheckpointError, choose,
-                                    complete_checkpoints, set_aside, step_dirs, verify, write_manifest, write_rank_part)
+from common.checkpoint_dirs import (DS_TAG, GOOD, LOAD_FAILED, STATE_FILE, UNVERIFIED, choose, complete_checkpoints,
+                                    earlier_usable, set_aside, verify, write_manifest, write_rank_part)
 
 log = logging.getLogger("covrl.checkpoint")
 
@@ -104,8 +106,8 @@ def resume_point(run_dir: str, rank: int) -> tuple[int, str] | None:
     if rank == 0:
         try:
             choice = choose(run_dir, checksums=False)
-        except CheckpointError as e:
-            choice, step, error = None, REFUSED, e  # the other ranks are told, then this rank raises
+        except Exception as e:  # raised below, once the other ranks are told not to wait for a step
+            choice, step, error = None, REFUSED, e
         for c in choice.skipped if choice else []:
             log.warning("%s is damaged (%s): passed over", c.name, c.why())
         if choice is not None and choice.check.state == UNVERIFIED:
@@ -127,21 +129,38 @@ class WorldMismatch(RuntimeError):
     """The checkpoint was written by another number of learner ranks: the run's shape, not damage."""
 
 
-def load_checkpoint(path: str, engine, *, rank: int) -> dict:
-    """Restore this rank's engine (parameters, optimizer, step counts) and RNG states; returns the run state
-    (`covrl_state.json`) and, on rank 0, the hub state bytes under "hub". A failure to load says what to do, in one
-    line, and leaves RUN_DIR/load_failed.json for the launcher's summary."""
+@contextlib.contextmanager
+def restoring(path: str, rank: int):
+    """Around everything that reads a checkpoint back (the engine here, the hub and PAR in learner/__main__.py): a
+    failure says what to do, in one line, and leaves RUN_DIR/load_failed.json, from which the launcher's summary
+    knows not to offer the same resume again."""
     try:
-        return _load(path, engine, rank)
+        yield
     except WorldMismatch:
         raise
     except Exception as e:  # re-raised with the checkpoint's state and the way out
         cause = " ".join(f"{type(e).__name__}: {e}".split())[:200]
-        run_dir = os.path.dirname(os.path.dirname(path))
-        _write_synced(os.path.join(run_dir, LOAD_FAILED), json.dumps(
-            {"checkpoint": os.path.basename(path), "rank": rank, "error": cause}).encode())
+        record_load_failure(path, rank, cause)
         raise RuntimeError(f"{os.path.basename(path)} could not be loaded by learner rank {rank}: "
                            f"{load_advice(path)} ({cause})") from e
+
+
+def record_load_failure(path: str, rank: int, cause: str) -> None:
+    """RUN_DIR/load_failed.json, whole (each rank writes its own file and renames it into place)."""
+    run_dir = os.path.dirname(os.path.dirname(path))
+    mine = os.path.join(run_dir, f"{LOAD_FAILED}.rank_{rank}")
+    try:
+        _write_synced(mine, json.dumps({"checkpoint": os.path.basename(path), "rank": rank, "error": cause}).encode())
+        os.replace(mine, os.path.join(run_dir, LOAD_FAILED))
+    except OSError as e:  # the advice still goes out; the summary then cannot tell this failure from others
+        log.error("could not write %s/%s (%s)", run_dir, LOAD_FAILED, e)
+
+
+def load_checkpoint(path: str, engine, *, rank: int) -> dict:
+    """Restore this rank's engine (parameters, optimizer, step counts) and RNG states; returns the run state
+    (`covrl_state.json`) and, on rank 0, the hub state bytes under "hub"."""
+    with restoring(path, rank):
+        return _load(path, engine, rank)
 
 
 def load_advice(path: str) -> str:
@@ -149,8 +168,8 @@ def load_advice(path: str) -> str:
     every failing rank asks, and the files may be large)."""
     run_dir = os.path.dirname(os.path.dirname(path))
     check = verify(path, checksums=False)
-    earlier = [s for s, _ in step_dirs(run_dir) if s < check.step]
-    way = (f"resume from an earlier one: covrl resume {run_dir} --from step_{earlier[-1]}" if earlier else
+    earlier = earlier_usable(run_dir, check.step)
+    way = (f"resume from an earlier one: covrl resume {run_dir} --from step_{earlier}" if earlier is not None else
            f"no earlier checkpoint: start a new run (covrl run --config {run_dir}/config.toml)")
     if check.state == GOOD:
         return f"its files have their manifest's sizes (`covrl verify {run_dir}` reads their checksums too); or {way}"
@@ -173,4 +192,5 @@ def _load(path: str, engine, rank: int) -> dict:
     if rank == 0:
         with open(os.path.join(path, HUB_FILE), "rb") as f:
             state["hub"] = f.read()
+    state["path"] = path  # for `restoring` around what rank 0 restores from it later (hub, PAR, held rows)
     return state

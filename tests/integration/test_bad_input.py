@@ -151,7 +151,10 @@ def _run(argv, inputs, run) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": REPO, "HOME": inputs["tmp"], "HF_HUB_OFFLINE": "1",
            "HF_HUB_CACHE": os.path.join(inputs["tmp"], "hub")}  # no W&B login, an empty Hub cache, offline
     env.pop("WANDB_API_KEY", None)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    except subprocess.TimeoutExpired as e:  # this case fails, the others still report
+        return subprocess.CompletedProcess(cmd, -1, "", f"timed out after {e.timeout}s")
 
 
 @pytest.fixture(scope="module")

@@ -239,3 +239,43 @@ def test_a_resume_clears_the_last_launchs_load_failure(old_run):
     (old_run / "load_failed.json").write_text('{"checkpoint": "step_2"}')
     cluster.prepare(cluster.parse_args(["--resume", str(old_run)]))
     assert not (old_run / "load_failed.json").exists()
+
+
+def test_a_load_failure_is_recorded_whole_and_the_next_from_sets_that_checkpoint_aside_as_damaged(old_run, capsys):
+    from learner.checkpoint import restoring
+
+    checkpoint(old_run, 2)
+    path = checkpoint(old_run, 4, manifest=False)  # an old checkpoint: nothing to verify it against
+    with pytest.raises(RuntimeError, match=r"^step_4 could not be loaded by learner rank 1: it is unverified: .* "
+                                           r"--from step_2 \(EOFError: cut short\)$"):
+        with restoring(path, rank=1):  # as around the engine's load, and rank 0's hub and PAR restore
+            raise EOFError("cut short")
+    assert json.load(open(old_run / "load_failed.json")) == {"checkpoint": "step_4", "rank": 1,
+                                                             "error": "EOFError: cut short"}
+    assert not [n for n in os.listdir(old_run) if n.startswith("load_failed.json.")], "a rank's own file was left"
+    run = cluster.prepare(cluster.parse_args(["--resume", str(old_run), "--from", "step_2"]))
+    assert run.notes[0] == ("step_4 is damaged (a learner could not load it: EOFError: cut short): set aside as "
+                            "checkpoints/step_4.damaged")
+    assert not (old_run / "load_failed.json").exists()
+
+
+def test_a_torn_load_failure_still_withholds_the_resume_and_from_names_a_usable_checkpoint(old_run):
+    from common.checkpoint_dirs import earlier_usable, read_load_failure
+    from common.config import load_config
+    from launch.summary import summary
+
+    for s in (2, 4, 6):
+        checkpoint(old_run, s)
+    os.truncate(old_run / "checkpoints" / "step_4" / SHARD, 10)
+    assert earlier_usable(str(old_run), 6) == 2  # step_4 is damaged: --from must not name it
+    (old_run / "load_failed.json").write_text('{"checkpoint": "step_6", "rank"')
+    assert read_load_failure(str(old_run))["checkpoint"] == "?"
+    line = summary(str(old_run), load_config(str(old_run / "config.toml")), 1.0, start=6).splitlines()[-1]
+    assert "continue with" not in line and line.endswith(f"covrl resume {old_run} --from step_2"), line
+
+
+def test_verify_names_what_a_lone_checkpoint_directory_lost(tmp_path, capsys):
+    path = checkpoint(tmp_path, 2, manifest=False)
+    os.remove(os.path.join(path, "covrl_state.json"))
+    assert verify_cmd.main([path]) == 1
+    assert "damaged: covrl_state.json is missing" in capsys.readouterr().out
