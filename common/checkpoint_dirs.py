@@ -28,7 +28,7 @@ MANIFEST_FORMAT = 1
 LOAD_FAILED = "load_failed.json"  # RUN_DIR/: a learner that could not load its checkpoint says so (the summary reads it)
 _PART = "manifest.rank_{}.json"  # one rank's share, merged into MANIFEST by rank 0 and removed
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_SET_ASIDE = re.compile(r"^step_(\d+)\.(damaged|superseded)(?:\.\d+)?$")
+_SET_ASIDE = re.compile(r"^step_(\d+)\.(damaged|superseded)(?:\.\d+)?$")  # set_aside's names
 # Files one rank writes alone, so that rank checksums them (in parallel with the others): DeepSpeed's per-rank
 # shards (`[bf16_]zero_pp_rank_R_mp_rank_00_*.pt`) and our RNG states (`rng/rank_R.pt`). Anything else is rank 0's:
 # the last rank checksums those under deepspeed/ and rng/ too (write_rank_part), rank 0 the export and the state.
@@ -63,6 +63,13 @@ def step_dirs(run_dir: str) -> list[tuple[int, str]]:
     root = os.path.join(run_dir, "checkpoints")
     names = os.listdir(root) if os.path.isdir(root) else []
     return sorted((int(m.group(1)), os.path.join(root, n)) for n in names if (m := _STEP_DIR.match(n)))
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint directory's name: `step_N`, or one a resume set aside (`step_N.damaged[.K]`,
+    `step_N.superseded[.K]`); None for any other name (`step_N.tmp` included: never a checkpoint)."""
+    m = _STEP_DIR.match(name) or _SET_ASIDE.match(name)
+    return int(m.group(1)) if m else None
 
 
 def latest_checkpoint(run_dir: str) -> tuple[int, str] | None:
@@ -104,11 +111,16 @@ def owner(rel: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def _write_json_synced(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
+def write_synced(path: str, data: bytes) -> None:
+    """`data` in `path`, on the disk before this returns (every file of a checkpoint is written this way)."""
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _write_json_synced(path: str, obj) -> None:
+    write_synced(path, json.dumps(obj, indent=1, sort_keys=True).encode())
 
 
 def write_rank_part(tmp: str, rank: int, world: int) -> None:
@@ -212,8 +224,8 @@ def verify(path: str, checksums: bool = True, step: int | None = None) -> Check:
     """One checkpoint against its manifest: every file present at its size and, with `checksums`, its CRC-32."""
     t0 = time.monotonic()
     if step is None:
-        m = re.match(r"^step_(\d+)", os.path.basename(os.path.normpath(path)))
-        step = int(m.group(1)) if m else -1
+        step = checkpoint_step(os.path.basename(os.path.normpath(path)))
+        step = -1 if step is None else step
     check = Check(step, path, GOOD, checksummed=checksums)
     try:
         manifest = read_manifest(path)
@@ -330,4 +342,4 @@ def set_aside_dirs(run_dir: str) -> list[str]:
     """The checkpoints earlier resumes set aside (`step_N.damaged`, `step_N.superseded`), oldest step first."""
     root = os.path.join(run_dir, "checkpoints")
     names = [n for n in os.listdir(root) if _SET_ASIDE.match(n)] if os.path.isdir(root) else []
-    return [os.path.join(root, n) for n in sorted(names, key=lambda n: (int(_SET_ASIDE.match(n).group(1)), n))]
+    return [os.path.join(root, n) for n in sorted(names, key=lambda n: (checkpoint_step(n), n))]

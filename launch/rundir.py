@@ -134,10 +134,10 @@ def resume_lines(run_dir: str, choice: Choice | None) -> list[str]:
     rewinds past: its steps are trained again, so a later resume must not take it), and say so: the banner's lines."""
     if choice is None:
         return ["no checkpoint yet: the run starts again from step 0"]
-    lines = []
+    lines, failed = [], read_load_failure(run_dir)  # the last launch's learners could not load one (an old one)
     for step, path in step_dirs(run_dir):
         if step > choice.step:
-            why = damage_of(run_dir, step, path, choice)
+            why = damage_of(step, path, choice, failed)
             moved = os.path.basename(set_aside(path, "damaged" if why else "superseded"))
             what = f"is damaged ({why})" if why else f"is newer than --from step_{choice.step}"
             lines.append(f"step_{step} {what}: set aside as checkpoints/{moved}")
@@ -147,11 +147,11 @@ def resume_lines(run_dir: str, choice: Choice | None) -> list[str]:
     return [*lines, f"resuming from step_{choice.step} ({how})"]
 
 
-def damage_of(run_dir: str, step: int, path: str, choice: Choice) -> str | None:
-    """Why a checkpoint newer than the one the resume starts from is damaged; None: it is good, only superseded."""
+def damage_of(step: int, path: str, choice: Choice, failed: dict) -> str | None:
+    """Why a checkpoint newer than the one the resume starts from is damaged (passed over by `choose`, or named by
+    the last launch's load failure, `failed`); None: it is good, only superseded."""
     if (check := next((c for c in choice.skipped if c.step == step), None)) is not None:
         return check.why()
-    failed = read_load_failure(run_dir)  # the last launch's learners could not load it (an old one, unverified)
     if failed.get("checkpoint") == f"step_{step}":
         return f"a learner could not load it: {failed.get('error', '?')}"
     check = verify(path, checksums=False, step=step)  # under --from, not verified yet: its sizes

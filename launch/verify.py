@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
-from common.checkpoint_dirs import DAMAGED, DS_TAG, MANIFEST, STATE_FILE, set_aside_dirs, step_dirs, verify
+from common.checkpoint_dirs import (DAMAGED, DS_TAG, MANIFEST, STATE_FILE, checkpoint_step, set_aside_dirs, step_dirs,
+                                    verify)
 from common.cli import fail
-
-CHECKPOINT_NAME = re.compile(r"^step_\d+(\.(damaged|superseded)(\.\d+)?)?$")  # one checkpoint, whatever it lost
 
 
 def parser() -> argparse.ArgumentParser:
@@ -36,8 +34,8 @@ def main(argv=None) -> int:
     if path.endswith(".tmp") and os.path.isdir(path):
         print(f"{path}: incomplete: a checkpoint write that never finished (no resume takes it)")
         return 1
-    if any(os.path.exists(os.path.join(path, f)) for f in (STATE_FILE, MANIFEST, DS_TAG)) or CHECKPOINT_NAME.match(
-            os.path.basename(path)):
+    if (checkpoint_step(os.path.basename(path)) is not None  # one checkpoint, whatever it lost
+            or any(os.path.exists(os.path.join(path, f)) for f in (STATE_FILE, MANIFEST, DS_TAG))):
         check = verify(path, checksums=not args.fast)  # one checkpoint directory, e.g. copied for evaluation
         print(f"{path}: {check.summary()}")
         for problem in check.problems[1:]:

@@ -13,9 +13,9 @@
 
 Every rank writes into `step_N.tmp/`; after a barrier, ranks 1.. checksum their own shards (the last rank rank 0's
 engine files too) while rank 0 writes the model export and the state, then rank 0 writes the manifest and renames
-the directory to `step_N/`. A crash
-mid-write leaves a `.tmp` directory that no resume takes, so the previous checkpoint stays the one a resume uses;
-a file damaged afterwards fails `verify` against the manifest, and a resume passes that checkpoint over.
+the directory to `step_N/`. A crash mid-write leaves a `.tmp` directory that no resume takes, so the previous
+checkpoint stays the one a resume uses; a file damaged afterwards fails `verify` against the manifest, and a resume
+passes that checkpoint over.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from common.checkpoint_dirs import (DS_TAG, GOOD, LOAD_FAILED, STATE_FILE, UNVERIFIED, choose, complete_checkpoints,
-                                    earlier_usable, set_aside, verify, write_manifest, write_rank_part)
+                                    earlier_usable, set_aside, verify, write_manifest, write_rank_part, write_synced)
 
 log = logging.getLogger("covrl.checkpoint")
 
@@ -47,13 +47,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
-
-
-def _write_synced(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def save_checkpoint(run_dir: str, step: int, engine, *, rank: int, tokenizer=None, state: dict | None = None,
@@ -79,8 +72,8 @@ def save_checkpoint(run_dir: str, step: int, engine, *, rank: int, tokenizer=Non
         if os.environ.get("COVRL_FAULT_CRASH_IN_CHECKPOINT") == str(step):  # fault injection (tests): die mid-write
             log.error("COVRL_FAULT_CRASH_IN_CHECKPOINT=%d: exiting in the middle of the checkpoint write", step)
             os._exit(9)
-        _write_synced(os.path.join(tmp, HUB_FILE), hub_state or b"")
-        _write_synced(os.path.join(tmp, STATE_FILE), json.dumps({"step": step, **(state or {})}, indent=1).encode())
+        write_synced(os.path.join(tmp, HUB_FILE), hub_state or b"")
+        write_synced(os.path.join(tmp, STATE_FILE), json.dumps({"step": step, **(state or {})}, indent=1).encode())
     else:
         write_rank_part(tmp, rank, dist.get_world_size())  # checksummed while rank 0 writes the export
     dist.barrier()  # every file and every rank's share of the manifest is written
@@ -150,7 +143,7 @@ def record_load_failure(path: str, rank: int, cause: str) -> None:
     run_dir = os.path.dirname(os.path.dirname(path))
     mine = os.path.join(run_dir, f"{LOAD_FAILED}.rank_{rank}")
     try:
-        _write_synced(mine, json.dumps({"checkpoint": os.path.basename(path), "rank": rank, "error": cause}).encode())
+        write_synced(mine, json.dumps({"checkpoint": os.path.basename(path), "rank": rank, "error": cause}).encode())
         os.replace(mine, os.path.join(run_dir, LOAD_FAILED))
     except OSError as e:  # the advice still goes out; the summary then cannot tell this failure from others
         log.error("could not write %s/%s (%s)", run_dir, LOAD_FAILED, e)
