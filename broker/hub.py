@@ -622,7 +622,8 @@ class Hub:
             counters = {**self._counted(), "hub/filtered_groups": self.filtered,
                         "hub/lost_prompts": float(self.slots - accounted),
                         "cluster/generators": float(sum(g < self.target for g in self.gens)),
-                        "cluster/generators_target": float(self.target), **self._weight_lag()}
+                        "cluster/generators_target": float(self.target),
+                        "perf/ready_groups": float(len(self.ready)), **self._weight_lag()}
             return BrokerStats(filtered_groups=self.filtered, gen_tokens=self.gen_tokens, counters=counters,
                                gen_busy_s=self.gen_busy_s)
 

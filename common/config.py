@@ -323,6 +323,40 @@ class GeneratorConfig(_Section):
     seed_requests: bool = True
 
 
+class AutoscaleConfig(_Section):
+    """Generators that size themselves (learner/autoscale.py; README "Autoscaling"): off while max = 0. Learner rank 0
+    reads each step's row and sets RUN_DIR/generators.json, as `covrl scale` does. Thresholds are shares of a step."""
+
+    min: NonNegInt = 0  # the fewest generators the policy keeps (>= 1 when on)
+    max: NonNegInt = 0  # the most; 0: autoscaling off
+    window_steps: PosInt = 4  # each figure is the median of this many steps (an evaluation step's spike is ignored)
+    settle_steps: NonNegInt = 2  # steps left out after a change took effect (new generators load weights, fill up)
+    cooldown_steps: PosInt = 6  # steps between two changes, at least
+    # Scale up when the learner waits for generation more than this share of its step...
+    up_wait: Annotated[float, Meta(gt=0, lt=1)] = 0.2
+    # ...down when it waits less than this and the generators are idle (blocked by admission) more than down_idle.
+    down_wait: Annotated[float, Meta(ge=0, lt=1)] = 0.05
+    down_idle: Annotated[float, Meta(gt=0, lt=1)] = 0.3
+    max_factor: Annotated[float, Meta(gt=1)] = 2.0  # one change at most multiplies (or divides) the count by this
+    # A scale-up is undone when samples/s rose by less than min_gain x what it could give, min(new/old,
+    # 1/(1 - wait)) - 1; a scale-down, when samples/s fell by more than max_loss. The count it left is then not tried
+    # again for retry_after_steps steps.
+    min_gain: Annotated[float, Meta(ge=0, le=1)] = 0.25
+    max_loss: Annotated[float, Meta(ge=0, lt=1)] = 0.1
+    retry_after_steps: PosInt = 50
+    # New generators that have not all joined after this long: the scale-up gave nothing (no room for them).
+    join_timeout_s: PosFloat = 600.0
+
+
+class ClusterConfig(_Section):
+    """The generator pool: its autoscaling, and (under Ray) how long a new generator waits for room."""
+
+    autoscale: AutoscaleConfig = msgspec.field(default_factory=AutoscaleConfig)
+    # Ray: a generator whose bundle no node can hold after this long is given up (its placement group removed, the
+    # launcher says so, with the cluster's free resources) and tried again later; the autoscaler is asked for it.
+    placement_timeout_s: PosFloat = 300.0
+
+
 class WandbConfig(_Section):
     """Weights & Biases as a second logger (`pip install -e '.[wandb]'`), same tags as TensorBoard."""
 
@@ -357,6 +391,7 @@ class Config(_Section):
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
     generator: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
 
 
@@ -515,6 +550,7 @@ def check(cfg: Config) -> None:
             "weights, every token stamped with its version), weight_transport = \"rpc\" (weights staged in the "
             "generator's host memory; the learner never waits), or run.deterministic = true or a rollout.forced_lag "
             "(nothing is in flight when a version is published)")
+    check_autoscale(cfg.cluster.autoscale)
     loss = cfg.learner.loss
     if isinstance(loss, PPOLoss) and 0 < loss.dual_clip_c <= 1:
         raise ConfigError(f"learner.loss.dual_clip_c={loss.dual_clip_c} must be > 1 (published 3) or 0 to turn dual-clip off")
@@ -536,6 +572,19 @@ def check(cfg: Config) -> None:
             f"learner.mini_batches={cfg.learner.mini_batches} must divide rollout.groups_per_step="
             f"{cfg.rollout.groups_per_step} so every optimizer step sees whole groups; change one of them"
         )
+
+
+def check_autoscale(a: AutoscaleConfig) -> None:
+    if not a.max:
+        if a.min:
+            raise ConfigError(f"cluster.autoscale.min = {a.min} with max = 0: set cluster.autoscale.max (autoscaling is "
+                              f"off while it is 0), e.g. covrl run --autoscale {a.min}:{max(a.min, 4)}")
+        return
+    if not 1 <= a.min <= a.max:
+        raise ConfigError(f"cluster.autoscale: min = {a.min}, max = {a.max}; need 1 <= min <= max, e.g. --autoscale 1:4")
+    if a.down_wait >= a.up_wait:
+        raise ConfigError(f"cluster.autoscale.down_wait = {a.down_wait} must be below up_wait = {a.up_wait}: between "
+                          f"the two the policy holds (its hysteresis)")
 
 
 def with_absolute_paths(cfg: Config, base: str) -> Config:

@@ -16,7 +16,7 @@ import numpy as np
 
 CLOCK_KEYS = ("timing_s/", "perf/")  # the machine's wall clock: the only keys two runs of one seed may differ in
 PROGRESS_KEYS = ("critic/score/mean", "actor/entropy", "perf/gen_tokens_per_s", "staleness/mean", "staleness/max",
-                 "timing_s/step", "cluster/generators")
+                 "timing_s/step", "cluster/generators", "cluster/generators_target")
 
 
 def newest_evals(rows: list[dict]) -> dict[str, float]:
@@ -88,14 +88,15 @@ class MetricsWriter:
 
             self.wandb.log({"step": step, tag: wandb.Table(columns=["text"], data=[[text]])})
 
-    def progress(self, step: int, row: dict[str, float], evaluating: list[int]) -> None:
+    def progress(self, step: int, row: dict[str, float], evaluating: list[int], note: str = "") -> None:
         """RUN_DIR/progress.json (atomic): the last trained step, a few of its metrics, the policy versions whose
         evaluation is still running (their rows wait in the learner) and the newest held-out accuracies, for the
-        launcher's progress line."""
+        launcher's progress line; `note`: the autoscale policy's last decision, in a few words."""
         keep = {k: float(v) for k, v in row.items() if k in PROGRESS_KEYS and math.isfinite(v)}
         path = os.path.join(os.path.dirname(self.path), "progress.json")
         with open(path + ".tmp", "w") as f:
-            json.dump({"step": step, "evaluating": evaluating, "evals": self.evals, **keep}, f)
+            json.dump({"step": step, "evaluating": evaluating, "evals": self.evals, **keep,
+                       **({"autoscale": note} if note else {})}, f)
         os.replace(path + ".tmp", path)
 
     def close(self) -> None:

@@ -156,6 +156,9 @@ TARGET_FILE = "generators.json"
 # A generator that the hub drained (its id is beyond the run's generator target) exits with this code, so the
 # launcher can tell it from one that finished with the run (0) or failed (anything else).
 EXIT_DRAINED = 64
+# A backend's poll code for a generator whose resources never became free (Ray: its placement group not ready
+# within cluster.placement_timeout_s): it was never started, its bundle is given back, and it is tried again.
+NOT_PLACED = -2
 
 
 class GeneratorTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -163,12 +166,15 @@ class GeneratorTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     Written by the launcher as a run starts (its --gens) and by `covrl scale RUN_DIR --gens N` while it runs; read
     by the launcher (which starts the missing ids) and by the hub (which drains ids >= generators: no new work,
-    then Stop once what they hold is in). `revision` counts the changes, so a reader can tell a new request."""
+    then Stop once what they hold is in). `revision` counts the changes, so a reader can tell a new request;
+    `reason` says why (the autoscale policy's decision, learner/autoscale.py; empty from covrl scale and the launcher),
+    and the launcher repeats it when it follows the change."""
     generators: int
     revision: int = 0
+    reason: str = ""
 
 
-def write_generator_target(run_dir: str, generators: int) -> GeneratorTarget:
+def write_generator_target(run_dir: str, generators: int, reason: str = "") -> GeneratorTarget:
     """Atomically set the run's generator count; returns what was written (its revision one past the last).
 
     A damaged file (not ours, or cut short by hand) is replaced: its revision is unknown, so the new one is the
@@ -180,7 +186,7 @@ def write_generator_target(run_dir: str, generators: int) -> GeneratorTarget:
         revision = 0 if old is None else old.revision + 1
     except ValueError:
         revision = time.time_ns() // 1_000_000
-    target = GeneratorTarget(generators, revision)
+    target = GeneratorTarget(generators, revision, reason)
     path = os.path.join(run_dir, TARGET_FILE)
     tmp = f"{path}.{os.getpid()}.tmp"  # two writers at once each rename a whole file; the last one wins
     with open(tmp, "wb") as f:

@@ -38,6 +38,10 @@ def resume_options() -> argparse.ArgumentParser:
                     help="generator processes (default 1; on --resume, the count the run last had)")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs on this node to place roles on (default: all "
                     "CUDA devices torch sees; 0: CPU only). Learners take one each, then generators --tp each")
+    ap.add_argument("--autoscale", type=_bounds, default=None, metavar="MIN:MAX",
+                    help="let the run size its generator pool between MIN and MAX from what it measures (same as "
+                         "--set cluster.autoscale.min=MIN --set cluster.autoscale.max=MAX; on --resume it changes the "
+                         "run's config); it starts at --gens, default MIN. 0:0 turns it off")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per generator (default 1)")
     ap.add_argument("--ray", nargs="?", const=LOCAL_RAY, default=None, metavar="ADDRESS",
                     help="place the roles with Ray: ADDRESS of a running cluster (host:port, or auto: the one this "
@@ -76,6 +80,13 @@ def parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None):
     return parser().parse_args(argv)
+
+
+def _bounds(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    if sep and lo.strip().isdigit() and hi.strip().isdigit():
+        return int(lo), int(hi)
+    raise argparse.ArgumentTypeError(f"{text!r}: give the fewest and the most generators as MIN:MAX, e.g. 1:8")
 
 
 def _resources(text: str) -> dict[str, float]:
@@ -174,7 +185,12 @@ def banner(args, run: RunDir, gpus: int) -> None:
         print("  " + placement_line(run.placement, cfg))
     if args.ray is not None:
         print(f"  hub on {info.hub_addr} (learner rank 0's node); roles' nodes: {run.path}/placement.jsonl")
-    print(f"  scale generators while it runs: covrl scale {run.path} --gens N")
+    a = cfg.cluster.autoscale
+    if a.max:
+        print(f"  autoscaling generators between {a.min} and {a.max} (cluster.autoscale; its decisions: "
+              f"{run.path}/autoscale.jsonl); covrl scale {run.path} --gens N sets a count it goes on from")
+    else:
+        print(f"  scale generators while it runs: covrl scale {run.path} --gens N (or let it: --autoscale MIN:MAX)")
 
 
 def supervised(args, sup: Supervisor, backend, run: RunDir, gpus: int) -> int:

@@ -65,6 +65,10 @@ class LocalBackend:
     def describe(self, spec: RoleSpec, code: int) -> str:
         return f"exited with code {code}"
 
+    def placing(self, spec: RoleSpec) -> bool:
+        """Whether `spec` is still waiting for room to start in: never here (its process starts at once)."""
+        return False
+
     def signal(self, spec: RoleSpec, sig: int) -> None:
         p = self.procs.get(spec.name)
         if p is not None and p.poll() is None:

@@ -5,7 +5,7 @@ evaluation is still running and the newest held-out accuracies; `common.metrics.
 shows
 
     step 25/100 | evaluating step 25 | reward 0.412 | entropy 0.381 | gen 812 tok/s | staleness 0.50 (max 1, bound 1)
-    | 1.92 s/step | gens 2 | elapsed 48s | ETA 2m24s | eval acc arith_easy 0.613 arith_hard 0.102
+    | 1.92 s/step | gens 2 (autoscale step 20: up 1->2) | elapsed 48s | ETA 2m24s | eval acc arith_easy 0.613 ...
 
 On a terminal it is one line rewritten in place (cut to the terminal's width, the rest of the line cleared, so
 nothing is left behind); when stdout is a file or a pipe, a plain line every `every_s` seconds instead.
@@ -36,7 +36,9 @@ def progress_line(p: dict, steps: int, k: int, elapsed: float, eta: float | None
                   f"staleness {p.get('staleness/mean', 0):.2f} (max {p.get('staleness/max', 0):.0f}, bound {k})",
                   f"{p.get('timing_s/step', 0):.2f} s/step"]
     if "cluster/generators" in p:
-        parts.append(f"gens {p['cluster/generators']:.0f}")
+        live, target = p["cluster/generators"], p.get("cluster/generators_target", p["cluster/generators"])
+        parts.append(f"gens {live:.0f}" + (f" (target {target:.0f})" if target != live else "")
+                     + (f" ({p['autoscale']})" if p.get("autoscale") else ""))
     parts.append(f"elapsed {clock(elapsed)}")
     if eta is not None:
         parts.append(f"ETA {clock(eta)}")

@@ -13,6 +13,13 @@
   directory of a cluster. Each start appends the role's node to RUN_DIR/placement.jsonl.
 - `ADDRESS`: "auto" (the cluster this machine belongs to) or host:port; covrl only connects, and disconnects at
   the end: it never stops a cluster it did not start. No address: covrl starts a local Ray instance and stops it.
+- Room: Ray's autoscaler is asked for the bundles of the generators waiting for room
+  (`ray.autoscaler.sdk.request_resources(bundles=...)`, renewed whenever that set changes, empty once all are placed),
+  so a cluster with an autoscaler adds a node for a new generator at once, and removes it when the generator is let
+  go after a scale-down (its placement group removed); the request is cluster-wide and replaced by the next one (two
+  runs on one cluster replace each other's; their pending placement groups still ask for themselves). A generator whose bundle is not ready after a few seconds is said once, with the cluster's free
+  resources; after `cluster.placement_timeout_s` its placement group is removed, the supervisor says so and tries
+  again (`NOT_PLACED`): a scale-up beyond the cluster never waits in silence.
 """
 
 from __future__ import annotations
@@ -29,15 +36,15 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from common.runfiles import PlacementError
+from common.runfiles import NOT_PLACED, PlacementError
 from common.lifeline import LIFELINE_ENV
 from launch.process_group import signal_group
 from launch.roles import GEN_MAX_RESTARTS, RoleSpec, base_env
 
-PLACEMENT_TIMEOUT_S = 120.0
 PLACEMENT_FILE = "placement.jsonl"
 STOP_ANSWER_S = 5.0  # how long the supervisor waits for a generator's actor to say it stopped a lost process
 NODE_LOST = -1  # poll's code for a role whose actor died for good (its node lost and no restart left)
+WAITING_SAID_S = 5.0  # a generator's bundle not ready after this long is said (once)
 
 
 @ray.remote(max_concurrency=4)  # `run` blocks; `signal` and `where` answer meanwhile
@@ -101,12 +108,21 @@ def _node_ports(n: int) -> tuple[str, list[int]]:
     return ip, ports
 
 
+def free_of(bundle: dict[str, float]) -> dict[str, float]:
+    """The cluster's free amounts of what `bundle` asks for (and CPU, GPU): the part of Ray's list a reader needs."""
+    return {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU", *bundle)}
+
+
 class RayBackend:
     name = "ray"
 
     def __init__(self, run_dir: str, cfg, address: str | None, *, gpus: int | None, tp: int, learners: int,
                  learner_resources: dict[str, float] | None = None, generator_resources: dict[str, float] | None = None):
         self.run_dir, self.cfg, self.tp = run_dir, cfg, tp
+        self.placement_timeout_s = cfg.cluster.placement_timeout_s
+        self.pending: dict[str, tuple[ray.ObjectRef, float, bool]] = {}  # generator -> (its bundle's ready, since, said)
+        self.unplaced: dict[str, str] = {}  # generator -> why it could not be placed (describe's text)
+        self.asked: list[dict] | None = None  # what the autoscaler was last asked for
         self.started_ray = address is None
         if address is None:  # a local instance, ours to stop: logical CPUs for every role and room to scale
             ray.init(num_cpus=max(os.cpu_count() or 1, learners + 32), include_dashboard=False, log_to_driver=False)
@@ -137,17 +153,54 @@ class RayBackend:
         return ray.get(_node_ports.options(scheduling_strategy=strategy).remote(3))
 
     def _wait_ready(self, pg, what: str) -> None:
-        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        ready, _ = ray.wait([pg.ready()], timeout=self.placement_timeout_s)
         if not ready:
             remove_placement_group(pg)
-            raise PlacementError(f"the Ray cluster has no room for {what} after {PLACEMENT_TIMEOUT_S:.0f}s (its "
-                                 f"resources: {ray.available_resources()}); add nodes, or lower --learners / --gens")
+            raise PlacementError(f"the Ray cluster has no room for {what} after {self.placement_timeout_s:.0f}s "
+                                 f"(cluster.placement_timeout_s; free now: {free_of(self.learner_bundle)}); add nodes, "
+                                 f"or lower --learners / --gens")
+
+    def _ask_autoscaler(self) -> None:
+        """Ask Ray's autoscaler for the bundles of the generators still waiting for room, and nothing more (a
+        cluster without an autoscaler ignores it); only when that set changed. Ray 2.60's autoscaler (v2) keeps nodes
+        for a request on top of what is in use (measured: with one generator running on a node, a request for one
+        generator bundle kept a second, idle node for 60 s and more), so a placed generator is taken out of the
+        request at once and a scaled-down run asks for nothing, and its idle nodes go. Not the learners': they are
+        placed once, at the start, and their pending placement group asks for itself."""
+        want = [dict(self.gen_bundle) for _ in self.pending]
+        if want != self.asked:
+            from ray.autoscaler.sdk import request_resources
+
+            request_resources(bundles=want)
+            self.asked = want
+
+    def _placed(self, spec: RoleSpec) -> bool:
+        """Whether generator `spec`'s bundle is ready; one still waiting is said after WAITING_SAID_S, and after
+        cluster.placement_timeout_s it is let go (its actor and placement group) with the reason kept for `describe`."""
+        ready, since, said = self.pending.get(spec.name, (None, 0.0, True))
+        if ready is None or ray.wait([ready], timeout=0)[0]:
+            if self.pending.pop(spec.name, None) is not None:
+                self._ask_autoscaler()  # placed: no longer asked for
+            return True
+        waited = time.monotonic() - since
+        where = f"its bundle {self.gen_bundle} (free now: {free_of(self.gen_bundle)}; the autoscaler was asked for it)"
+        if waited >= self.placement_timeout_s:
+            self.unplaced[spec.name] = (f"could not be placed: no Ray node had room for {where} within "
+                                        f"cluster.placement_timeout_s = {self.placement_timeout_s:.0f}s")
+            self.release(spec)
+            return False
+        if not said and waited >= WAITING_SAID_S:
+            print(f"\n{spec.name} is waiting for room on the Ray cluster for {where}; it is given up after "
+                  f"{self.placement_timeout_s:.0f}s (cluster.placement_timeout_s)", file=sys.stderr)
+            self.pending[spec.name] = (ready, since, True)
+        return True
 
     # ---- the backend interface (launch/supervisor.py) ------------------------------------
 
     def start(self, spec: RoleSpec) -> None:
         if spec.name not in self.actors:
             self.actors[spec.name] = self._actor(spec)
+            self._ask_autoscaler()  # a generator's bundle waits for room until Ray places it
         self.refs[spec.name] = self.actors[spec.name][0].run.remote()
 
     def _actor(self, spec: RoleSpec) -> tuple:
@@ -157,6 +210,7 @@ class RayBackend:
             pg = placement_group([dict(self.gen_bundle)], strategy="STRICT_PACK",
                                  name=f"covrl-{spec.name}-{os.path.basename(self.run_dir)}")
             index, restarts = 0, GEN_MAX_RESTARTS
+            self.pending[spec.name] = (pg.ready(), time.monotonic(), False)
         else:
             pg, index, restarts = self.learner_pg, int(spec.env["RANK"]), 0
         bundle = self.gen_bundle if spec.is_generator else self.learner_bundle
@@ -171,6 +225,8 @@ class RayBackend:
     def poll(self, spec: RoleSpec) -> int | None:
         """The role's exit code once it has ended; None while it runs, or while Ray restarts its actor after its
         node was lost (the launcher then sees it run again: Ray's restart, not the launcher's)."""
+        if spec.is_generator and not self._placed(spec):
+            return NOT_PLACED
         ref = self.refs.get(spec.name)
         if ref is None:
             if time.monotonic() >= self.resubmit_at.get(spec.name, 0):
@@ -197,6 +253,10 @@ class RayBackend:
             print(f"\n{spec.name}: {e}", file=sys.stderr)
             return NODE_LOST
 
+    def placing(self, spec: RoleSpec) -> bool:
+        """Whether generator `spec` is still waiting for its bundle (its process not started)."""
+        return spec.name in self.pending
+
     def stop_lost(self, spec: RoleSpec, pid: int) -> bool:
         """The hub declared generator `spec` lost: its actor kills the process if it is `pid` (its node's pid space).
         Waits at most STOP_ANSWER_S for the answer: an actor that does not answer in time (its node unreachable) is
@@ -212,6 +272,8 @@ class RayBackend:
             return False
 
     def describe(self, spec: RoleSpec, code: int) -> str:
+        if code == NOT_PLACED:
+            return self.unplaced.pop(spec.name, "could not be placed")
         if code == NODE_LOST:
             return "was lost with its Ray node (or its actor died and Ray has no restart left)"
         return f"exited with code {code}"
@@ -231,10 +293,13 @@ class RayBackend:
         """A drained generator has exited: end its actor and free its bundle."""
         actor, pg, _ = self.actors.pop(spec.name, (None, None, 0))
         self.refs.pop(spec.name, None)
+        waiting = self.pending.pop(spec.name, None)
         if actor is not None:
             ray.kill(actor, no_restart=True)
         if pg is not None:
             remove_placement_group(pg)
+        if waiting is not None:
+            self._ask_autoscaler()  # no longer asked for
 
     def close(self, grace_s: float) -> None:
         """Stop every role (SIGTERM, then SIGKILL after `grace_s`), end the actors, free the bundles; stop Ray
@@ -251,6 +316,10 @@ class RayBackend:
                     remove_placement_group(pg)
             if self.learner_pg is not None:
                 remove_placement_group(self.learner_pg)
+            if self.asked:  # nothing wanted any more: the cluster may shrink
+                from ray.autoscaler.sdk import request_resources
+
+                request_resources(bundles=[])
         finally:
             self.actors.clear()
             ray.shutdown()  # a local instance we started: stopped; a cluster we joined: only disconnected

@@ -47,6 +47,8 @@ def resolved_config(args):
     """The config a launch with these arguments runs (and `--print-config` prints): defaults, --config, --set,
     --steps; with --resume, the run's own with --steps. Checked; nothing written."""
     overrides = [f"run.steps={args.steps}"] if args.steps is not None else []
+    if getattr(args, "autoscale", None) is not None:
+        overrides += [f"cluster.autoscale.min={args.autoscale[0]}", f"cluster.autoscale.max={args.autoscale[1]}"]
     if args.resume:
         path = os.path.join(os.path.abspath(args.resume), "config.toml")
         if not os.path.isfile(path):
@@ -63,12 +65,13 @@ def prepare(args, gpus: int = 0) -> RunDir:
     if args.from_ is not None:
         raise ConfigError(f"--from {args.from_} picks the checkpoint a resume starts from: use it with --resume RUN_DIR "
                           f"(covrl resume RUN_DIR --from {args.from_})")
-    args.gens = 1 if args.gens is None else args.gens
+    cfg = resolved_config(args)
+    args.gens = (cfg.cluster.autoscale.min or 1) if args.gens is None else args.gens
     args.learners = 1 if args.learners is None else args.learners
     if args.gens < 1 or args.learners < 1:
         raise ConfigError(f"--gens {args.gens} --learners {args.learners}: need at least one of each")
+    check_autoscale_start(cfg, args.gens)
     placement = place_gpus(gpus, args.learners, args.gens, args.tp)  # a placement that cannot fit
-    cfg = resolved_config(args)
     check_colocation(placement, cfg.generator)
     check_host(cfg.transport.host)
     check_hub_port(cfg)
@@ -112,11 +115,14 @@ def prepare_resume(args, gpus: int = 0) -> RunDir:
         raise ConfigError(f"--learners {learners}: the run's checkpoints are sharded over {old.learners} learner ranks; "
                           f"resume with --learners {old.learners}")
     gens = resumed_generators(args, run_dir, old)
+    if args.gens is None and cfg.cluster.autoscale.max:  # the count it last had, within the bounds it has now
+        gens = min(max(gens, cfg.cluster.autoscale.min), cfg.cluster.autoscale.max)
+    check_autoscale_start(cfg, gens)
     check_host(cfg.transport.host)
     placement = place_gpus(gpus, learners, gens, args.tp)
     check_colocation(placement, cfg.generator)
     notes = check_inputs(cfg)  # the data and model may have moved since the run started
-    if args.steps is not None:
+    if args.steps is not None or getattr(args, "autoscale", None) is not None:
         with open(os.path.join(run_dir, "config.toml"), "w") as f:
             f.write(to_toml(cfg))
     check_hub_port(cfg)
@@ -183,6 +189,13 @@ def write_addresses(run_dir: str, cfg, run_id: str, gens: int, learners: int, ho
                        weight_addr=f"{host}:{weight_port}", generators=gens, learners=learners)
     write_cluster(run_dir, info)
     return info
+
+
+def check_autoscale_start(cfg, gens: int) -> None:
+    a = cfg.cluster.autoscale
+    if a.max and not a.min <= gens <= a.max:
+        raise ConfigError(f"--gens {gens} is outside the autoscale bounds {a.min}:{a.max}; start within them (--gens "
+                          f"{min(max(gens, a.min), a.max)}) or widen --autoscale")
 
 
 def check_hub_port(cfg) -> None:

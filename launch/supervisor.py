@@ -6,8 +6,10 @@
 - a generator the hub declared lost (silent, stuck, or failing its weight channel: RUN_DIR/generators_lost.jsonl)
   is stopped, its whole process group, and restarted the same way: a frozen or hung process never holds up the
   run, even though it has not exited;
-- the generator count follows RUN_DIR/generators.json (`covrl scale RUN_DIR --gens N`, `launch/scale.py`): missing
-  ids are started; ids beyond it are drained by the hub and leave (exit code EXIT_DRAINED);
+- the generator count follows RUN_DIR/generators.json (`covrl scale RUN_DIR --gens N`, `launch/scale.py`, or the
+  autoscale policy, `learner/autoscale.py`, whose reason it repeats): missing ids are started; ids beyond it are
+  drained by the hub and leave (exit code EXIT_DRAINED); one the backend could not place in time (NOT_PLACED) is
+  said and asked for again;
 - a learner rank that fails stops the run; the last checkpoint stays intact, and `covrl resume RUN_DIR` continues
   from it.
 A role that ends is explained in one line taken from its log (`log_cause`).
@@ -20,7 +22,8 @@ import re
 import sys
 import time
 
-from common.runfiles import EXIT_DRAINED, LostGenerators, PlacementError, learners_ready, read_generator_target
+from common.runfiles import (EXIT_DRAINED, NOT_PLACED, LostGenerators, PlacementError, learners_ready,
+                             read_generator_target)
 from launch.progress import Progress
 from launch.roles import RoleSpec
 
@@ -83,10 +86,12 @@ class Supervisor:
         self.bad_target = ""
         if target is not None and (target.revision, target.generators) != (self.revision, self.target):
             if self.revision is not None:
-                self.say(f"scaling to {target.generators} generator(s) (was {self.target})")
+                why = f": {target.reason}" if target.reason else ""
+                self.say(f"scaling to {target.generators} generator(s) (was {self.target}){why}")
             self.target, self.revision = target.generators, target.revision
-            for s in [s for s in self.gens.values() if s.gen_id >= self.target and not s.running]:
-                self.backend.release(s)  # waiting for a (re)start, or finished: no longer wanted
+            for s in [s for s in self.gens.values()
+                      if s.gen_id >= self.target and (not s.running or self.backend.placing(s))]:
+                self.backend.release(s)  # waiting for a (re)start or for room, or finished: no longer wanted
                 del self.gens[s.gen_id]
         self.add_missing()
 
@@ -156,6 +161,9 @@ class Supervisor:
                 self.say(f"{s.name} {self.backend.describe(s, code)}; stopping the run: {log_cause(self.run_dir, s.name)}")
                 return 1
             s.done = True
+        elif code == NOT_PLACED:  # never started (no room): its bundle is given back; a fresh one is asked for now
+            self.say(f"{s.name} {self.backend.describe(s, code)}; asking again")
+            del self.gens[s.gen_id]
         elif code == EXIT_DRAINED or (code != 0 and s.gen_id >= self.target):
             # Drained; or it ended (refused, killed) after the run was scaled below its id: it left, not failed.
             # A fresh one starts on the next tick if the target has grown past its id again.

@@ -25,6 +25,7 @@ from common.lifeline import watch_parent
 from common.metrics import MetricsWriter, keep_metrics
 from common.transport import load_secret
 from common.wandb_log import open_wandb
+from learner.autoscale import Autoscaler
 from learner.checkpoint import load_checkpoint, restoring, resume_point, save_checkpoint
 from learner.loop import Follower, Lead, Learner, Ranks, fault_steps
 from learner.params import full_state_dict
@@ -161,8 +162,11 @@ def lead(cfg, args, cluster, tokenizer, publisher: ModelPublisher, world: int, s
     sink = MetricsWriter(args.run_dir, purge_step=min([start + 1, *held]) if args.resume else None,
                          wandb=open_wandb(cfg, args.run_dir, cluster.run_id))
     rollouts = RolloutLog(cfg, args.run_dir, tokenizer, source, evals, sink)
+    autoscale = Autoscaler(cfg.cluster.autoscale, args.run_dir, sink, start) if cfg.cluster.autoscale.max else None
+    if autoscale is not None and resumed is not None and "autoscale" in resumed:
+        autoscale.policy.load_state(resumed["autoscale"], start, time.time())  # its ceilings and floors
     return Lead(cfg, hub=hub, publisher=publisher, sink=sink, par=par, world=world, held=held, start=start,
-                rollouts=rollouts)
+                rollouts=rollouts, autoscale=autoscale)
 
 
 if __name__ == "__main__":

@@ -141,9 +141,10 @@ class Lead:
     """
 
     def __init__(self, cfg: Config, *, hub: HubPort, publisher, sink, par, world: int, held: dict[int, dict[str, float]],
-                 start: int = 0, rollouts=None):
+                 start: int = 0, rollouts=None, autoscale=None):
         self.cfg, self.hub, self.publisher, self.sink, self.par, self.world = cfg, hub, publisher, sink, par, world
         self.rollouts = rollouts  # learner/rollout_log.py: the readable rollouts (None: not written)
+        self.autoscale = autoscale  # learner/autoscale.py: sets the generator target from each row (None: off)
         self.evaluated = set(eval_versions(cfg))
         self.held = held  # version -> its row, written once the version's eval results are in
         self.wait_s = cfg.transport.batch_timeout_s
@@ -180,7 +181,8 @@ class Lead:
         return waited
 
     def show_progress(self) -> None:
-        self.sink.progress(self.trained, self.last_row, sorted(self.held))
+        note = self.autoscale.last.short() if self.autoscale is not None and self.autoscale.last else ""
+        self.sink.progress(self.trained, self.last_row, sorted(self.held), note=note)
 
     def publish(self, step: int) -> Published:
         """Make `step` the policy version: the one place it moves on rank 0 (see the module docstring)."""
@@ -196,6 +198,8 @@ class Lead:
         metrics.update(stats.counters)
         metrics.update(self.publisher.counter_values())
         self.par.observe(metrics["actor/entropy"])
+        interval = max(now - self.last_t, 1e-9)
+        busy_s = (stats.gen_busy_s - self.last.gen_busy_s) / max(stats.counters.get("cluster/generators", 1.0), 1.0)
         metrics.update({
             "actor/par_lambda": batch.par_lambda,
             "filter/dropped_groups": float(stats.filtered_groups - self.last.filtered_groups),
@@ -207,14 +211,19 @@ class Lead:
             "timing_s/batch_wait": self.batch_wait,
             # Seconds each live generator spent neither generating nor scoring since the last row (waiting for
             # work under admission control, or for the weights its work is pinned to); the mean over generators.
-            "timing_s/gen_idle": max(0.0, (now - self.last_t)
-                                     - (stats.gen_busy_s - self.last.gen_busy_s)
-                                     / max(stats.counters.get("cluster/generators", 1.0), 1.0)),
+            "timing_s/gen_idle": max(0.0, interval - busy_s),
+            # What the autoscale policy reads (learner/autoscale.py), for every run: the shares of the step the
+            # learner waited for generation and the generators were idle, and trained samples per second.
+            "perf/learner_wait_share": min(1.0, (self.batch_wait + published.waited_s) / max(now - t0, 1e-9)),
+            "perf/gen_idle_share": min(1.0, max(0.0, interval - busy_s) / interval),
+            "perf/samples_per_s": len(batch.samples) / interval,
             "weights/bytes": float(published.nbytes),
             "weights/checksum": published.checksum,
             "weights/version": float(step),
         })
         self.last, self.last_t = stats, now
+        if self.autoscale is not None:
+            metrics.update(self.autoscale.observe(step, metrics))
         self.sink.histogram("staleness/tokens", self.stale, step)
         if step in self.evaluated:
             self.held[step] = metrics
@@ -226,6 +235,8 @@ class Lead:
     def checkpoint_state(self, step: int, world: int) -> tuple[dict, bytes]:
         state = {"version": step, "par": self.par.state(), "held": {str(k): v for k, v in self.held.items()},
                  "learners": world}
+        if self.autoscale is not None:
+            state["autoscale"] = self.autoscale.policy.state()
         return state, self.hub.snapshot()
 
     def close(self, completed: bool) -> None:

@@ -1,4 +1,4 @@
-"""Test-only fault injection: a generator whose engine hangs while its heartbeat lives.
+"""Test-only fault injection: a generator whose engine hangs while its heartbeat lives; stages slowed to a pace.
 
 Kept out of the product by construction: nothing in covrl reads this file. Python imports a `sitecustomize` module
 at start-up only when one is on its path, and only a test puts one there: it copies this file into a directory of
@@ -10,12 +10,20 @@ hang.json = {"gen_id": G, "after": N, "claim_dir": DIR}: in the generator starte
 a deadlocked engine loop would: the heartbeat and weight threads go on, so the hub sees a live generator that
 returns nothing. Only the first incarnation that gets there hangs (it creates DIR/genG.hung with O_EXCL and writes
 its pid there), so the replacement the launcher starts works normally.
+
+pace.json = {"generate_s": S, "lock": PATH or null, "learner_s": T}, read at every call (a test changes it while
+the run trains): every generator's engine sleeps S seconds before each `generate` (a slower engine, without using
+this machine's cores: what a far larger model on a GPU does to the pipeline), holding an exclusive lock on PATH
+meanwhile when PATH is given (one service that every generator waits for in turn: more generators gain nothing);
+the learner sleeps T seconds before each training step (a slower learner). The autoscale tests
+(tests/integration/test_autoscale.py) use it to put the bottleneck where they want it.
 """
 
 import os
 import sys
 
 _SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hang.json")
+_PACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pace.json")
 
 
 def _install() -> None:
@@ -71,5 +79,76 @@ def _wrap(cls, after: int, claim: str) -> None:
     cls.generate = hanging
 
 
+def _after_import(name: str, patch) -> None:
+    """Call patch(module) once module `name` has been imported (its first import, wherever it comes from)."""
+    import importlib.abc
+    import importlib.machinery
+
+    class Hook(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, Hook())
+
+
+def _pace() -> dict:
+    import json
+
+    with open(_PACE) as f:
+        return json.load(f)
+
+
+def _paced_engine(module) -> None:
+    import fcntl
+    import time
+
+    generate = module.TorchEngine.generate
+
+    def paced(self, *args, **kwargs):
+        pace = _pace()
+        if pace.get("lock"):
+            with open(pace["lock"], "a") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)  # released when f closes
+                time.sleep(pace.get("generate_s", 0.0))
+        else:
+            time.sleep(pace.get("generate_s", 0.0))
+        return generate(self, *args, **kwargs)
+
+    module.TorchEngine.generate = paced
+
+
+def _paced_learner(module) -> None:
+    import time
+
+    train_step = module.Trainer.train_step
+
+    def paced(self, *args, **kwargs):
+        time.sleep(_pace().get("learner_s", 0.0))
+        return train_step(self, *args, **kwargs)
+
+    module.Trainer.train_step = paced
+
+
+def _install_pace() -> None:
+    argv = sys.orig_argv if hasattr(sys, "orig_argv") else sys.argv
+    if "actors" in argv:
+        _after_import("actors.engine", _paced_engine)
+    elif "learner" in argv:
+        _after_import("learner.trainer", _paced_learner)
+
+
 if os.path.exists(_SPEC):
     _install()
+if os.path.exists(_PACE):
+    _install_pace()

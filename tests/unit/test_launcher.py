@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from common.runfiles import EXIT_DRAINED, ClusterInfo, PlacementError, place_gpus, read_generator_target, write_cluster, write_generator_target
+from common.runfiles import EXIT_DRAINED, NOT_PLACED, ClusterInfo, PlacementError, place_gpus, read_generator_target, write_cluster, write_generator_target
 from common.config import Config, ConfigError, load_config, to_toml
 from launch import cluster as launcher
 from launch.rundir import prepare_resume
@@ -103,7 +103,12 @@ class Backend:
         self.released.append(s.name)
 
     def describe(self, s, code):
-        return f"exited with code {code}"
+        return "could not be placed: no room" if code == NOT_PLACED else f"exited with code {code}"
+
+    def placing(self, s):
+        return s.name in self.waiting_for_room
+
+    waiting_for_room: set = set()
 
 
 def _supervisor(run, make=None):
@@ -253,3 +258,21 @@ def test_a_generator_the_hub_declared_lost_is_stopped_and_restarted(tmp_path, ca
     backend.exits["gen1"] = -9
     assert sup.poll() is None and sup.gens[1].restarts == 1 and not sup.gens[1].running
     assert "gen1 exited with code -9; restart 1/3 in 2s: the hub declared it lost (stuck" in capsys.readouterr().err
+
+
+def test_a_generator_with_no_room_is_said_and_asked_for_again_and_dropped_when_scaled_away(tmp_path, capsys):
+    """Ray gives up on a bundle after cluster.placement_timeout_s (NOT_PLACED): the supervisor says why and asks
+    again, without spending a restart; a scale-down lets go of a generator still waiting for room (it never joined
+    the hub, so nothing would drain it)."""
+    run = str(tmp_path)
+    write_generator_target(run, 2)
+    sup, backend = _supervisor(run)
+    backend.waiting_for_room = {"gen1"}
+    assert sup.poll() is None and backend.started == ["learner0", "gen0", "gen1"]
+    backend.exits["gen1"] = NOT_PLACED
+    assert sup.poll() is None
+    assert "gen1 could not be placed: no room; asking again" in capsys.readouterr().err
+    assert sup.poll() is None and backend.started[-1] == "gen1" and sup.gens[1].restarts == 0
+    write_generator_target(run, 1, reason="autoscale: the learner is the bottleneck")
+    assert sup.poll() is None and backend.released == ["gen1"] and 1 not in sup.gens
+    assert "scaling to 1 generator(s) (was 2): autoscale: the learner is the bottleneck" in capsys.readouterr().err

@@ -107,7 +107,7 @@ class Sink:
         self.events.append(("write", step))
         self.rows.append((step, dict(metrics)))
 
-    def progress(self, step, row, evaluating):
+    def progress(self, step, row, evaluating, note=""):
         self.shown.append((step, list(evaluating)))
 
     def histogram(self, tag, values, step):
