@@ -340,7 +340,7 @@ class AutoscaleConfig(_Section):
     max_factor: Annotated[float, Meta(gt=1)] = 2.0  # one change at most multiplies (or divides) the count by this
     # A scale-up is undone when samples/s rose by less than min_gain x what it could give, min(new/old,
     # 1/(1 - wait)) - 1; a scale-down, when samples/s fell by more than max_loss. The count it left is then not tried
-    # again for retry_after_steps steps.
+    # again for retry_after_steps steps (doubled each time the same undo repeats, up to 8x).
     min_gain: Annotated[float, Meta(ge=0, le=1)] = 0.25
     max_loss: Annotated[float, Meta(ge=0, lt=1)] = 0.1
     retry_after_steps: PosInt = 50

@@ -7,6 +7,8 @@ GPUs each role sees (apart, or colocated when learner and generator must share G
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import time
 from dataclasses import dataclass
@@ -174,25 +176,56 @@ class GeneratorTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reason: str = ""
 
 
-def write_generator_target(run_dir: str, generators: int, reason: str = "") -> GeneratorTarget:
+def write_generator_target(run_dir: str, generators: int, reason: str = "",
+                           expect: int | None = None) -> GeneratorTarget | None:
     """Atomically set the run's generator count; returns what was written (its revision one past the last).
 
-    A damaged file (not ours, or cut short by hand) is replaced: its revision is unknown, so the new one is the
-    time in milliseconds, which no reader has seen."""
+    Writers (the launcher, `covrl scale`, the autoscale policy) read and write under an exclusive lock on
+    generators.json.lock, so no two give the same revision. `expect`: write only if the revision is still this one
+    (the autoscale policy's decision was made on it); None (not written) if someone wrote since. A damaged file (not
+    ours, or cut short by hand) is replaced: its revision is unknown, so the new one is the time in milliseconds,
+    which no reader has seen."""
     if generators < 1:
         raise ValueError(f"--gens {generators}: a run needs at least one generator")
-    try:
-        old = read_generator_target(run_dir)
-        revision = 0 if old is None else old.revision + 1
-    except ValueError:
-        revision = time.time_ns() // 1_000_000
-    target = GeneratorTarget(generators, revision, reason)
     path = os.path.join(run_dir, TARGET_FILE)
-    tmp = f"{path}.{os.getpid()}.tmp"  # two writers at once each rename a whole file; the last one wins
-    with open(tmp, "wb") as f:
-        f.write(msgspec.json.encode(target))
-    os.replace(tmp, path)
+    with _locked(path + ".lock"):
+        try:
+            old = read_generator_target(run_dir)
+            revision = 0 if old is None else old.revision + 1
+        except ValueError:
+            old, revision = None, time.time_ns() // 1_000_000
+        if expect is not None and (old is None or old.revision != expect):
+            return None
+        target = GeneratorTarget(generators, revision, reason)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(msgspec.json.encode(target))
+        os.replace(tmp, path)
     return target
+
+
+@contextlib.contextmanager
+def _locked(path: str, timeout_s: float = 10.0):
+    """An exclusive flock on `path`, held for the block (a writer holds it for a read and a rename: microseconds)."""
+    with open(path, "a") as f:
+        deadline = time.monotonic() + timeout_s
+        while not _try_lock(f):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path} stayed locked for {timeout_s:.0f}s: another writer of the generator "
+                                   f"target hung; remove the file if no covrl process of this run is alive")
+            time.sleep(0.01)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _try_lock(f) -> bool:
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 def read_generator_target(run_dir: str) -> GeneratorTarget | None:

@@ -183,14 +183,14 @@ class RayBackend:
                 self._ask_autoscaler()  # placed: no longer asked for
             return True
         waited = time.monotonic() - since
-        where = f"its bundle {self.gen_bundle} (free now: {free_of(self.gen_bundle)}; the autoscaler was asked for it)"
+        where = lambda: f"its bundle {self.gen_bundle} (free now: {free_of(self.gen_bundle)}; the autoscaler was asked for it)"  # noqa: E731
         if waited >= self.placement_timeout_s:
-            self.unplaced[spec.name] = (f"could not be placed: no Ray node had room for {where} within "
+            self.unplaced[spec.name] = (f"could not be placed: no Ray node had room for {where()} within "
                                         f"cluster.placement_timeout_s = {self.placement_timeout_s:.0f}s")
             self.release(spec)
             return False
         if not said and waited >= WAITING_SAID_S:
-            print(f"\n{spec.name} is waiting for room on the Ray cluster for {where}; it is given up after "
+            print(f"\n{spec.name} is waiting for room on the Ray cluster for {where()}; it is given up after "
                   f"{self.placement_timeout_s:.0f}s (cluster.placement_timeout_s)", file=sys.stderr)
             self.pending[spec.name] = (ready, since, True)
         return True
@@ -254,8 +254,8 @@ class RayBackend:
             return NODE_LOST
 
     def placing(self, spec: RoleSpec) -> bool:
-        """Whether generator `spec` is still waiting for its bundle (its process not started)."""
-        return spec.name in self.pending
+        """Whether generator `spec` is still waiting for its bundle (its process not started), asked of Ray now."""
+        return spec.name in self.pending and not ray.wait([self.pending[spec.name][0]], timeout=0)[0]
 
     def stop_lost(self, spec: RoleSpec, pid: int) -> bool:
         """The hub declared generator `spec` lost: its actor kills the process if it is `pid` (its node's pid space).

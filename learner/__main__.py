@@ -164,7 +164,8 @@ def lead(cfg, args, cluster, tokenizer, publisher: ModelPublisher, world: int, s
     rollouts = RolloutLog(cfg, args.run_dir, tokenizer, source, evals, sink)
     autoscale = Autoscaler(cfg.cluster.autoscale, args.run_dir, sink, start) if cfg.cluster.autoscale.max else None
     if autoscale is not None and resumed is not None and "autoscale" in resumed:
-        autoscale.policy.load_state(resumed["autoscale"], start, time.time())  # its ceilings and floors
+        with restoring(resumed["path"], rank=0):
+            autoscale.policy.load_state(resumed["autoscale"], start, time.time())  # what it learnt: ceilings, floors
     return Lead(cfg, hub=hub, publisher=publisher, sink=sink, par=par, world=world, held=held, start=start,
                 rollouts=rollouts, autoscale=autoscale)
 

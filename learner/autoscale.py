@@ -22,7 +22,8 @@ The rule, with hysteresis between the thresholds (between down_wait and up_wait 
   `cooldown_steps` after the decision at the earliest the next change can be made;
 - each change is judged on its window: a scale-up whose samples/s rose by less than min_gain x the most it could give
   (min(new/old, 1/(1 - wait)) - 1) is undone, and no count above the old one is tried for `retry_after_steps` (a
-  ceiling): the bottleneck was elsewhere (CPU cores, the learner, a shared reward service). A scale-down that cost
+  ceiling; doubled each time the same undo repeats, up to 8x): the bottleneck was elsewhere (CPU cores, the learner,
+  a shared reward service, the batch's longest response), or the added generators were worth too little. A scale-down that cost
   more than max_loss of samples/s is undone likewise, with a floor. New generators that have not joined after
   `join_timeout_s` (no room for them) count as a scale-up that gave nothing.
 - a target set by hand (`covrl scale`) is taken as the new count; the policy goes on from it.
@@ -36,6 +37,7 @@ The policy's state is part of learner rank 0's checkpoint, so a resumed run keep
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -47,6 +49,7 @@ from common.config import AutoscaleConfig
 from common.runfiles import read_generator_target, write_generator_target
 
 LOG_FILE = "autoscale.jsonl"
+log = logging.getLogger("covrl.autoscale")
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,8 @@ class Policy:
         self.last_change = step
         self.ceiling: tuple[int, int] | None = None  # (count, until step): no scale-up above count before then
         self.floor: tuple[int, int] | None = None  # (count, until step): no scale-down below count before then
-        self.held = ""  # the last hold's reason, said once
+        self.said_hold = ""  # the last hold's key: each hold is said once
+        self.strikes: dict[tuple[str, int], int] = {}  # (direction, count gone back to) -> undos so far
 
     # ---- the bounds in force --------------------------------------------------------------------
 
@@ -133,8 +137,12 @@ class Policy:
         if c is not None and c.joined < 0:
             if f.live == self.target:
                 c.joined = step
-            elif c.kind == "up" and now - c.t > self.cfg.join_timeout_s:
-                return self._give_up(step, f, now)
+            elif f.live < self.target and now - c.t > self.cfg.join_timeout_s:
+                if c.kind in ("up", "undo"):
+                    return self._give_up(step, f, now)
+                return self._hold(step, f, "join", f"{self.target - f.live} of the {self.target} generators have "
+                                  f"not joined after {self.cfg.join_timeout_s:.0f}s (no room for them? see the "
+                                  f"launcher's messages); autoscaling waits for them")
             return None
         if c is not None and step <= c.joined + self.cfg.settle_steps:
             return None
@@ -158,7 +166,8 @@ class Policy:
         before, self.target = self.target, target
         self._changed(Change("by_hand", step, now, before, target))
         return Decision(step, "by_hand", before, target, f"the target was set to {target} by hand (covrl scale); "
-                        f"autoscaling goes on from it within [{self.cfg.min}, {self.cfg.max}]")
+                        f"autoscaling goes on from it, and its own changes stay within [{self.cfg.min}, "
+                        f"{self.cfg.max}]")
 
     # ---- what it decides ---------------------------------------------------------------------------
 
@@ -169,21 +178,22 @@ class Policy:
             if g >= top:
                 return self._hold(step, m, f"top {top}", f"the learner waits {m.wait_share:.0%} of each step, but {g} is "
                                   f"the most allowed now ({self._why_top(step)})")
-            new = min(top, math.ceil(g * a.max_factor), max(g + 1, math.ceil(g / (1 - m.wait_share) - 1e-9)))
+            want = math.ceil(g / max(1 - m.wait_share, 1e-3) - 1e-9)
+            new = min(top, max(g + 1, min(math.floor(g * a.max_factor), want)))
             return self._go(step, "up", new, m, now, f"the learner waited {m.wait_share:.0%} of each step (median of "
                             f"{len(self.window)}; up_wait {a.up_wait:.0%}): generation is the bottleneck; at "
-                            f"{g / (1 - m.wait_share):.1f} generators it would not wait")
+                            f"{g / max(1 - m.wait_share, 1e-3):.1f} generators it would not wait")
         if m.wait_share < a.down_wait and m.idle_share > a.down_idle:
             bottom = self.lowest(step)
             if g <= bottom:
                 return self._hold(step, m, f"bottom {bottom}", f"the generators are idle {m.idle_share:.0%} of the "
                                   f"time, but {g} is the fewest allowed now ({self._why_bottom(step)})")
             need = g * (1 - m.idle_share) / (1 - a.down_idle / 2)
-            new = max(bottom, math.floor(g / a.max_factor), min(g - 1, math.ceil(need - 1e-9)))
+            new = min(g - 1, max(bottom, math.ceil(g / a.max_factor - 1e-9), math.ceil(need - 1e-9)))
             return self._go(step, "down", new, m, now, f"the learner waited {m.wait_share:.0%} of each step (down_wait "
                             f"{a.down_wait:.0%}) and the generators were idle {m.idle_share:.0%} of the time (down_idle "
                             f"{a.down_idle:.0%}): the learner is the bottleneck; {need:.1f} generators' worth is used")
-        self.held = ""
+        self.said_hold = ""
         return None
 
     def _judge(self, step: int, c: Change, m: Figures, now: float) -> Decision | None:
@@ -197,23 +207,29 @@ class Policy:
             could = min(c.after / c.before, 1 / max(1 - c.wait_share, 1e-9)) - 1
             if ratio - 1 >= a.min_gain * could:
                 return Decision(step, "kept", c.after, c.after, f"{said}: kept", asdict(m))
-            self.ceiling = (c.before, step + a.retry_after_steps)
+            self.ceiling = (c.before, step + self._backoff(("up", c.before)))
             return self._go(step, "undo", c.before, m, now, f"{said}, less than {a.min_gain:.0%} of the "
                             f"{could:+.0%} it could give: the bottleneck is elsewhere; back to {c.before}, and no "
                             f"more than {c.before} until step {self.ceiling[1]}")
         if 1 - ratio <= a.max_loss:
             return Decision(step, "kept", c.after, c.after, f"{said}: kept", asdict(m))
-        self.floor = (c.before, step + a.retry_after_steps)
+        self.floor = (c.before, step + self._backoff(("down", c.before)))
         return self._go(step, "undo", c.before, m, now, f"{said}, a loss above max_loss {a.max_loss:.0%}: back to "
                         f"{c.before}, and no fewer until step {self.floor[1]}")
 
     def _give_up(self, step: int, f: Figures, now: float) -> Decision:
         c = self.change
-        self.ceiling = (max(c.before, f.live, self.cfg.min), step + self.cfg.retry_after_steps)
+        back = max(c.before, f.live, self.cfg.min)
+        self.ceiling = (back, step + self._backoff(("up", back)))
         return self._go(step, "gave_up", self.ceiling[0], f, now, f"{c.after - f.live} new generator(s) of the "
                         f"scale-up {c.before}->{c.after} at step {c.step} had not joined after "
                         f"{self.cfg.join_timeout_s:.0f}s (no room for them? see the launcher's messages); back to "
                         f"{self.ceiling[0]}, and no more until step {self.ceiling[1]}")
+
+    def _backoff(self, key: tuple[str, int]) -> int:
+        """Steps before the same change is tried again: retry_after_steps, doubled for each repeat (at most 8x)."""
+        self.strikes[key] = self.strikes.get(key, 0) + 1
+        return self.cfg.retry_after_steps * 2 ** min(self.strikes[key] - 1, 3)
 
     def _go(self, step: int, kind: str, new: int, m: Figures, now: float, reason: str) -> Decision:
         before, self.target = self.target, new
@@ -221,12 +237,12 @@ class Policy:
         return Decision(step, kind, before, new, reason, asdict(m))
 
     def _changed(self, c: Change) -> None:
-        self.change, self.last_change, self.window, self.held = c, c.step, [], ""
+        self.change, self.last_change, self.window, self.said_hold = c, c.step, [], ""
 
     def _hold(self, step: int, m: Figures, key: str, reason: str) -> Decision | None:
-        if key == self.held:  # said already (its figures move every step)
+        if key == self.said_hold:  # said already (its figures move every step)
             return None
-        self.held = key
+        self.said_hold = key
         return Decision(step, "hold", self.target, self.target, reason, asdict(m))
 
     def _why_top(self, step: int) -> str:
@@ -242,57 +258,96 @@ class Policy:
     # ---- checkpoint ---------------------------------------------------------------------------------
 
     def state(self) -> dict:
-        return {"target": self.target, "last_change": self.last_change, "ceiling": self.ceiling, "floor": self.floor,
-                "change": None if self.change is None else asdict(self.change),
-                "window": [asdict(f) for f in self.window]}
+        """What a resumed run keeps: what it learnt (ceilings, floors, repeated undos) and when it last changed. The
+        count is the launcher's (generators.json); a change in progress and its window start over with new processes."""
+        return {"last_change": self.last_change, "ceiling": self.ceiling, "floor": self.floor,
+                "strikes": [[d, n, k] for (d, n), k in self.strikes.items()]}
 
     def load_state(self, state: dict, step: int, now: float) -> None:
-        """A resumed run: its ceilings, floors and counts; the change in progress starts over (new processes)."""
         self.ceiling = tuple(state["ceiling"]) if state["ceiling"] else None
         self.floor = tuple(state["floor"]) if state["floor"] else None
+        self.strikes = {(d, n): k for d, n, k in state.get("strikes", [])}
         self._changed(Change("start", step, now, self.target, self.target))
+        self.last_change = state["last_change"]
 
 
 class Autoscaler:
     """The policy's hands on learner rank 0: reads RUN_DIR/generators.json (a change by hand), writes the target the
-    policy decides and logs each decision (RUN_DIR/autoscale.jsonl, TensorBoard text)."""
+    policy decides and logs each decision (RUN_DIR/autoscale.jsonl, TensorBoard text). A file it cannot read or
+    write is said once in the learner's log, and training goes on."""
 
     def __init__(self, cfg: AutoscaleConfig, run_dir: str, sink, step: int):
-        self.run_dir, self.sink = run_dir, sink
-        target = read_generator_target(run_dir)
+        self.run_dir, self.sink, self.warned = run_dir, sink, set()
+        target = self.read()
         self.revision = target.revision if target else None
         self.policy = Policy(cfg, target.generators if target else cfg.min, step, time.time())
         self.last: Decision | None = None
 
     def observe(self, step: int, row: dict[str, float]) -> dict[str, float]:
         """The step's row seen; returns the `cluster/autoscale/*` metrics to add to it."""
-        now, decisions = time.time(), []
-        try:
-            target = read_generator_target(self.run_dir)
-        except (ValueError, OSError):  # damaged by hand: the next write replaces it
-            target = None
-        if target is not None and target.revision != self.revision:
-            self.revision = target.revision
-            if target.generators != self.policy.target:
-                decisions.append(self.policy.adopt(step, target.generators, now))
+        now = time.time()
+        decisions = self.follow(step, now)
         if (d := self.policy.observe(step, Figures.of(row), now)) is not None:
             decisions.append(d)
-        change = 0.0
+        change, made = 0.0, []
         for d in decisions:
-            if d.kind != "by_hand" and d.after != d.before:
-                self.revision = write_generator_target(self.run_dir, d.after, reason=f"autoscale: {d.reason}").revision
-                change += d.after - d.before
+            moves = d.after != d.before and d.kind != "by_hand"
+            if moves and not self.apply(d):  # not written (someone wrote since, or the file failed): the file stands
+                made += self.follow(step, now, force=True)
+                continue
+            change += d.after - d.before if moves else 0
+            made.append(d)
+        for d in made:
             self.record(d)
         return {"cluster/autoscale/change": change,
-                "cluster/autoscale/undone": float(any(d.kind in ("undo", "gave_up") for d in decisions)),
+                "cluster/autoscale/undone": float(any(d.kind in ("undo", "gave_up") for d in made)),
                 "cluster/autoscale/ceiling": float(self.policy.highest(step)),
                 "cluster/autoscale/floor": float(self.policy.lowest(step))}
 
+    def follow(self, step: int, now: float, force: bool = False) -> list[Decision]:
+        """A target written by someone else (a new revision; with `force`, whatever the file says) is the policy's
+        new count."""
+        target = self.read()
+        if target is None or (target.revision == self.revision and not force):
+            return []
+        self.revision = target.revision
+        if target.generators == self.policy.target:
+            return []
+        return [self.policy.adopt(step, target.generators, now)]
+
+    def apply(self, d: Decision) -> bool:
+        """Write the decided count, only over the revision it was decided on; False if that was not possible."""
+        try:
+            written = write_generator_target(self.run_dir, d.after, reason=f"autoscale: {d.reason}",
+                                             expect=self.revision)
+        except (OSError, TimeoutError) as e:
+            self.warn(f"cannot write {self.run_dir}/generators.json ({e}); the decision at step {d.step} is not "
+                      f"applied")
+            written = None
+        if written is not None:
+            self.revision = written.revision
+        return written is not None
+
+    def read(self):
+        try:
+            return read_generator_target(self.run_dir)
+        except (ValueError, OSError) as e:  # damaged by hand, or a shared filesystem hiccup: the next step retries
+            self.warn(f"{e}; autoscaling keeps its count until it reads")
+            return None
+
     def record(self, d: Decision) -> None:
         self.last = d
-        with open(os.path.join(self.run_dir, LOG_FILE), "a") as f:
-            f.write(json.dumps({"t": time.time(), **asdict(d)}) + "\n")
+        try:
+            with open(os.path.join(self.run_dir, LOG_FILE), "a") as f:
+                f.write(json.dumps({"t": time.time(), **asdict(d)}) + "\n")
+        except OSError as e:
+            self.warn(f"cannot append to {self.run_dir}/{LOG_FILE} ({e}); decisions still go to TensorBoard")
         self.sink.text("cluster/autoscale", f"**{d.kind} {d.before} -> {d.after}**: {d.reason}", d.step)
+
+    def warn(self, message: str) -> None:
+        if message not in self.warned:
+            self.warned.add(message)
+            log.warning(message)
 
 
 def read_decisions(run_dir: str) -> list[dict]:

@@ -107,6 +107,12 @@ def rows(res: dict) -> list[str]:
             + (f"; the simulator calibrated with these stage costs predicts {_x(sim['predicted_speedup'])}"
                if (sim := r.get("simulator_calibrated")) else ""),
             r))
+    if r := res.get("autoscale"):
+        out.append(_row(
+            "10. autoscale: the generation-heavy workload from 1 generator under `--autoscale 1:3` (policy defaults) vs "
+            "the best fixed count of 1, 2, 3, in the same make bench",
+            f"{autoscale_summary(r)}; on paper (the simulator at 64 GPUs, 16 learners, this machine's stage ratio): "
+            f"{paper_summary(r['simulated_64_gpus'])}", r))
     if r := res.get("simulate"):
         k = r["speedup_vs_colocated_sync_min_max_by_k"]
         out.append(_row(
@@ -115,6 +121,25 @@ def rows(res: dict) -> list[str]:
                                                                  k.items()) + "; reported: AReaL up to 2.77x, PipelineRL "
             "about 2x", r))
     return out
+
+
+def autoscale_summary(r: dict) -> str:
+    moves = ", ".join(f"{d['kind']} {d['before']}->{d['after']} at step {d['step']}" for d in r["autoscale"]["decisions"]
+                      if d["kind"] in ("up", "down", "undo", "gave_up", "kept")) or "no change"
+    best = r["fixed"][str(r["best_fixed"])]["samples_per_s"]
+    return (f"steady {r['autoscale']['steady_samples_per_s']:.1f} vs {best:.1f} samples/s at {r['best_fixed']} fixed "
+            f"= {r['ratio']:.2f} ({r['whole_run_ratio']:.2f} over the whole run, exploring included); fixed 1/2/3: "
+            + "/".join(f"{r['fixed'][g]['samples_per_s']:.1f}" for g in sorted(r["fixed"])) + f"; decisions: {moves}")
+
+
+def paper_summary(p: dict) -> str:
+    def one(q: dict) -> str:
+        return (f"ends at {q['settled_at']} generators (its last change at step {q['settled_from_step']} of 300), "
+                f"{q['ratio']:.2f} of the "
+                f"best fixed count's samples/s at {q['samples_per_s_per_gpu']['settled'] / q['samples_per_s_per_gpu']['best_fixed']:.1f}x "
+                f"its samples/s per GPU")
+    return (f"at its defaults it {one(p)}, the best fixed count being {p['best_fixed']} generators; with min_gain "
+            f"0.05 it {one(p['min_gain_0.05'])}")
 
 
 def table(res: dict) -> str:
@@ -143,6 +168,9 @@ def headline(res: dict) -> str:
         f"- **Weight sync**: {sync['gb_per_s']['sync']:.2f} GB/s per 256 MiB over gloo, {sync['ratio_vs_bare_gloo']:.2f} "
         f"of a bare gloo broadcast; **transport**: {transport['ratio_vs_raw_zmq']:.2f} of raw ZeroMQ bytes (target "
         f"{transport['verdict']}: every message is authenticated with HMAC-SHA256).",
+        *([f"- **Autoscaling** (from 1 generator, generation-heavy workload): {autoscale_summary(r)} (target "
+           f"{r['verdict']}). At 64 GPUs on paper, {paper_summary(r['simulated_64_gpus'])}."]
+          if (r := res.get("autoscale")) else []),
     ])
 
 

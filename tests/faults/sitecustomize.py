@@ -35,25 +35,8 @@ def _install() -> None:
     argv = sys.orig_argv if hasattr(sys, "orig_argv") else sys.argv
     if "actors" not in argv or "--gen-id" not in argv or argv[argv.index("--gen-id") + 1] != gen_id:
         return
-    import importlib.abc
-    import importlib.machinery
-
-    class Hook(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name != "actors.engine":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.machinery.PathFinder.find_spec(name, path)
-            run = spec.loader.exec_module
-
-            def exec_module(module):
-                run(module)
-                _wrap(module.TorchEngine, int(after), os.path.join(claim_dir, f"gen{gen_id}.hung"))
-
-            spec.loader.exec_module = exec_module
-            return spec
-
-    sys.meta_path.insert(0, Hook())
+    _after_import("actors.engine",
+                  lambda module: _wrap(module.TorchEngine, int(after), os.path.join(claim_dir, f"gen{gen_id}.hung")))
 
 
 def _wrap(cls, after: int, claim: str) -> None:
@@ -79,27 +62,33 @@ def _wrap(cls, after: int, claim: str) -> None:
     cls.generate = hanging
 
 
+_PATCHES: dict[str, list] = {}  # module name -> what to call with it once imported
+
+
 def _after_import(name: str, patch) -> None:
-    """Call patch(module) once module `name` has been imported (its first import, wherever it comes from)."""
+    """Call patch(module) once module `name` has been imported (its first import, wherever it comes from); one
+    finder serves every patch, so hang.json and pace.json can both act on one module."""
     import importlib.abc
     import importlib.machinery
 
     class Hook(importlib.abc.MetaPathFinder):
         def find_spec(self, fullname, path, target=None):
-            if fullname != name:
+            if fullname not in _PATCHES:
                 return None
-            sys.meta_path.remove(self)
             spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-            run = spec.loader.exec_module
+            run, patches = spec.loader.exec_module, _PATCHES.pop(fullname)
 
             def exec_module(module):
                 run(module)
-                patch(module)
+                for each in patches:
+                    each(module)
 
             spec.loader.exec_module = exec_module
             return spec
 
-    sys.meta_path.insert(0, Hook())
+    if not _PATCHES:
+        sys.meta_path.insert(0, Hook())
+    _PATCHES.setdefault(name, []).append(patch)
 
 
 def _pace() -> dict:

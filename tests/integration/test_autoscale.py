@@ -128,12 +128,13 @@ def test_starved_learner_scales_up_then_a_slow_learner_scales_down_to_min(tmp_pa
     sps = lambda lo, hi: np.median([r["perf/samples_per_s"] for r in rows if lo <= r["step"] <= hi])  # noqa: E731
     assert sps(first4 + 2, moved) > 2 * sps(2, decisions[0]["step"])  # ...and it trained more than twice as fast
     down = next(d for d in decisions if d["kind"] == "down")
-    assert down["figures"]["idle_share"] > 0.3 and down["figures"]["wait_share"] < 0.05
-    assert sum(r["cluster/autoscale/change"] for r in rows) == 0  # 1 -> 2 -> 3 -> ... -> 1, in the rows too
+    assert down["step"] > moved  # after the bottleneck moved, not before
+    assert [r["cluster/autoscale/change"] for r in rows if r["cluster/autoscale/change"]] == \
+        [d["after"] - d["before"] for d in decisions if d["after"] != d["before"]]  # the rows say the same
 
 
 def test_a_scale_up_that_gains_nothing_is_undone(tmp_path):
-    run, steps = tmp_path / "undo", 22
+    run, steps = tmp_path / "undo", 20
     env, _ = paced_env(tmp_path, generate_s=0.6, lock=str(tmp_path / "shared-service.lock"))
     p = launch(run, env, steps, "1:3")
     try:

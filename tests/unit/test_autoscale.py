@@ -62,10 +62,12 @@ def test_a_scale_up_that_gains_nothing_is_undone_and_not_retried_for_a_while():
     assert kinds[:3] == ["up", "undo", "hold"], kinds
     assert "the bottleneck is elsewhere" in decisions[1].reason and "+0%" in decisions[1].reason
     assert counts[-1] == 1 and max(counts) == 2
-    until = policy.ceiling[1]
     assert "tried again from step" in decisions[2].reason
-    more, later = run(policy, 40, lambda g: plant(g, shared=10), start=61)
-    assert [d.kind for d in later][:1] == ["up"] and later[0].step >= until  # retried once the ceiling expired
+    more, later = run(policy, 100, lambda g: plant(g, shared=10), start=61)
+    every = decisions + later
+    ups, undos = [d.step for d in every if d.kind == "up"], [d.step for d in every if d.kind == "undo"]
+    # retried once the ceiling expired, and each repeat of the same undo waits twice as long
+    assert [u - d for u, d in zip(ups[1:], undos)] == [CFG.retry_after_steps, 2 * CFG.retry_after_steps], every
 
 
 def test_hysteresis_holds_between_the_thresholds_and_a_lone_spike_moves_nothing():
@@ -144,3 +146,54 @@ def test_bad_bounds_are_refused_with_the_fix():
         load_config(None, ["cluster.autoscale.min=2"])
     with pytest.raises(ConfigError, match="hysteresis"):
         load_config(None, ["cluster.autoscale.max=2", "cluster.autoscale.min=1", "cluster.autoscale.down_wait=0.3"])
+
+
+def test_one_change_stays_within_max_factor_and_moves_by_one_at_least():
+    starved = Figures(wait_share=0.99, idle_share=0.0, samples_per_s=1, live=3)
+    policy = Policy(AutoscaleConfig(min=1, max=64, window_steps=1, settle_steps=0, cooldown_steps=1, max_factor=1.5), 3)
+    d = next(d for s in range(1, 5) if (d := policy.observe(s, starved, float(s))) is not None)
+    assert (d.before, d.after) == (3, 4)  # floor(3 x 1.5); the wait alone would ask for 300
+    idle = Figures(wait_share=0.0, idle_share=0.99, samples_per_s=1, live=3)
+    policy = Policy(AutoscaleConfig(min=1, max=8, window_steps=1, settle_steps=0, cooldown_steps=1), 3)
+    d = next(d for s in range(1, 5) if (d := policy.observe(s, idle, float(s))) is not None)
+    assert (d.before, d.after) == (3, 2)  # at most halved, rounded up: 3 -> 2, not 1
+    policy = Policy(AutoscaleConfig(min=1, max=8, window_steps=1, settle_steps=0, cooldown_steps=1,
+                                    max_factor=1.1), 5)
+    d = next(d for s in range(1, 5) if (d := policy.observe(s, Figures(0.0, 0.99, 1, 5), float(s))) is not None)
+    assert (d.before, d.after) == (5, 4)  # a factor that rounds to no change still moves by one
+
+
+def test_generators_set_by_hand_that_never_join_are_said_and_waited_for():
+    policy = Policy(AutoscaleConfig(min=1, max=8, join_timeout_s=10), 2)
+    policy.adopt(1, 6, now=1.0)
+    short = Figures(wait_share=0.9, idle_share=0.0, samples_per_s=1, live=4)
+    got = [d for s in range(2, 40) if (d := policy.observe(s, short, float(s))) is not None]
+    assert [d.kind for d in got] == ["hold"] and "2 of the 6 generators have not joined after 10s" in got[0].reason
+    assert policy.target == 6  # the count set by hand is not overridden
+
+
+def test_a_decision_loses_to_a_target_written_meanwhile(tmp_path):
+    class Sink:
+        def text(self, tag, text, step):
+            pass
+
+    write_generator_target(str(tmp_path), 1)
+    a = Autoscaler(CFG, str(tmp_path), Sink(), 0)
+    row = lambda f: {"perf/learner_wait_share": f.wait_share, "perf/gen_idle_share": f.idle_share,  # noqa: E731
+                     "perf/samples_per_s": f.samples_per_s, "cluster/generators": float(f.live)}
+    for step in range(1, 6):
+        a.observe(step, row(plant(1)))
+    real = write_generator_target
+    import learner.autoscale as mod
+
+    def meanwhile(run_dir, n, reason="", expect=None):  # covrl scale lands between the read and the write
+        real(run_dir, 3)
+        return real(run_dir, n, reason, expect)
+
+    mod.write_generator_target = meanwhile
+    try:
+        a.observe(6, row(plant(1)))
+    finally:
+        mod.write_generator_target = real
+    assert read_generator_target(str(tmp_path)).generators == 3 and a.policy.target == 3
+    assert [d["kind"] for d in read_decisions(str(tmp_path))] == ["by_hand"]  # the lost decision is not logged

@@ -276,3 +276,29 @@ def test_a_generator_with_no_room_is_said_and_asked_for_again_and_dropped_when_s
     write_generator_target(run, 1, reason="autoscale: the learner is the bottleneck")
     assert sup.poll() is None and backend.released == ["gen1"] and 1 not in sup.gens
     assert "scaling to 1 generator(s) (was 2): autoscale: the learner is the bottleneck" in capsys.readouterr().err
+
+
+def _write_targets(run: str, n: int, go, out) -> None:
+    go.wait(timeout=60)  # both writers at once
+    out.put([write_generator_target(run, 2).revision for _ in range(n)])
+
+
+def test_writers_of_the_generator_target_never_give_one_revision_twice(tmp_path):
+    """covrl scale and the autoscale policy (learner rank 0) may write at once: under the lock each write gets its
+    own revision, so no reader takes one change for another; and a write that expects a revision someone else moved
+    past is not made."""
+    import multiprocessing
+
+    run = str(tmp_path)
+    write_generator_target(run, 1)
+    ctx = multiprocessing.get_context("spawn")
+    out, go, n = ctx.Queue(), ctx.Barrier(2), 400
+    procs = [ctx.Process(target=_write_targets, args=(run, n, go, out)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    revisions = out.get(timeout=60) + out.get(timeout=60)
+    for p in procs:
+        p.join(timeout=60)
+    assert sorted(revisions) == list(range(1, 2 * n + 1)) and read_generator_target(run).revision == 2 * n
+    assert write_generator_target(run, 3, expect=2 * n - 1) is None and read_generator_target(run).generators == 2
+    assert write_generator_target(run, 3, expect=2 * n).revision == 2 * n + 1
