@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from common.runfiles import read_cluster, read_generator_target, write_generator_target
+from common.runfiles import read_cluster, read_generator_target, read_run_config, write_generator_target
 from common.metrics import read_metrics
 
 
@@ -33,6 +33,15 @@ def parse_args(argv=None):
 def live_generators(run_dir: str) -> int | None:
     rows = [r for r in read_metrics(run_dir) if r.get("cluster/generators") is not None]
     return int(rows[-1]["cluster/generators"]) if rows else None
+
+
+def autoscale_bounds(run_dir: str) -> tuple[int, int] | None:
+    """The run's cluster.autoscale (min, max), or None when it is off or its config cannot be read."""
+    try:
+        a = read_run_config(run_dir).cluster.autoscale
+    except (OSError, ValueError):
+        return None
+    return (a.min, a.max) if a.max else None
 
 
 def main(argv=None) -> int:
@@ -56,6 +65,9 @@ def main(argv=None) -> int:
     target = write_generator_target(run_dir, args.gens)
     print(f"{run_dir}: generators {before} -> {target.generators} (request {target.revision}); "
           f"the launcher and the hub follow within a few seconds")
+    if (bounds := autoscale_bounds(run_dir)) is not None:
+        print(f"the run autoscales between {bounds[0]} and {bounds[1]} generators: it goes on from {args.gens} and may "
+              f"change it again ({run_dir}/autoscale.jsonl says when and why)")
     if args.wait <= 0:
         return 0
     deadline = time.monotonic() + args.wait

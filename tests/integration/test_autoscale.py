@@ -30,6 +30,7 @@ from common.runfiles import read_generator_target
 from learner.autoscale import read_decisions
 from tests.conftest import REPO
 from tests.integration.test_cluster import SMALL
+from tests.integration.test_scale import check_weights_followed
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +98,7 @@ def share(rows, lo: int, hi: int) -> float:
 
 
 def test_starved_learner_scales_up_then_a_slow_learner_scales_down_to_min(tmp_path):
-    run, steps = tmp_path / "up-down", 44
+    run, steps = tmp_path / "up-down", 40
     env, pace = paced_env(tmp_path, generate_s=0.4)
     # A step is 4 requests of 2 groups: up to 4 generators share it (with 8 groups in 2 requests, a third generator
     # gains nothing: the policy finds that and undoes it, as in the test below).
@@ -131,6 +132,11 @@ def test_starved_learner_scales_up_then_a_slow_learner_scales_down_to_min(tmp_pa
     assert down["step"] > moved  # after the bottleneck moved, not before
     assert [r["cluster/autoscale/change"] for r in rows if r["cluster/autoscale/change"]] == \
         [d["after"] - d["before"] for d in decisions if d["after"] != d["before"]]  # the rows say the same
+    # Every generator that joined got the latest version first, then every later one in order, each with the
+    # learner's checksum; the three that left were drained by the hub (test_scale.py's checks, for these changes).
+    check_weights_followed(run, rows, range(4))
+    for g in (1, 2, 3):
+        assert "drained" in open(run / "logs" / f"gen{g}.log").read()
 
 
 def test_a_scale_up_that_gains_nothing_is_undone(tmp_path):

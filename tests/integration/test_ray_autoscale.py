@@ -79,7 +79,7 @@ def test_the_autoscaler_adds_a_node_per_new_generator_and_removes_it_after_a_sca
         p = subprocess.Popen([sys.executable, os.path.join(REPO, "launch", "cluster.py"), "--run-dir", str(run),
                               "--quiet", "--gens", "1", "--learners", "1", "--steps", "1000", *SMALL,
                               "--ray", cluster.address, "--ray-generator-resources", '{"covrl_gen": 1}',
-                              "--set", "cluster.placement_timeout_s=15"],
+                              "--set", "cluster.placement_timeout_s=10"],
                              cwd=REPO, env=cluster.client_env(), stdout=subprocess.DEVNULL, stderr=err, text=True)
     said = lambda text: text in err_path.read_text()  # noqa: E731
     gens = lambda: read_metrics(str(run))[-1]["cluster/generators"] if read_metrics(str(run)) else 0  # noqa: E731

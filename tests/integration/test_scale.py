@@ -29,6 +29,17 @@ def weight_log(run, gen_id: int) -> dict[str, list[dict]]:
     return by_channel
 
 
+def check_weights_followed(run, rows: list[dict], gen_ids) -> None:
+    """Each generator, each incarnation: sent the latest version when it joined, then every later one in order, each
+    with the learner's checksum."""
+    learner_sums = {int(r["weights/version"]): r["weights/checksum"] for r in rows}
+    for g in gen_ids:
+        for channel, got in weight_log(run, g).items():
+            versions = [e["version"] for e in got]
+            assert versions == list(range(versions[0], versions[-1] + 1)), (g, channel, versions)
+            assert all(e["checksum"] == learner_sums[e["version"]] for e in got), (g, channel)
+
+
 def finish(p, timeout_s: float = 420) -> str:
     try:
         out, err = p.communicate(timeout=timeout_s)
@@ -39,6 +50,7 @@ def finish(p, timeout_s: float = 420) -> str:
     return err
 
 
+@pytest.mark.long  # make bench, for time: test_autoscale.py's 1 -> 2 -> 4 -> 2 -> 1 run makes the same checks
 def test_generators_scale_one_three_one_during_a_run(tmp_path):
     run = tmp_path / "scale"
     steps, k = 30, 1
@@ -69,13 +81,7 @@ def test_generators_scale_one_three_one_during_a_run(tmp_path):
     assert last["hub/generators_drained"] == 2
     assert last.get("weights/dropped_channels", 0) == 0  # the drained ones left cleanly, not by failing a send
 
-    learner_sums = {int(r["weights/version"]): r["weights/checksum"] for r in rows}
-    for g in range(3):
-        for channel, got in weight_log(run, g).items():
-            versions = [e["version"] for e in got]
-            # a (new) generator is sent the latest version when it joins, then every later one, in order
-            assert versions == list(range(versions[0], versions[-1] + 1)), (g, channel, versions)
-            assert all(e["checksum"] == learner_sums[e["version"]] for e in got), (g, channel)
+    check_weights_followed(run, rows, range(3))
     assert [e["version"] for c in weight_log(run, 0).values() for e in c] == list(range(1, steps + 1))
     for g in (1, 2):  # joined mid-run, left mid-run, through the hub
         assert weight_log(run, g), f"generator {g} never received weights"

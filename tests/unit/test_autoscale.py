@@ -197,3 +197,16 @@ def test_a_decision_loses_to_a_target_written_meanwhile(tmp_path):
         mod.write_generator_target = real
     assert read_generator_target(str(tmp_path)).generators == 3 and a.policy.target == 3
     assert [d["kind"] for d in read_decisions(str(tmp_path))] == ["by_hand"]  # the lost decision is not logged
+
+
+def test_covrl_scale_says_when_the_run_autoscales(tmp_path):
+    from common.config import to_toml
+    from launch.scale import autoscale_bounds
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(to_toml(load_config(None, ["cluster.autoscale.min=2", "cluster.autoscale.max=6"])))
+    assert autoscale_bounds(str(run)) == (2, 6)
+    (run / "config.toml").write_text(to_toml(load_config(None, [])))
+    assert autoscale_bounds(str(run)) is None
+    assert autoscale_bounds(str(tmp_path / "nowhere")) is None
