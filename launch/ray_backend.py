@@ -183,17 +183,20 @@ class RayBackend:
                 self._ask_autoscaler()  # placed: no longer asked for
             return True
         waited = time.monotonic() - since
-        where = lambda: f"its bundle {self.gen_bundle} (free now: {free_of(self.gen_bundle)}; the autoscaler was asked for it)"  # noqa: E731
         if waited >= self.placement_timeout_s:
-            self.unplaced[spec.name] = (f"could not be placed: no Ray node had room for {where()} within "
+            self.unplaced[spec.name] = (f"could not be placed: no Ray node had room for {self._room()} within "
                                         f"cluster.placement_timeout_s = {self.placement_timeout_s:.0f}s")
             self.release(spec)
             return False
         if not said and waited >= WAITING_SAID_S:
-            print(f"\n{spec.name} is waiting for room on the Ray cluster for {where()}; it is given up after "
+            print(f"\n{spec.name} is waiting for room on the Ray cluster for {self._room()}; it is given up after "
                   f"{self.placement_timeout_s:.0f}s (cluster.placement_timeout_s)", file=sys.stderr)
             self.pending[spec.name] = (ready, since, True)
         return True
+
+    def _room(self) -> str:
+        """What a generator waits for, and what the cluster has free of it now (asked of Ray only when said)."""
+        return f"its bundle {self.gen_bundle} (free now: {free_of(self.gen_bundle)}; the autoscaler was asked for it)"
 
     # ---- the backend interface (launch/supervisor.py) ------------------------------------
 

@@ -115,8 +115,8 @@ def prepare_resume(args, gpus: int = 0) -> RunDir:
         raise ConfigError(f"--learners {learners}: the run's checkpoints are sharded over {old.learners} learner ranks; "
                           f"resume with --learners {old.learners}")
     gens = resumed_generators(args, run_dir, old)
-    if args.gens is None and cfg.cluster.autoscale.max:  # the count it last had, within the bounds it has now
-        gens = min(max(gens, cfg.cluster.autoscale.min), cfg.cluster.autoscale.max)
+    if args.gens is None:  # the count it last had, within the autoscale bounds it has now
+        gens = within_autoscale(cfg, gens)
     check_autoscale_start(cfg, gens)
     check_host(cfg.transport.host)
     placement = place_gpus(gpus, learners, gens, args.tp)
@@ -191,11 +191,17 @@ def write_addresses(run_dir: str, cfg, run_id: str, gens: int, learners: int, ho
     return info
 
 
+def within_autoscale(cfg, gens: int) -> int:
+    """`gens` moved into cluster.autoscale's [min, max] (as it is when autoscaling is off)."""
+    a = cfg.cluster.autoscale
+    return min(max(gens, a.min), a.max) if a.max else gens
+
+
 def check_autoscale_start(cfg, gens: int) -> None:
     a = cfg.cluster.autoscale
-    if a.max and not a.min <= gens <= a.max:
+    if (fit := within_autoscale(cfg, gens)) != gens:
         raise ConfigError(f"--gens {gens} is outside the autoscale bounds {a.min}:{a.max}; start within them (--gens "
-                          f"{min(max(gens, a.min), a.max)}) or widen --autoscale")
+                          f"{fit}) or widen --autoscale")
 
 
 def check_hub_port(cfg) -> None:

@@ -178,11 +178,11 @@ class Policy:
             if g >= top:
                 return self._hold(step, m, f"top {top}", f"the learner waits {m.wait_share:.0%} of each step, but {g} is "
                                   f"the most allowed now ({self._why_top(step)})")
-            want = math.ceil(g / max(1 - m.wait_share, 1e-3) - 1e-9)
-            new = min(top, max(g + 1, min(math.floor(g * a.max_factor), want)))
+            enough = g / max(1 - m.wait_share, 1e-3)  # if generation scales with the count
+            new = min(top, max(g + 1, min(math.floor(g * a.max_factor), math.ceil(enough - 1e-9))))
             return self._go(step, "up", new, m, now, f"the learner waited {m.wait_share:.0%} of each step (median of "
                             f"{len(self.window)}; up_wait {a.up_wait:.0%}): generation is the bottleneck; at "
-                            f"{g / max(1 - m.wait_share, 1e-3):.1f} generators it would not wait")
+                            f"{enough:.1f} generators it would not wait")
         if m.wait_share < a.down_wait and m.idle_share > a.down_idle:
             bottom = self.lowest(step)
             if g <= bottom:

@@ -200,6 +200,7 @@ class Lead:
         self.par.observe(metrics["actor/entropy"])
         interval = max(now - self.last_t, 1e-9)
         busy_s = (stats.gen_busy_s - self.last.gen_busy_s) / max(stats.counters.get("cluster/generators", 1.0), 1.0)
+        idle_s = max(0.0, interval - busy_s)
         metrics.update({
             "actor/par_lambda": batch.par_lambda,
             "filter/dropped_groups": float(stats.filtered_groups - self.last.filtered_groups),
@@ -211,11 +212,11 @@ class Lead:
             "timing_s/batch_wait": self.batch_wait,
             # Seconds each live generator spent neither generating nor scoring since the last row (waiting for
             # work under admission control, or for the weights its work is pinned to); the mean over generators.
-            "timing_s/gen_idle": max(0.0, interval - busy_s),
+            "timing_s/gen_idle": idle_s,
             # What the autoscale policy reads (learner/autoscale.py), for every run: the shares of the step the
             # learner waited for generation and the generators were idle, and trained samples per second.
             "perf/learner_wait_share": min(1.0, (self.batch_wait + published.waited_s) / max(now - t0, 1e-9)),
-            "perf/gen_idle_share": min(1.0, max(0.0, interval - busy_s) / interval),
+            "perf/gen_idle_share": min(1.0, idle_s / interval),
             "perf/samples_per_s": len(batch.samples) / interval,
             "weights/bytes": float(published.nbytes),
             "weights/checksum": published.checksum,

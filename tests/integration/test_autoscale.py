@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from common.metrics import read_metrics
 from common.runfiles import read_generator_target
 from learner.autoscale import read_decisions
 from tests.conftest import REPO
-from tests.integration.test_cluster import SMALL
+from tests.integration.test_cluster import SMALL, stop_gracefully
 from tests.integration.test_scale import check_weights_followed
 
 pytestmark = pytest.mark.slow
@@ -74,11 +73,7 @@ def finish(p, timeout_s: float = 300) -> str:
         out, err = p.communicate(timeout=timeout_s)
     finally:
         if p.poll() is None:
-            p.send_signal(signal.SIGINT)
-            try:
-                p.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            stop_gracefully(p)
     assert p.returncode == 0, f"launcher exited {p.returncode}\n{out}\n{err[-4000:]}"
     return err
 

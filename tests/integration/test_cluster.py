@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -29,6 +30,18 @@ def start(run_dir, *args) -> subprocess.Popen:
     """The launcher in the background, for tests that act on the run while it trains."""
     return subprocess.Popen([sys.executable, os.path.join(REPO, "launch", "cluster.py"), "--run-dir", str(run_dir),
                              "--quiet", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def stop_gracefully(p: subprocess.Popen, timeout_s: float = 60) -> None:
+    """A launcher still running when a test is done with it: SIGINT (the learners finish their step and checkpoint,
+    then every role it started is stopped), SIGKILL if it has not ended within `timeout_s`."""
+    if p.poll() is None:
+        p.send_signal(signal.SIGINT)
+    try:
+        p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
 
 
 def wait_for_steps(run_dir, n: int, timeout_s: float = 240) -> None:

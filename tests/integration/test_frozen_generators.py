@@ -21,7 +21,7 @@ import pytest
 
 from common.metrics import read_metrics
 from tests.conftest import REPO
-from tests.integration.test_cluster import SMALL
+from tests.integration.test_cluster import SMALL, stop_gracefully
 
 pytestmark = pytest.mark.slow
 
@@ -86,11 +86,7 @@ def run_with_faults(run, tmp_path, *args, kill: bool = False, timeout_s: float =
         out, err = p.communicate(timeout=timeout_s)
     finally:
         if p.poll() is None:
-            p.send_signal(signal.SIGINT)
-            try:
-                p.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            stop_gracefully(p)
         if frozen_pid is not None and not gone(frozen_pid):
             os.killpg(os.getpgid(frozen_pid), signal.SIGKILL)
     return p.returncode, out, err, frozen_pid, frozen_at, frozen_step, killed_pids[0] if kill else None

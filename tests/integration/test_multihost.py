@@ -36,7 +36,7 @@ import pytest
 
 from common.metrics import read_metrics
 from tests.conftest import REPO
-from tests.integration.test_cluster import SMALL, start
+from tests.integration.test_cluster import SMALL, start, stop_gracefully
 
 pytestmark = pytest.mark.slow
 
@@ -164,12 +164,7 @@ def test_generators_on_a_ray_node_in_another_network_namespace_train_with_the_hu
         assert p.returncode == 0, f"launcher exited {p.returncode}\n{out}\n{err[-3000:]}{logs}"
     finally:
         if p is not None and p.poll() is None:
-            p.send_signal(signal.SIGINT)
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            stop_gracefully(p)
         for node in reversed(nodes):  # the worker node first, then the head
             _stop_node(node)
         shutil.rmtree(temp, ignore_errors=True)

@@ -23,7 +23,7 @@ import pytest
 
 from common.metrics import read_metrics
 from tests.conftest import REPO
-from tests.integration.test_cluster import SMALL, start, wait_for_steps
+from tests.integration.test_cluster import SMALL, start, stop_gracefully, wait_for_steps
 
 pytestmark = pytest.mark.slow
 
@@ -76,11 +76,7 @@ def test_generators_on_another_node_survive_its_loss(tmp_path, ray_cluster):
         out, err = p.communicate(timeout=420)
     finally:
         if p.poll() is None:
-            p.send_signal(signal.SIGINT)
-            try:
-                p.wait(timeout=60)
-            except Exception:
-                p.kill()
+            stop_gracefully(p)
     assert p.returncode == 0, f"launcher exited {p.returncode}\n{out}\n{err}"
     assert at_loss < steps, "the run ended before the node was removed: make it longer"
     rows = read_metrics(str(run))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from common.metrics import read_metrics
 from launch import scale
 from tests.conftest import REPO
 from tests.integration.ray_autoscaling import ray_autoscaling  # noqa: F401 (the fixture)
-from tests.integration.test_cluster import SMALL
+from tests.integration.test_cluster import SMALL, stop_gracefully
 
 pytestmark = pytest.mark.slow
 
@@ -103,13 +102,7 @@ def test_the_autoscaler_adds_a_node_per_new_generator_and_removes_it_after_a_sca
         assert asked(cluster) == []
         at_end = len(read_metrics(str(run)))
     finally:
-        if p.poll() is None:
-            p.send_signal(signal.SIGINT)  # the learner finishes its step and checkpoints
-        try:
-            p.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        stop_gracefully(p, timeout_s=120)  # the learner finishes its step and checkpoints
     assert p.returncode == 130, err_path.read_text()[-3000:]
     rows = read_metrics(str(run))
     assert len(rows) >= at_end and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
