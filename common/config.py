@@ -229,8 +229,19 @@ class LearnerConfig(_Section):
     zero_stage: Annotated[int, Meta(ge=0, le=3)] = 1
     offload_optimizer: bool = False  # ZeRO >= 1: optimizer states and step on the CPU (DeepSpeed offload)
     gradient_checkpointing: bool = False  # recompute activations in the backward: memory for ~30 % more compute
-    # "auto": flash_attention_2 (varlen over packed rows) with CUDA and flash-attn installed, else sdpa.
-    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
+    # How packed rows are attended (learner/attention.py). "auto": on CUDA, flash_attention_2 when flash-attn is
+    # installed, else "varlen" (torch's own FlashAttention-2 kernels, torch.nn.attention.varlen, torch >= 2.10);
+    # elsewhere sdpa. "varlen" and flash_attention_2 attend each packed sample alone with no mask; sdpa and eager
+    # build transformers' dense [N x N] block-causal mask (correct, but every score of the row is computed).
+    attn_implementation: Literal["auto", "sdpa", "varlen", "flash_attention_2", "eager"] = "auto"
+    # How log pi(target) and the entropy come out of the LM head (learner/logprobs.py). "fused": one custom
+    # autograd op per micro-batch: the head's weight is read once (ZeRO-3 gathers it once), the backward forms
+    # d logits directly from one recompute per chunk, no fp32 [tokens x vocab] tensor is kept; "chunked": the head
+    # in logprob_chunk_tokens chunks under activation checkpointing, by autograd. "auto": fused on CUDA, chunked
+    # elsewhere (the CPU recordings were made with it; the two agree to rounding, tested).
+    logprob_head: Literal["auto", "fused", "chunked"] = "auto"
+    # torch.compile each decoder layer (regional compilation; the first steps pay the compile). Off by default.
+    compile_layers: bool = False
     advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp_baseline"] = "grpo"
     # Optimizer steps per rollout batch; >1 recomputes pi_prox first.
     mini_batches: PosInt = 1
@@ -567,6 +578,9 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"learner.importance: lo ({imp.lo}) must be below hi ({imp.hi}) and geo_lo ({imp.geo_lo}) below geo_hi ({imp.geo_hi})")
     if cfg.learner.offload_optimizer and cfg.learner.zero_stage == 0:
         raise ConfigError("learner.offload_optimizer needs ZeRO: set learner.zero_stage to 1, 2 or 3")
+    if cfg.learner.compile_layers and cfg.learner.zero_stage == 3:
+        raise ConfigError("learner.compile_layers = true with learner.zero_stage = 3: ZeRO-3 gathers parameters in "
+                          "hooks inside each layer, which torch.compile would split into pieces; turn one of them off")
     if cfg.rollout.groups_per_step % cfg.learner.mini_batches:
         raise ConfigError(
             f"learner.mini_batches={cfg.learner.mini_batches} must divide rollout.groups_per_step="

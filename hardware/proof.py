@@ -1,7 +1,8 @@
 """GPU proof: one command that shows, on a machine with one NVIDIA GPU, that covrl's GPU path works end to end,
 and measures it.
 
-    python3 -m hardware.proof [--out DIR] [--work DIR] [--stages vllm-kit,...,vllm-z3] [--rehearse-cpu] [--deadline-s S]
+    python3 -m hardware.proof [--out DIR] [--work DIR] [--stages learner,vllm-kit,...,vllm-z3] [--rehearse-cpu]
+                              [--deadline-s S] [--learner-variants V,...] [--learner-shapes S[:B+B],...]
     python3 -m hardware.proof --record DIR/gpu_proof.json [MORE.json ...]   # into tests/bench/results.json
 
 Run it from the repository root: a GPU machine without covrl installed finds the packages there (`-m` puts the
@@ -10,9 +11,29 @@ current directory on sys.path); with covrl installed, `covrl gpu-proof` is the s
 
 Everything a stage needs is checked first (CUDA, the packages, the colocated placement, the engine's device
 argument); a missing piece is one line on stderr and exit 2, before anything runs. Then the stages, in the
-order given (default: the order of value, vllm-kit, vllm-tests, vllm-run, tests, z1, throughput, z3, vllm-z3, so a
-time limit cuts the ZeRO-3 repeats first), each timed, each with its log in `--out` (`<stage>.log`):
+order given (default: the order of value, learner, vllm-kit, vllm-tests, vllm-run, tests, z1, throughput, z3,
+vllm-z3, so a time limit cuts the ZeRO-3 repeats first), each timed, each with its log in `--out` (`<stage>.log`):
 
+  learner     Today's learner path and the new one side by side, in one command (workers: hardware/learner_bench.py,
+              one process per shape). Variants (`--learner-variants`, ATTN-HEAD[-compile][-gc]; default
+              sdpa-chunked (the baseline: today's path), varlen-fused (the new path: torch's FlashAttention-2 varlen
+              kernels over packed rows + the fused logprob head), varlen-chunked, sdpa-fused, varlen-fused-gc,
+              sdpa-chunked-gc, varlen-fused-compile), each a real `Trainer` on one rank (ZeRO-1, bf16; fp32 in the
+              rehearsal) built with those learner overrides from the same random-init weights. Shapes
+              (`--learner-shapes`): 0.5b (Qwen2.5-0.5B, 64 x (64 + 512) tokens at micro_batch_tokens 8192) and
+              7b-4l (Qwen2.5-7B's layers, heads and untied 152k head, 4 layers; 48 x (64 + 960) tokens at 8192 and
+              20480). Per variant and budget: 1 warm-up + 2 timed steps (`--learner-steps`): tokens/s, MFU (the
+              throughput convention, N = the parameters in matmuls), the speed-up over the baseline of this command,
+              peak memory (reset per budget), every grad norm finite; one more step under torch.profiler, split into
+              device time under covrl/attention (and torch's sdpa op, where no range is around it), covrl/head,
+              covrl/optimizer and the rest (a backward op counted where its forward ran; a range the code lacks
+              reads 0); and the first step's agreement with the baseline (grad norm, mean logp, entropy, and the
+              first micro-batch's hidden states; over 3 % (hidden 5 %) in bf16 it is flagged and fails a check).
+              Each variant's figures go into gpu_proof.json as it ends (an OOM at a budget keeps the smaller
+              budgets' figures); a variant the
+              code rejects records its error and the next runs; `--learner-budget-s` (300) bounds the stage: each
+              shape gets an equal share of what is left and starts no variant that would not fit (recorded as not
+              run). Rehearsal: tiny shapes; varlen and compile variants are recorded as skipped, with the reason.
   vllm-kit    vLLM itself, without covrl's engine (a child process, hardware/proof_workers.py vllm-smoke): its
               compiled ops load (`vllm._C_stable_libtorch`, in the kit pruned to sm_90) and `_C.rms_norm` matches a
               float64 reference; FlashAttention 3 is importable; an AsyncLLM builds on assets/arith-base; two
@@ -109,7 +130,7 @@ from dataclasses import dataclass, replace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-STAGES = ("vllm-kit", "vllm-tests", "vllm-run", "tests", "z1", "throughput", "z3", "vllm-z3")
+STAGES = ("learner", "vllm-kit", "vllm-tests", "vllm-run", "tests", "z1", "throughput", "z3", "vllm-z3")
 VLLM_STAGES = ("vllm-kit", "vllm-tests", "vllm-run", "vllm-z3")
 STAMP_KEYS = ("date", "git_commit", "git_dirty", "source_digest")  # each stage's provenance in gpu_proof.json
 VLLM_TESTS = "tests/gpu/test_vllm_engine.py"
@@ -118,6 +139,7 @@ DEADLINE_EXIT = 4  # every stage that ran passed, and --deadline-s left some not
 RESULT_TAG = "GPU_PROOF_RESULT "  # hardware/proof_workers.py prints its result after this tag
 # The throughput workers run as child processes (one CUDA context each, freed when they exit).
 WORKER_MODULE = "hardware.proof_workers"
+LEARNER_WORKER = "hardware.learner_bench"  # the learner stage's worker, one per shape
 BASE_MODEL = os.path.join(REPO, "assets", "arith-base")
 RESULTS = os.path.join(REPO, "tests", "bench", "results.json")
 # Peak dense bf16 tensor-core FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name(); first match wins.
@@ -135,6 +157,47 @@ QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   tie_word_embeddings=True, rms_norm_eps=1e-6)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=397, max_position_embeddings=2048, rope_theta=1e6, tie_word_embeddings=True, rms_norm_eps=1e-6)
+# Qwen2.5-7B's layer, head and vocabulary shapes with 4 of its 28 layers (2.0 B parameters: 1.09 B of them the
+# untied embedding and head), so one GPU holds it with ZeRO-1 and a step is seconds.
+QWEN25_7B_4L = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=4, num_attention_heads=28,
+                    num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768, rope_theta=1e6,
+                    tie_word_embeddings=False, rms_norm_eps=1e-6)
+TINY_UNTIED = dict(TINY, num_hidden_layers=4, tie_word_embeddings=False)
+# The learner stage's shapes: the model and one step's synthetic batch (samples of prompt + response tokens, in
+# groups of 8), packed at each micro_batch_tokens budget. Time on an H200, estimated from the throughput stage's
+# record (0.5B at 8192: 0.96 s per step of 36864 tokens, 116 TFLOP/s) with 1 warm-up + 2 timed + 1 profiled step
+# per budget: 0.5b ~15 s a variant (trainer build ~6 s, steps ~4 s, the profile and its parsing ~5 s); 7b-4l
+# (1.5 B parameters in matmuls, 49152 tokens a step, ~2 s at ~250 TFLOP/s) ~40 s a variant (build ~12 s, two
+# budgets). All 7 default variants: ~2 + ~5 min, and a compile_layers variant pays its compilation (about a minute
+# a shape) on top, so the stage's --learner-budget-s (300 s) keeps it to about 5 minutes: each shape gets an equal
+# share of what is left, and a worker starts no variant it cannot finish in its share (recorded as not run). In the
+# default order that cuts the compile and gradient-checkpointing ablations of 7b-4l first.
+LEARNER_SHAPES = {
+    "0.5b": dict(what="Qwen2.5-0.5B's shape (the throughput stage's), random init", model=QWEN25_05B, samples=64,
+                 prompt_tokens=64, response_tokens=512, micro_batch_tokens=(8192,)),  # 5 micro-batches
+    "7b-4l": dict(what="Qwen2.5-7B's shape truncated to 4 layers, untied head, random init", model=QWEN25_7B_4L,
+                  samples=48, prompt_tokens=64, response_tokens=960, micro_batch_tokens=(8192, 20480)),  # 6 and 3
+}
+LEARNER_SHAPES_CPU = {  # the rehearsal's stand-ins: tiny, a few hundred tokens, the same packing structure
+    "0.5b": dict(what="tiny random Qwen2, tied (rehearsal)", model=TINY, samples=8, prompt_tokens=16,
+                 response_tokens=32, micro_batch_tokens=(192,)),  # 2 micro-batches
+    "7b-4l": dict(what="tiny random Qwen2, 4 layers, untied (rehearsal)", model=TINY_UNTIED, samples=8,
+                  prompt_tokens=16, response_tokens=48, micro_batch_tokens=(128, 320)),  # 4 and 2
+}
+# The learner stage's variants, ATTN-HEAD[-compile][-gc], in the order of value: the baseline (today's path) first,
+# then the whole new path, then the ablations that explain its gain, gradient checkpointing (memory for compute),
+# and compile_layers last: its first steps compile, and its caches are the one state a variant could leave behind.
+LEARNER_VARIANTS = ("sdpa-chunked", "varlen-fused", "varlen-chunked", "sdpa-fused", "varlen-fused-gc",
+                    "sdpa-chunked-gc", "varlen-fused-compile")
+LEARNER_ATTN = ("sdpa", "varlen", "flash_attention_2", "eager")
+LEARNER_HEADS = ("chunked", "fused")
+LEARNER_EXTRAS = {"compile": "learner.compile_layers", "gc": "learner.gradient_checkpointing"}
+# A variant's first step (from the same weights, on the same batch) against the baseline's: the relative difference
+# of its grad norm, mean log pi(target) and entropy, and of the first micro-batch's final hidden states, above which
+# it is flagged. bf16: a few % (other kernels round differently); fp32 (the CPU rehearsal) agrees to ~1e-6.
+LEARNER_AGREE_REL = {"bfloat16": 0.03, "float32": 1e-3}
+LEARNER_HIDDEN_REL = {"bfloat16": 0.05, "float32": 1e-3}
+LEARNER_GRACE_S = 150  # past a shape's share, the variant under way may finish (a compile one takes longest)
 # Imported by the roles of a run or by the throughput workers; checked up front (import name, why).
 NEEDS = {
     "torch": "everything", "numpy": "everything", "transformers": "models", "tokenizers": "tokenizers",
@@ -167,17 +230,23 @@ class Scale:
     run_timeout_s: float  # one cluster launch
     worker_timeout_s: float  # one throughput worker
     vllm_steps: int  # the vllm-run stage's steps
+    learner_shapes: dict  # the learner stage's shapes, by name (LEARNER_SHAPES)
+    learner_warmup: int  # learner stage: warm-up steps per budget (the first one is the agreement's first step)
+    learner_timed: int  # learner stage: timed steps per budget
+    learner_budget_s: float  # learner stage: the time its workers may start variants in
 
 
 GPU = Scale(gpus=1, dtype="bfloat16", steps=24, ckpt_every=12, resume_first=12, resume_ckpt_every=6, model=QWEN25_05B,
             samples=64, prompt_tokens=64, response_tokens=512, micro_batch_tokens=(1024, 4096, 8192), warmup=2,
             timed=5,
             gen_prompts=32, gen_samples=8, gen_tokens=256, gen_prompt_tokens=64, run_timeout_s=360,
-            worker_timeout_s=360, vllm_steps=12)
+            worker_timeout_s=360, vllm_steps=12, learner_shapes=LEARNER_SHAPES, learner_warmup=1, learner_timed=2,
+            learner_budget_s=300)
 CPU = Scale(gpus=0, dtype="float32", steps=4, ckpt_every=2, resume_first=2, resume_ckpt_every=1, model=TINY,
             samples=8, prompt_tokens=16, response_tokens=32, micro_batch_tokens=(64, 512), warmup=1, timed=2,
             gen_prompts=4, gen_samples=2, gen_tokens=16, gen_prompt_tokens=16, run_timeout_s=900,
-            worker_timeout_s=600, vllm_steps=4)
+            worker_timeout_s=600, vllm_steps=4, learner_shapes=LEARNER_SHAPES_CPU, learner_warmup=1,
+            learner_timed=1, learner_budget_s=600)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -319,11 +388,22 @@ class Checks:
         return bool(ok)
 
 
+def _handle_line(on_line, line: str, log: StageLog) -> None:
+    """`on_line(line)`; a bug in the handler is logged, never raised: it must not stop the reading (the child would
+    block on a full pipe)."""
+    try:
+        on_line(line)
+    except Exception:
+        import traceback
+
+        log.write(traceback.format_exc())
+
+
 def run_logged(argv: list[str], log: StageLog, timeout_s: float, env: dict | None = None, graceful: bool = False,
-               cwd: str = REPO) -> tuple[int, float, list[str]]:
+               cwd: str = REPO, on_line=None) -> tuple[int, float, list[str]]:
     """Run argv in its own session, every output line into the stage log; (exit code, seconds, lines).
     On timeout: SIGTERM (twice, for the launcher's graceful then immediate stop when `graceful`), then SIGKILL;
-    the exit code is then 124."""
+    the exit code is then 124. `on_line(line)`: called for each line as it comes (from the reader thread)."""
     log.write(f"{utc_now()} $ {' '.join(argv)}")
     t0 = time.monotonic()
     p = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -334,6 +414,8 @@ def run_logged(argv: list[str], log: StageLog, timeout_s: float, env: dict | Non
         for line in p.stdout:
             lines.append(line.rstrip("\n"))
             log.write(line)
+            if on_line is not None:
+                _handle_line(on_line, lines[-1], log)
 
     from launch.process_group import signal_group, stop_group  # covrl's: preflight has checked it imports
 
@@ -397,11 +479,11 @@ def preflight(args, scale: Scale) -> tuple[dict, list[str]]:
     for d in {args.out, args.work}:
         if (why := unwritable(d)) is not None:
             refuse(f"{d} is not writable ({why}); pass a writable --out / --work")
-    need_gib = 6 if not args.rehearse_cpu and "throughput" in args.stages else 1
+    need_gib = 1 if args.rehearse_cpu else 8 if "learner" in args.stages else 6 if "throughput" in args.stages else 1
     free_gib = shutil.disk_usage(args.work).free / 2**30
     if free_gib < need_gib:
         refuse(f"{args.work} has {free_gib:.1f} GiB free; the stages need about {need_gib} GiB (checkpoints, the 0.5B "
-               f"model)")
+               f"model, the learner stage's 4 GB 7b-4l model)")
     return facts, warnings
 
 
@@ -941,9 +1023,12 @@ def stage_throughput(ctx) -> dict:
     return figures
 
 
-def run_worker(ctx, kind: str, spec: dict, timeout_s: float | None = None) -> tuple[int, float, list[str]]:
-    argv = [ctx.args.python, "-m", WORKER_MODULE, kind, json.dumps(spec)]
-    return run_logged(argv, ctx.log, ctx.timeout(timeout_s or ctx.scale.worker_timeout_s), env=child_env(ctx.args))
+def run_worker(ctx, kind: str | None, spec: dict, timeout_s: float | None = None, on_line=None,
+               module: str = WORKER_MODULE) -> tuple[int, float, list[str]]:
+    """A worker child (`module` KIND SPEC_JSON; a module of one worker takes no KIND) with its lines in the log."""
+    argv = [ctx.args.python, "-m", module, *([kind] if kind else []), json.dumps(spec)]
+    return run_logged(argv, ctx.log, ctx.timeout(timeout_s or ctx.scale.worker_timeout_s), env=child_env(ctx.args),
+                      on_line=on_line)
 
 
 def tput_learner(ctx, common: dict) -> dict:
@@ -1007,6 +1092,249 @@ def tput_gen(ctx, common: dict, worker: str = "gen") -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# stage: learner
+
+
+def learner_variant(name: str) -> dict:
+    """A learner stage variant's name, ATTN-HEAD[-compile][-gc], as the learner config overrides it stands for;
+    ValueError saying the form otherwise."""
+    attn, _, rest = name.partition("-")
+    head, *extras = rest.split("-")
+    if attn not in LEARNER_ATTN or head not in LEARNER_HEADS or len(set(extras)) != len(extras) or \
+            any(x not in LEARNER_EXTRAS for x in extras):
+        raise ValueError(f"learner variant {name!r}: write ATTN-HEAD[-compile][-gc] with ATTN one of "
+                         f"{', '.join(LEARNER_ATTN)} and HEAD one of {', '.join(LEARNER_HEADS)}, e.g. varlen-fused-gc")
+    over = {"learner.attn_implementation": attn, "learner.logprob_head": head,
+            "learner.gradient_checkpointing": "gc" in extras}
+    if "compile" in extras:  # only when asked: a checkout without the switch still runs every other variant
+        over[LEARNER_EXTRAS["compile"]] = True
+    return over
+
+
+def learner_cpu_skip(over: dict) -> str | None:
+    """Why the CPU rehearsal does not run a variant (recorded as skipped, never as passed), or None."""
+    why = []
+    attn = over["learner.attn_implementation"]
+    if attn in ("varlen", "flash_attention_2"):
+        why.append(f"attn_implementation {attn}: FlashAttention-2 varlen kernels need CUDA (on a CPU covrl's varlen "
+                   f"runs one sdpa per sample, which says nothing about the kernels)")
+    if over.get(LEARNER_EXTRAS["compile"]):
+        why.append("compile_layers: torch.compile of the decoder layers takes minutes on a CPU and its speed there "
+                   "says nothing about the GPU's")
+    return "; ".join(why) + "; CPU rehearsal" if why else None
+
+
+def stage_learner(ctx) -> dict:
+    """Today's learner path and the new one side by side (hardware/learner_bench.py): per shape, per variant, per
+    packing budget tokens/s, MFU, the speed-up over the baseline (the first variant) measured in this command,
+    peak memory, one profiled step's split, and the first step's agreement with the baseline."""
+    log, s, args = ctx.log, ctx.scale, ctx.args
+    names = args.learner_variants
+    peak = None if args.rehearse_cpu else peak_flops(ctx.facts["device"])
+    figures = {
+        "baseline": names[0], "variants": names, "dtype": s.dtype, "zero_stage": 1, "warmup_steps": s.learner_warmup,
+        "timed_steps": s.learner_timed, "budget_s": s.learner_budget_s,
+        "peak_flops_bf16_dense": peak if peak else (None if args.rehearse_cpu else "unknown peak"),
+        "mfu_definition": "(6 N tokens + causal attention 6 L d S(S+1) per sequence) / train_s / peak dense bf16 "
+                          "FLOP/s; N = the parameters in matmuls (all of them, a tied embedding once as the head; an "
+                          "untied input embedding is a lookup and not counted); model FLOPs, so gradient "
+                          "checkpointing's recompute lowers MFU; one forward + one backward per step",
+        "agreement_tolerance": {"first_step_rel": LEARNER_AGREE_REL[s.dtype],
+                                "hidden_rel": LEARNER_HIDDEN_REL[s.dtype]},
+        "shapes": {},
+    }
+    t_end = time.monotonic() + s.learner_budget_s
+    shapes = list(s.learner_shapes.items())
+    try:
+        for i, (shape, sh) in enumerate(shapes):
+            share_s = max(0.0, t_end - time.monotonic()) / (len(shapes) - i)  # an earlier shape's rest is the next's
+            log.say(f"{shape}: {sh['what']}, {sh['samples']} x ({sh['prompt_tokens']} + {sh['response_tokens']}) "
+                    f"tokens, micro_batch_tokens {', '.join(map(str, sh['micro_batch_tokens']))}; {share_s:.0f}s to "
+                    f"start variants in")
+            learner_shape(ctx, figures, shape, sh, share_s, peak)
+    finally:
+        if not args.keep_model:
+            for shape, _ in shapes:
+                shutil.rmtree(os.path.join(args.work, f"learner-model-{shape}"), ignore_errors=True)
+    return figures
+
+
+def learner_todo(ctx, figures: dict, shape: str, out: dict) -> list[dict]:
+    """The variants a shape's worker is to run ({name, overrides}); on the CPU rehearsal those that cannot run there
+    are recorded as skipped, with why."""
+    todo = []
+    for name in figures["variants"]:
+        over = learner_variant(name)
+        why = learner_cpu_skip(over) if ctx.args.rehearse_cpu else None
+        if why:
+            out["variants"][name] = {"status": "skipped", "reason": why, "overrides": over}
+            ctx.log.say(f"{shape} {name}: skipped: {why}", key=True)
+        else:
+            todo.append({"name": name, "overrides": over})
+    return todo
+
+
+def learner_line_handler(ctx, figures: dict, shape: str, out: dict, started: list[str], peak: float | None):
+    """The worker's result lines as they come: the model's size, each variant's start (into `started`), and each
+    variant's figures, recorded and saved at once (`ctx.save_partial`)."""
+
+    def on_line(line: str) -> None:
+        if not line.startswith(RESULT_TAG):
+            return
+        r = json.loads(line[len(RESULT_TAG):])
+        if r["event"] == "model":
+            out.update(n_params=r["n_params"], model_build_s=r["build_s"] if r["built_now"] else 0.0)
+        elif r["event"] == "start":
+            started.append(r["variant"])
+        else:
+            learner_record(ctx, figures, shape, r, peak)
+            if ctx.save_partial is not None:
+                ctx.save_partial(figures)
+
+    return on_line
+
+
+def learner_shape(ctx, figures: dict, shape: str, sh: dict, share_s: float, peak: float | None) -> None:
+    """One shape's variants in a worker (another one for the rest after a crash, twice at most), each recorded as
+    its result line comes (`ctx.save_partial`)."""
+    log, chk, s, args = ctx.log, ctx.checks, ctx.scale, ctx.args
+    out = {k: sh[k] for k in ("what", "samples", "prompt_tokens", "response_tokens")}
+    out.update(model_config=sh["model"], micro_batch_tokens=list(sh["micro_batch_tokens"]), variants={})
+    figures["shapes"][shape] = out
+    todo = learner_todo(ctx, figures, shape, out)
+    from common.transport import free_port
+
+    deadline_unix = time.time() + share_s
+    device, code = ("cpu" if args.rehearse_cpu else "cuda"), None
+    for _ in range(3):
+        if not todo:
+            break
+        started: list[str] = []
+        on_line = learner_line_handler(ctx, figures, shape, out, started, peak)
+
+        spec = {"model": os.path.join(args.work, f"learner-model-{shape}"), "config": sh["model"], "dtype": s.dtype,
+                "device": device, "port": free_port(), "samples": sh["samples"], "prompt_tokens": sh["prompt_tokens"],
+                "response_tokens": sh["response_tokens"], "micro_batch_tokens": list(sh["micro_batch_tokens"]),
+                "warmup": s.learner_warmup, "timed": s.learner_timed, "baseline": figures["baseline"],
+                "profile": args.learner_profile, "variants": todo, "deadline_unix": deadline_unix}
+        timeout = max(60.0, deadline_unix - time.time() + LEARNER_GRACE_S)
+        code, _, _ = run_worker(ctx, None, spec, timeout_s=timeout, on_line=on_line, module=LEARNER_WORKER)
+        todo = [v for v in todo if v["name"] not in out["variants"]]
+        if not todo:
+            break
+        if started and started[-1] not in out["variants"]:  # it was under way when the worker ended
+            died = "timed out" if code == 124 else f"the worker died during it (exit {code}; learner.log has why)"
+            learner_record(ctx, figures, shape, {"event": "variant", "variant": started[-1],
+                                                 "status": "not_run" if code == 124 else "error", "error": died,
+                                                 "reason": died}, peak)
+            todo = [v for v in todo if v["name"] != started[-1]]
+        if code == 124 or time.time() > deadline_unix or not started:
+            break
+        log.say(f"{shape}: a new worker for {', '.join(v['name'] for v in todo)} (the last exited {code})", key=True)
+    why = ("the stage's time for this shape ran out (its worker was stopped)" if code == 124 else
+           "the stage's time for this shape was spent" if time.time() > deadline_unix else
+           f"the shape's worker exited (exit {code}) before it: learner.log has why")
+    for v in todo:
+        learner_record(ctx, figures, shape, {"event": "not_run", "variant": v["name"], "reason": why}, peak)
+    chk(f"{shape}: the baseline {figures['baseline']} measured",
+        out["variants"].get(figures["baseline"], {}).get("status") in ("measured", "skipped"),
+        out["variants"].get(figures["baseline"], {}).get("error") or "")
+
+
+def learner_record(ctx, figures: dict, shape: str, r: dict, peak: float | None) -> None:
+    """One variant's result line into the figures, with what needs the baseline (speed-ups, agreement), its
+    checks and one key line."""
+    log, chk = ctx.log, ctx.checks
+    out, name, base_name = figures["shapes"][shape], r["variant"], figures["baseline"]
+    rec = {k: v for k, v in r.items() if k not in ("event", "variant")}
+    if r["event"] == "not_run":
+        rec["status"] = "not_run"
+    out["variants"][name] = rec
+    tag = f"{shape} {name}"
+    if rec["status"] == "not_run":
+        log.say(f"{tag}: not run: {rec['reason']}", key=True)
+        return
+    if not chk(f"{tag}: measured", rec["status"] == "measured", rec.get("error", "")):
+        return
+    base = out["variants"].get(base_name) if name != base_name else rec
+    base_budgets = {b["micro_batch_tokens"]: b for b in (base or {}).get("budgets", []) if "error" not in b}
+    timed = [b for b in rec["budgets"] if "error" not in b]
+    for b in timed:
+        b["mfu"] = round(b["model_flops_per_s"] / peak, 4) if peak else None
+        ref = base_budgets.get(b["micro_batch_tokens"])
+        b["speedup"] = round(b["tokens_per_s"] / ref["tokens_per_s"], 3) if ref else None
+    chk(f"{tag}: every step trained (finite grad norm, none skipped)", rec["all_steps_applied"],
+        "; ".join(f"{b['micro_batch_tokens']}: {[round(g, 4) for g in b['grad_norms']]}" for b in timed))
+    learner_settings_check(ctx, tag, rec)
+    rec["agreement"] = learner_agreement(figures, rec, base if name != base_name else None)
+    ag = rec["agreement"]
+    if name != base_name and ag.get("first_step_rel_diff"):
+        diffs = ", ".join(f"{k} {v:.2e}" for k, v in {**ag["first_step_rel_diff"],
+                                                      "hidden": ag.get("hidden_rel_diff")}.items() if v is not None)
+        chk(f"{tag}: its first step agrees with {base_name}'s (relative difference <= "
+            f"{ag['tolerance']:g}, hidden states <= {ag['hidden_tolerance']:g})", not ag["flagged"],
+            f"{diffs}" + (f"; FLAGGED: {', '.join(ag['flagged'])}" if ag["flagged"] else ""))
+    parts = []
+    for b in rec["budgets"]:
+        mem = b.get("peak_allocated_gib")
+        if "error" in b:
+            parts.append(f"{b['micro_batch_tokens']}: out of memory" + (f" (peak {mem:.1f} GiB)" if mem else ""))
+            continue
+        parts.append(f"{b['micro_batch_tokens']}: {b['tokens_per_s']:.0f} tok/s"
+                     + (f" ({b['speedup']:.2f}x)" if b["speedup"] is not None else "")
+                     + (f", MFU {b['mfu']:.1%}" if b["mfu"] is not None else "")
+                     + (f", peak {mem:.1f} GiB" if mem is not None else ""))
+    prof = next((b["profile"] for b in reversed(rec["budgets"]) if b.get("profile")), None)
+    if prof:
+        parts.append(f"profile ({prof['clock']}, s): attention {prof['attention_s']:.3g}, head {prof['head_s']:.3g}, "
+                     f"optimizer {prof['optimizer_s']:.3g}, body {prof['body_s']:.3g} of {prof['total_s']:.3g}")
+    log.say(f"{tag}: " + "; ".join(parts), key=True)
+
+
+LEARNER_LINE_SETTINGS = (("attention", "learner.attn_implementation"), ("head", "learner.logprob_head"),
+                         ("gradient checkpointing", "learner.gradient_checkpointing"),
+                         ("compiled layers", "learner.compile_layers"))
+
+
+def learner_settings_check(ctx, tag: str, rec: dict) -> None:
+    """What the trainer says it set up ("learner: ZeRO-..." line) against the variant's overrides, for each setting
+    the line names: a switch this checkout ignores would measure the baseline twice."""
+    line, over = rec.get("learner_line", ""), rec["overrides"]
+    said = dict(re.findall(r"(attention|head|gradient checkpointing|compiled layers) ([^,\s]+)", line))
+    wrong, unsaid = [], []
+    for word, key in LEARNER_LINE_SETTINGS:
+        want = over.get(key, False if key == LEARNER_EXTRAS["compile"] else None)
+        if word not in said:
+            unsaid.append(word)
+        elif (isinstance(want, bool) and said[word] != str(want)) or (isinstance(want, str) and want not in said[word]):
+            wrong.append(f"{word} {said[word]} (asked {want})")
+    m = LEARNER_LINE.search(line)
+    want_bf16, want_dev = ("False", "cpu") if ctx.args.rehearse_cpu else ("True", "cuda")
+    if not (m and m.group(1) == "1" and m.group(3) == want_bf16 and m.group(6).startswith(want_dev)):
+        wrong.append(f"not ZeRO-1 with bf16 {want_bf16} on {want_dev}")
+    rec["settings_unreported"] = unsaid
+    ctx.checks(f"{tag}: the trainer set up what the variant asks (its 'learner:' line)", not wrong,
+               "; ".join(wrong) or (f"not in the line: {', '.join(unsaid)}" if unsaid else line))
+
+
+def learner_agreement(figures: dict, rec: dict, base: dict | None) -> dict:
+    """The first step against the baseline's: relative differences of grad norm, mean log pi(target) and entropy,
+    and (from the worker) of the first micro-batch's hidden states; the ones over tolerance are `flagged`."""
+    tol, htol = figures["agreement_tolerance"]["first_step_rel"], figures["agreement_tolerance"]["hidden_rel"]
+    if base is None:
+        return {"baseline": True}
+    if base.get("status") != "measured" or not base.get("first_step") or not rec.get("first_step"):
+        return {"note": f"no first step of this variant and of the baseline ({figures['baseline']}) to compare"}
+    rel = {k: abs(rec["first_step"][k] - base["first_step"][k]) / max(abs(base["first_step"][k]), 1e-12)
+           for k in ("grad_norm", "logp_mean", "entropy")}
+    hidden = rec.get("hidden_rel_diff")
+    flagged = [k for k, v in rel.items() if not v <= tol] + (["hidden"] if hidden is not None and not hidden <= htol
+                                                             else [])
+    return {"first_step_rel_diff": rel, "hidden_rel_diff": hidden, "tolerance": tol, "hidden_tolerance": htol,
+            "flagged": flagged}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # driver
 
 
@@ -1021,6 +1349,9 @@ class Ctx:
     bundle: list | None = None
     bundle_runs: list | None = None
     skip_reason: str | None = None  # set by a stage that cannot run here (a GPU stage in the CPU rehearsal)
+    # save_partial(figures): writes gpu_proof.json with the running stage's figures so far (marked in progress), so
+    # a command stopped mid-stage keeps what was measured; set by run_proof for each stage.
+    save_partial: object = None
     vllm_broken: str | None = None  # set by vllm-kit when vLLM cannot run: the other vLLM stages do not start
 
     def timeout(self, want: float) -> float:
@@ -1057,6 +1388,8 @@ def short(stage: str, res: dict) -> str:
             text += (f"; resume {rs.get('resumed_from')}->{rs.get('steps_logged')}: "
                      f"{rs.get('checksums_equal_after_resume', 0)} equal")
         return text
+    if stage == "learner":
+        return "; ".join(learner_short(f, shape, sh) for shape, sh in f.get("shapes", {}).items()) or "no figures"
     if stage == "throughput":
         parts = []
         if (lr := f.get("learner")) and "tokens_per_s" in lr:
@@ -1068,6 +1401,26 @@ def short(stage: str, res: dict) -> str:
             parts.append(f"vLLM gen {g['tokens_per_s']:.0f} tok/s")
         return "; ".join(parts) or "no figures"
     return ""
+
+
+def learner_short(f: dict, shape: str, sh: dict) -> str:
+    """One shape of the learner stage in the table: the baseline at the last budget, the fastest other variant's
+    speed-up there, and how many variants ended how."""
+    vs = sh.get("variants", {})
+    counts = {}
+    for v in vs.values():
+        counts[v.get("status")] = counts.get(v.get("status"), 0) + 1
+    tally = ", ".join(f"{n} {k}" for k, n in counts.items())
+    base = vs.get(f.get("baseline"), {})
+    if base.get("status") != "measured":
+        return f"{shape}: baseline not measured ({tally})"
+    last = [b for b in base["budgets"] if "error" not in b][-1]
+    mfu = f", MFU {last['mfu']:.1%}" if last.get("mfu") is not None else ""
+    others = [(b["speedup"], n) for n, v in vs.items() if n != f["baseline"] and v.get("status") == "measured"
+              for b in v["budgets"] if b["micro_batch_tokens"] == last["micro_batch_tokens"] and b.get("speedup")]
+    best = f", best {max(others)[1]} {max(others)[0]:.2f}x" if others else ""
+    return (f"{shape}@{last['micro_batch_tokens']}: {f['baseline']} {last['tokens_per_s']:.0f} tok/s{mfu}{best} "
+            f"({tally})")
 
 
 def table(doc: dict) -> str:
@@ -1121,7 +1474,14 @@ def proof_scale(args) -> Scale | None:
                   file=sys.stderr)
             return None
         over.update(ckpt_every=n // 2, resume_first=n // 2, resume_ckpt_every=n // 4)
-    return replace(CPU if args.rehearse_cpu else GPU, **over)
+    base = CPU if args.rehearse_cpu else GPU
+    over["learner_shapes"] = {name: dict(base.learner_shapes[name], **({"micro_batch_tokens": b} if b else {}))
+                              for name, b in args.learner_shapes}
+    if args.learner_steps:
+        over["learner_warmup"], over["learner_timed"] = args.learner_steps
+    if args.learner_budget_s is not None:
+        over["learner_budget_s"] = args.learner_budget_s
+    return replace(base, **over)
 
 
 def proof_doc(args, scale: Scale, facts: dict, warnings: list[str], doc_path: str) -> dict:
@@ -1178,6 +1538,7 @@ def run_proof(args) -> int:
             doc["stages"][name] = {"passed": False, "seconds": 0.0, "not_run": why, "figures": {}, "checks": {},
                                    "key_lines": []}
         else:
+            ctx.save_partial = partial_writer(doc_path, doc, name, stamp)
             doc["stages"][name], stopped, interrupted = proof_stage(ctx, name)
         doc["stages"][name].update(stamp)
         write_doc(doc_path, doc)
@@ -1193,6 +1554,18 @@ def run_proof(args) -> int:
     print(table(doc))
     print(f"-> {doc_path}")
     return proof_exit(doc, args.stages, stopped, interrupted)
+
+
+def partial_writer(doc_path: str, doc: dict, name: str, stamp: dict):
+    """gpu_proof.json as it is, plus stage `name` in progress with the figures given (its record at the stage's end
+    replaces this one)."""
+
+    def save(figures: dict) -> None:
+        record = {"passed": False, "seconds": 0.0, "in_progress": "the stage was still running when this was written: "
+                  "its figures so far", "figures": figures, "checks": {}, "key_lines": [], **stamp}
+        write_doc(doc_path, {**doc, "stages": {**doc["stages"], name: record}})
+
+    return save
 
 
 def proof_stage(ctx, name: str) -> tuple[dict, str | None, bool]:
@@ -1241,6 +1614,8 @@ def proof_exit(doc: dict, stages: list[str], stopped: str | None, interrupted: b
 
 
 def run_stage(ctx, name: str) -> dict:
+    if name == "learner":
+        return stage_learner(ctx)
     if name == "vllm-kit":
         return stage_vllm_kit(ctx)
     if name == "vllm-tests":
@@ -1355,6 +1730,20 @@ def parse_args(argv=None):
                          "is the headline (default 1024,4096,8192)")
     ap.add_argument("--warmup-steps", type=int, help="learner throughput warm-up steps (default 2)")
     ap.add_argument("--timed-steps", type=int, help="learner throughput timed steps (default 5)")
+    ap.add_argument("--learner-variants", default=",".join(LEARNER_VARIANTS),
+                    help="learner stage: variants ATTN-HEAD[-compile][-gc] (ATTN sdpa|varlen|flash_attention_2|eager, "
+                         "HEAD chunked|fused), comma-separated, run in this order; the first is the baseline of the "
+                         f"speed-ups and the agreement (default {','.join(LEARNER_VARIANTS)})")
+    ap.add_argument("--learner-shapes", default=",".join(LEARNER_SHAPES),
+                    help="learner stage: shapes, comma-separated, each SHAPE or SHAPE:BUDGET[+BUDGET...] to choose its "
+                         "micro_batch_tokens (default 0.5b,7b-4l, i.e. 0.5b:8192,7b-4l:8192+20480; the rehearsal's "
+                         "stand-ins are tiny)")
+    ap.add_argument("--learner-steps", help="learner stage: WARMUP,TIMED steps per budget (default 1,2; rehearsal 1,1)")
+    ap.add_argument("--learner-budget-s", type=float, help="learner stage: the seconds its workers may start "
+                    "variants in, shared equally by the shapes; a variant that would not fit is recorded as not run "
+                    "(default 300; rehearsal 600)")
+    ap.add_argument("--learner-profile", action=argparse.BooleanOptionalAction, default=True,
+                    help="learner stage: one profiled step per variant (default; --no-learner-profile saves ~5 s each)")
     ap.add_argument("--gen-prompts", type=int, help="generation throughput: prompts (default 32)")
     ap.add_argument("--gen-samples", type=int, help="generation throughput: samples per prompt (default 8)")
     ap.add_argument("--gen-tokens", type=int, help="generation throughput: new tokens (default 256)")
@@ -1369,6 +1758,23 @@ def parse_args(argv=None):
     args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     if bad := [s for s in args.stages if s not in STAGES]:
         ap.error(f"--stages: unknown {', '.join(bad)}; choose from {', '.join(STAGES)}")
+    args.learner_variants = [s.strip() for s in args.learner_variants.split(",") if s.strip()]
+    for name in args.learner_variants:
+        try:
+            learner_variant(name)
+        except ValueError as e:
+            ap.error(f"--learner-variants: {e}")
+    if not args.learner_variants or len(set(args.learner_variants)) != len(args.learner_variants):
+        ap.error("--learner-variants: give each variant once, at least one (the first is the baseline)")
+    args.learner_shapes = [learner_shape_arg(ap, x.strip()) for x in args.learner_shapes.split(",") if x.strip()]
+    if args.learner_steps is not None:
+        try:
+            warmup, timed = (int(x) for x in args.learner_steps.split(","))
+        except ValueError:
+            ap.error(f"--learner-steps {args.learner_steps}: give WARMUP,TIMED, e.g. 1,2")
+        if warmup < 1 or timed < 1:
+            ap.error("--learner-steps: at least 1 warm-up step (the agreement's first step) and 1 timed step")
+        args.learner_steps = (warmup, timed)
     args.throughput_parts = [s.strip() for s in args.throughput_parts.split(",") if s.strip()]
     if bad := [s for s in args.throughput_parts if s not in ("learner", "gen", "vllm-gen")]:
         ap.error(f"--throughput-parts: unknown {', '.join(bad)}; choose from learner, gen, vllm-gen")
@@ -1376,6 +1782,23 @@ def parse_args(argv=None):
     args.out = os.path.abspath(args.out or os.path.join(REPO, "runs", f"gpu-proof-{stamp}"))
     args.work = os.path.abspath(args.work or args.out)
     return args
+
+
+def learner_shape_arg(ap, text: str) -> tuple[str, tuple[int, ...] | None]:
+    """SHAPE or SHAPE:BUDGET[+BUDGET...] -> (shape, budgets or None for the shape's own)."""
+    name, _, budgets = text.partition(":")
+    if name not in LEARNER_SHAPES:
+        ap.error(f"--learner-shapes: unknown shape {name!r}; choose from {', '.join(LEARNER_SHAPES)}")
+    if not budgets:
+        return name, None
+    try:
+        values = tuple(int(b) for b in budgets.split("+"))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        ap.error(f"--learner-shapes {text}: budgets are micro_batch_tokens, positive integers joined by '+', "
+                 f"e.g. 7b-4l:8192+20480")
+    return name, values
 
 
 def main(argv=None) -> int:

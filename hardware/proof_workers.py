@@ -31,21 +31,31 @@ def emit(obj: dict) -> None:
 
 
 def worker_build_model(spec: dict) -> int:
+    emit({"n_params": save_random_model(spec["config"], spec["model"], spec["dtype"], spec["device"])})
+    return 0
+
+
+def save_random_model(config: dict, model_dir: str, dtype: str, device: str) -> int:
+    """A random-init Qwen2 of `config` (seed 0) saved to `model_dir` in `dtype`, with assets/arith-base's tokenizer;
+    its parameter count."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(**spec["config"], eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    cfg = Qwen2Config(**config, eos_token_id=0, pad_token_id=0, bos_token_id=None)
     torch.manual_seed(0)
-    dev = torch.device("cuda" if spec["device"] == "cuda" else "cpu")
+    dev = torch.device("cuda" if device == "cuda" else "cpu")
     with dev:  # initialise on the GPU: a 0.5B init on the host takes minutes
         model = Qwen2ForCausalLM(cfg)
-    model = model.to(getattr(torch, spec["dtype"])).to("cpu")  # saved from the host
-    os.makedirs(spec["model"], exist_ok=True)
-    model.save_pretrained(spec["model"])
+    model = model.to(getattr(torch, dtype)).to("cpu")  # saved from the host
+    os.makedirs(model_dir, exist_ok=True)
+    model.save_pretrained(model_dir)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(BASE_MODEL, name), os.path.join(spec["model"], name))
-    emit({"n_params": sum(p.numel() for p in model.parameters())})
-    return 0
+        shutil.copy(os.path.join(BASE_MODEL, name), os.path.join(model_dir, name))
+    n_params = sum(p.numel() for p in model.parameters())
+    del model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return n_params
 
 
 def worker_learner(spec: dict) -> int:
@@ -128,8 +138,9 @@ def _synthetic_groups(spec: dict, vocab: int, group: int) -> list:
     return groups
 
 
-def _timed_steps(trainer, batch, spec: dict, budget: int, cuda: bool) -> list[dict]:
-    """Warm-up then timed train steps on one batch: each step's train and wall seconds, grad norm, tokens."""
+def _timed_steps(trainer, batch, spec: dict, budget: int, cuda: bool, label: str = "") -> list[dict]:
+    """Warm-up then timed train steps on one batch: each step's train and wall seconds, grad norm, tokens, and the
+    step's mean log pi(target), entropy and policy loss over its response tokens."""
     import torch
 
     from learner.trainer import SUM_KEYS, step_metrics
@@ -143,10 +154,12 @@ def _timed_steps(trainer, batch, spec: dict, budget: int, cuda: bool) -> list[di
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-        m = step_metrics(stats)
+        m, sums = step_metrics(stats), stats.totals()
         steps.append({"train_s": stats.train_s, "wall_s": wall, "grad_norm": m["actor/grad_norm"],
-                      "tokens": float(stats.sums[SUM_KEYS.index("seq_tokens")]), "skipped": any(stats.skipped)})
-        print(f"micro_batch_tokens {budget}, step {i + 1}{' (warm-up)' if i < spec['warmup'] else ''}: "
+                      "tokens": float(stats.sums[SUM_KEYS.index("seq_tokens")]), "skipped": any(stats.skipped),
+                      "logp_mean": sums["logp"] / max(sums["tokens"], 1.0), "entropy": m["actor/entropy"],
+                      "pg_loss": m["actor/pg_loss"]})
+        print(f"{label}micro_batch_tokens {budget}, step {i + 1}{' (warm-up)' if i < spec['warmup'] else ''}: "
               f"{stats.train_s:.3f}s train, {m['perf/learner_tokens_per_s']:.0f} tokens/s, grad norm "
               f"{m['actor/grad_norm']:.4g}", flush=True)
     return steps

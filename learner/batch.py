@@ -15,7 +15,9 @@ rules: the scores plus the overlong penalty; the learner never shapes them again
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -143,17 +145,56 @@ def batch_from_config(groups: list[messages.RolloutGroup], rewards: np.ndarray, 
     )
 
 
-def pack(samples: list[TrainSample], idx: list[int], pad_id: int) -> dict[str, torch.Tensor]:
-    """One padding-free row: restarting position ids tell attention where sequences end.
+@dataclass(frozen=True)
+class Packed:
+    """One micro-batch as one padding-free row (`pack`): the model's inputs and everything the step reads per token.
 
-    Returns [1, N] tensors aligned to *targets*: entry t holds what is needed to
-    score token t+1 of the row from the logits at position t.
-    """
+    `input_ids` and `position_ids` are [1, N + 1] (N + 1 row tokens; position ids restart at 0 for every sample);
+    the other tensors are [1, N], aligned to *targets*: entry t holds what is needed to score token t + 1 of the row
+    from the logits at position t. The samples' boundaries are kept twice: `cu_seqlens` ([num_seqs + 1] int32, row
+    offsets) for attention kernels on the device, and `seq_lens` / `max_len` as Python ints, so no forward reads a
+    tensor back to find them (`attn_kwargs`)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor  # 1 where the target is a response token
+    behav: torch.Tensor  # log pi_behav of the target
+    versions: torch.Tensor  # the policy version that sampled the target
+    adv: torch.Tensor
+    seq_ids: torch.Tensor  # which of the num_seqs samples each target belongs to
+    num_seqs: int  # samples in the row (0: an empty micro-batch, one pad token)
+    cu_seqlens: torch.Tensor
+    seq_lens: tuple[int, ...]
+    max_len: int
+
+    @property
+    def row_tokens(self) -> int:
+        """Tokens the model runs over (0 for an empty micro-batch, whose one pad token trains nothing)."""
+        return sum(self.seq_lens) if self.num_seqs else 0
+
+    def to(self, device: torch.device) -> "Packed":
+        """The same record with every tensor on `device`."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    def attn_kwargs(self) -> dict:
+        """The sample boundaries as the model's forward takes them: FlashAttention's keyword names (the device
+        offsets and the longest sample, for flash_attention_2 and torch's varlen kernels) and the host lengths
+        (`seq_lens`, for `learner.attention`'s CPU path). sdpa and eager ignore them and mask by position ids."""
+        return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens, "max_length_q": self.max_len,
+                "max_length_k": self.max_len, "seq_lens": self.seq_lens}
+
+
+def pack(samples: list[TrainSample], idx: list[int], pad_id: int) -> Packed:
+    """The samples `idx` as one padding-free row (`Packed`); restarting position ids tell attention where samples
+    end for sdpa, `Packed.attn_kwargs` for varlen kernels."""
     if not idx:  # an empty micro-batch: one pad token, zero mask (keeps collectives aligned)
         one = torch.tensor([[pad_id]])
         zero = torch.zeros((1, 0))
-        return {"input_ids": one, "position_ids": torch.zeros_like(one), "targets": one[:, :0], "mask": zero,
-                "behav": zero, "versions": zero.long(), "adv": zero, "seq_ids": zero.long()}
+        return Packed(input_ids=one, position_ids=torch.zeros_like(one), targets=one[:, :0], mask=zero, behav=zero,
+                      versions=zero.long(), adv=zero, seq_ids=zero.long(), num_seqs=0,
+                      cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), seq_lens=(1,), max_len=1)
     ids, pos, mask, behav, vers, adv, sid = [], [], [], [], [], [], []
     for k, i in enumerate(idx):
         s = samples[i]
@@ -175,14 +216,11 @@ def pack(samples: list[TrainSample], idx: list[int], pad_id: int) -> dict[str, t
         sid.append(np.full(len(seq), k, dtype=np.int64))
     row = torch.from_numpy(np.concatenate(ids))[None]
     cat = lambda parts: torch.from_numpy(np.concatenate(parts))[None]  # noqa: E731
+    lens = tuple(len(x) for x in ids)
     # The last position of the row predicts nothing: drop it from the target-aligned tensors.
-    return {
-        "input_ids": row,
-        "position_ids": cat(pos),
-        "targets": row[:, 1:],
-        "mask": cat(mask)[:, :-1],
-        "behav": cat(behav)[:, :-1],
-        "versions": cat(vers)[:, :-1],
-        "adv": cat(adv)[:, :-1],
-        "seq_ids": cat(sid)[:, :-1],  # which of the len(idx) sequences each target belongs to
-    }
+    return Packed(
+        input_ids=row, position_ids=cat(pos), targets=row[:, 1:], mask=cat(mask)[:, :-1], behav=cat(behav)[:, :-1],
+        versions=cat(vers)[:, :-1], adv=cat(adv)[:, :-1], seq_ids=cat(sid)[:, :-1], num_seqs=len(idx),
+        cu_seqlens=torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32), seq_lens=lens,
+        max_len=max(lens),
+    )

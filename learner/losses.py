@@ -18,7 +18,18 @@ the caller reduces them under the mask with the global token count.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class LossTerms(NamedTuple):
+    """What a loss returns: the loss (per token for a policy loss, [...] like its inputs, zero off the mask; the
+    micro-batch's scalar share for `learner.objective.Objective`) and its per-token metric tensors by name."""
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
 
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps ratios finite without changing any sane value
 
@@ -42,7 +53,7 @@ def ppo_loss(
     clip_low: float,
     clip_high: float,
     dual_clip_c: float | None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> LossTerms:
     """PPO clip with clip-higher (eps_low, eps_high) and optional dual-clip for A < 0.
 
     pg1 = -A r, pg2 = -A clip(r, 1-eps_low, 1+eps_high), loss = max(pg1, pg2);
@@ -63,7 +74,7 @@ def ppo_loss(
         # k1 estimate of KL(pi_prox || pi_theta) per token (verl's ppo_kl).
         "ppo_kl": -log_ratio.detach() * mask,
     }
-    return loss * mask, metrics
+    return LossTerms(loss * mask, metrics)
 
 
 def seq_ids_for(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -247,7 +258,7 @@ def clip_cov_loss(
     cov_ub: float,
     generator: torch.Generator | None,
     selected: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> LossTerms:
     """Clip-Cov: zero the gradient of a random few high-covariance tokens.
 
     Candidates are valid tokens not already clipped by PPO whose covariance
@@ -274,7 +285,7 @@ def clip_cov_loss(
         "cov_selected": selected.float() * mask,
         "ppo_kl": -log_ratio.detach() * mask,
     }
-    return loss * mask, metrics
+    return LossTerms(loss * mask, metrics)
 
 
 def kl_cov_loss(
@@ -286,7 +297,7 @@ def kl_cov_loss(
     kl_fraction: float,
     kl_coef: float,
     selected: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> LossTerms:
     """KL-Cov: unclipped -A r everywhere, plus kl_coef |logp - old| on the top-k covariance tokens.
 
     k = max(1, int(kl_fraction * n_valid)). The penalty is the absolute log
@@ -314,7 +325,7 @@ def kl_cov_loss(
         "cov_selected": selected.float() * mask,
         "ppo_kl": -log_ratio.detach() * mask,
     }
-    return loss * mask, metrics
+    return LossTerms(loss * mask, metrics)
 
 
 # ---- sequence-level and clipped-weight losses ----------------------------------
@@ -330,7 +341,7 @@ def gspo_loss(
     clip_high: float,
     seq_ids: torch.Tensor | None = None,
     num_seqs: int | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> LossTerms:
     """GSPO (Zheng et al. 2025): the PPO clip on a sequence-level ratio.
 
     s_i = exp(mean_t (logp - old)) over sequence i; token ratio sg(s_i) * pi / sg(pi),
@@ -348,7 +359,7 @@ def gspo_loss(
     pg2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(pg1, pg2)
     metrics = {"pg_clipfrac": (pg2 > pg1).float() * mask, "ppo_kl": -log_ratio.detach() * mask}
-    return loss * mask, metrics
+    return LossTerms(loss * mask, metrics)
 
 
 def cispo_loss(
@@ -359,7 +370,7 @@ def cispo_loss(
     *,
     clip_low: float,
     clip_high: float,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> LossTerms:
     """CISPO (MiniMax-M1): -sg(clip(r, 1-eps_low, 1+eps_high)) * A * logp.
 
     The IS weight is clipped and detached, so every token keeps a gradient
@@ -370,7 +381,7 @@ def cispo_loss(
     clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = -clipped_ratio * advantages * logprobs
     metrics = {"pg_clipfrac": (clipped_ratio != ratio).float() * mask, "ppo_kl": -log_ratio.detach() * mask}
-    return loss * mask, metrics
+    return LossTerms(loss * mask, metrics)
 
 
 # ---- modifiers -------------------------------------------------------------------

@@ -23,7 +23,8 @@ import torch
 
 from common.config import LearnerConfig
 from learner import losses, offpolicy
-from learner.tokens import Collectives, Surveyed, Tokens
+from learner.losses import LossTerms
+from learner.tokens import Choices, Collectives, Seen, Surveyed, Tokens
 
 
 # ---- step-wide token choices ------------------------------------------------------
@@ -88,18 +89,19 @@ def select_high_entropy(entries: list[Surveyed], comm: Collectives, *, fraction:
 COV_TOP = (1, 10, 50, 200)
 
 
-def covariance_profile(entries: list[Surveyed], comm: Collectives, bounds: tuple[float, float]) -> dict[str, float]:
+def covariance_profile(seen: list[Seen], comm: Collectives, bounds: tuple[float, float]) -> dict[str, float]:
     """How the step's summed covariance sum_t Cov_t (log pi at the step start, around the global means) is spread
     over its tokens, on all ranks (every rank returns the same values): the sum (`cov_sum`), the share the tokens
-    the loss selected carry (`cov_selected_share`; `Surveyed.selected`, 0 without a selection), the share the K
+    the loss selected carry (`cov_selected_share`; `Choices.selected`, 0 without a selection), the share the K
     largest carry (`cov_top<K>_share`, exact under ties), and how many tokens lie in Clip-Cov's candidate band
     (`cov_candidates`, `bounds` = (cov_lb, cov_ub)) and the share they carry together (`cov_candidates_share`).
     The shares are absent when the sum is not positive."""
+    entries = [s.start for s in seen]
     means, _, _ = step_means(entries, comm)
     covs = [losses.covariance_score(e.old.double(), e.adv.double(), e.mask, means=means).cpu() for e in entries]
     flat = torch.cat([c[e.mask.cpu() > 0] for c, e in zip(covs, entries)]) if entries else torch.zeros(0, dtype=torch.float64)
-    selected = sum(float(c[(e.selected.cpu() & (e.mask.cpu() > 0))].sum()) for c, e in zip(covs, entries)
-                   if e.selected is not None)
+    selected = sum(float(c[(s.choices.selected.cpu() & (s.start.mask.cpu() > 0))].sum()) for c, s in zip(covs, seen)
+                   if s.choices.selected is not None)
     kths = [comm.kth_largest(flat, k) for k in COV_TOP]
     band = (flat > bounds[0]) & (flat < bounds[1])
     local = [float(flat.sum()), selected, float(band.sum()), float(flat[band].sum())]
@@ -124,14 +126,14 @@ def covariance_profile(entries: list[Surveyed], comm: Collectives, bounds: tuple
 class PolicyLoss:
     """One registered loss type, bound to the learner config section.
 
-    `__call__(t, generator)` -> (loss per token [1, N], per-token metric tensors) for one micro-batch.
-    `select_step(entries, comm, generator)` -> one `Tokens.selected` per surveyed micro-batch, or None:
+    `__call__(t, generator)` -> `LossTerms` (loss per token [1, N], per-token metric tensors) for one micro-batch.
+    `select_step(entries, comm, generator)` -> one `Choices.selected` per surveyed micro-batch, or None:
     the choice this loss makes over the whole step before the first update.
     """
 
     select_step: Callable[[list[Surveyed], Collectives, torch.Generator], list[torch.Tensor]] | None = None
 
-    def __call__(self, t: Tokens, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(self, t: Tokens, generator: torch.Generator) -> LossTerms:
         raise NotImplementedError
 
 
@@ -156,7 +158,7 @@ class ClipCov(PolicyLoss):
         self.select_step = self._select_step if lc.cov_scope == "step" else None
 
     def __call__(self, t, generator):
-        return self.f(t.logp, t.old, t.adv, t.mask, generator=generator, selected=t.selected)
+        return self.f(t.logp, t.old, t.adv, t.mask, generator=generator, selected=t.choices.selected)
 
     def _select_step(self, entries, comm, generator):
         def keys(cov, mask):
@@ -177,7 +179,7 @@ class KLCov(PolicyLoss):
         self.select_step = self._select_step if lc.cov_scope == "step" else None
 
     def __call__(self, t, generator):
-        return self.f(t.logp, t.old, t.adv, t.mask, selected=t.selected)
+        return self.f(t.logp, t.old, t.adv, t.mask, selected=t.choices.selected)
 
     def _select_step(self, entries, comm, generator):
         def score(cov, mask):
@@ -249,33 +251,30 @@ class Objective:
         """Whether some token choice needs the whole step's batch (and so the trainer's survey pass)."""
         return self.loss.select_step is not None or self.high_entropy is not None or self.m2po is not None
 
-    def select(self, entries: list[Surveyed], comm: Collectives, generator: torch.Generator) -> None:
-        """The step-wide token choices, once per step, in a fixed order (each is a collective): the loss's
-        `selected`, the high-entropy `keep`, then M2PO's `m2po_keep`. `generator`: this rank's seeded stream for
-        the step."""
-        if self.loss.select_step is not None:
-            for e, s in zip(entries, self.loss.select_step(entries, comm, generator), strict=True):
-                e.selected = s
-        if self.high_entropy is not None:
-            for e, k in zip(entries, self.high_entropy(entries, comm), strict=True):
-                e.keep = k
-        if self.m2po is not None:
-            for e, k in zip(entries, self.m2po(entries, comm), strict=True):
-                e.m2po_keep = k
+    def select(self, entries: list[Surveyed], comm: Collectives, generator: torch.Generator) -> list[Choices]:
+        """The step-wide token choices of each entry, once per step, in a fixed order (each is a collective): the
+        loss's `selected`, the high-entropy `keep`, then M2PO's `m2po_keep`. `generator`: this rank's seeded stream
+        for the step."""
+        none = [None] * len(entries)
+        selected = self.loss.select_step(entries, comm, generator) if self.loss.select_step is not None else none
+        keep = self.high_entropy(entries, comm) if self.high_entropy is not None else none
+        m2po_keep = self.m2po(entries, comm) if self.m2po is not None else none
+        return [Choices(selected=s, keep=k, m2po_keep=m)
+                for s, k, m in zip(selected, keep, m2po_keep, strict=True)]
 
     def __call__(self, t: Tokens, *, global_tokens: float, global_seqs: float, par_lambda: float,
-                 generator: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Scalar loss (this micro-batch's share of the step) and per-token metric tensors."""
+                 generator: torch.Generator) -> LossTerms:
+        """The scalar loss (this micro-batch's share of the step) and per-token metric tensors."""
         w, metrics = self.weights(t.old, t.behav, t.mask, seq_ids=t.seq_ids, num_seqs=t.num_seqs)
         tok, pm = self.loss(t, generator)
         metrics.update(pm)
         tok = tok * w
         if par_lambda != 1.0:
             tok = tok * losses.par_weights(t.adv, par_lambda)
-        if t.keep is not None:
-            tok = tok * t.keep  # dropped low-entropy tokens stay in the denominator
-        if t.m2po_keep is not None:
-            tok = tok * t.m2po_keep  # so do the tokens M2PO dropped
+        if t.choices.keep is not None:
+            tok = tok * t.choices.keep  # dropped low-entropy tokens stay in the denominator
+        if t.choices.m2po_keep is not None:
+            tok = tok * t.choices.m2po_keep  # so do the tokens M2PO dropped
         metrics["pg_loss"] = tok.detach()  # the policy-gradient part, before bonus and KL terms
         if self.cfg.entropy_coef:
             tok = tok - self.cfg.entropy_coef * t.entropy * t.mask
@@ -285,4 +284,4 @@ class Objective:
             metrics["kl_ref"] = kl.detach()
         loss = self.agg(tok, t.mask, global_tokens=global_tokens, global_seqs=global_seqs, seq_ids=t.seq_ids,
                         num_seqs=t.num_seqs)
-        return loss, metrics
+        return LossTerms(loss, metrics)

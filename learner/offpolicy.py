@@ -25,22 +25,18 @@ import math
 import torch
 
 from learner import losses
-from learner.tokens import Collectives, Surveyed, Tokens
+from learner.tokens import Collectives, Seen, Surveyed, Tokens
 
 QUINTILES = 5
 SEARCH_POINTS, SEARCH_ROUNDS = 255, 7  # the quintile edges' search: 256^7 = 2^56 narrower than the range
 SEQ_LOG_CLAMP = 300.0  # a response's summed log ratio, clamped: exp(2 * 300) stays finite in float64
 
 
-def _valid(entries: list[Surveyed], values) -> torch.Tensor:
-    """`values(entry)` at the valid tokens of every entry, concatenated on the host (float64, 1-D)."""
-    parts = [values(e)[e.mask > 0].double().cpu() for e in entries]
+def _valid(entries: list, values, mask=lambda e: e.mask) -> torch.Tensor:
+    """`values(entry)` at the valid tokens (`mask(entry)` > 0) of every entry, concatenated on the host (float64,
+    1-D)."""
+    parts = [values(e)[mask(e) > 0].double().cpu() for e in entries]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
-
-
-def _flag(name: str):
-    """The per-token flag `name` of an entry ("clipped", "masked"), 0 where the entry has none."""
-    return lambda e: getattr(e, name) if getattr(e, name) is not None else torch.zeros_like(e.mask)
 
 
 def select_m2po(entries: list[Surveyed], comm: Collectives, threshold: float, first: int = 64) -> list[torch.Tensor]:
@@ -67,24 +63,28 @@ def _ess(sums: torch.Tensor) -> float:
 
 
 def response_weights(num: torch.Tensor, den: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor,
-                     num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_seqs: int, select: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log rho_t = log num - log den on every token, 0 off the mask and clamped to +-20; rho_i = prod_t rho_t of
-    every response with a valid token, its log clamped to +-SEQ_LOG_CLAMP), in float64."""
+    every response with a valid token, its log clamped to +-SEQ_LOG_CLAMP), in float64. `select=False`: log rho_t
+    only (None for rho_i)."""
     log_rho = ((num.double() - den.double()) * mask).clamp(-losses.LOG_RATIO_CLAMP, losses.LOG_RATIO_CLAMP)
+    if not select:
+        return log_rho, None
     seq_log = losses.segment_sum(log_rho, seq_ids, num_seqs).clamp(-SEQ_LOG_CLAMP, SEQ_LOG_CLAMP)
     return log_rho, seq_log.exp()[losses.segment_sum(mask.double(), seq_ids, num_seqs) > 0]
 
 
-def importance_sums(entries: list[Surveyed]) -> torch.Tensor:
+def importance_sums(seen: list[Seen]) -> torch.Tensor:
     """This rank's [n, sum rho, sum rho^2] over valid tokens, then the same over responses with rho_i = prod_t
     rho_t, then the sums of (log rho_t)^2, of rho_t - 1 - log rho_t and of the tokens M2PO dropped: float64 [9]."""
     out = torch.zeros(9, dtype=torch.float64)
-    for e in entries:
+    for s in seen:
+        e, keep = s.start, s.choices.m2po_keep
         log_rho, seq_rho = response_weights(e.old, e.behav, e.mask, e.seq_ids, e.num_seqs)
         valid = e.mask > 0
         lr = log_rho[valid]
         rho = lr.exp()
-        dropped = ((1.0 - e.m2po_keep) * e.mask).sum().double() if e.m2po_keep is not None else lr.new_zeros(())
+        dropped = ((1.0 - keep) * e.mask).sum().double() if keep is not None else lr.new_zeros(())
         out += torch.stack([valid.sum().double(), rho.sum(), rho.square().sum(),
                             seq_rho.new_tensor(float(seq_rho.numel())), seq_rho.sum(),
                             seq_rho.square().sum(), lr.square().sum(), (rho - 1.0 - lr).sum(), dropped]).cpu()
@@ -113,13 +113,14 @@ def quintile_edges(entropy: torch.Tensor, comm: Collectives) -> torch.Tensor:
     return hi
 
 
-def quintile_cuts(entries: list[Surveyed], comm: Collectives) -> dict[str, float]:
+def quintile_cuts(seen: list[Seen], comm: Collectives) -> dict[str, float]:
     """Share of the tokens of each entropy quintile of the step (q1 the lowest, at the step start) that the trust
-    region clipped (`Surveyed.clipped`) and that the off-policy correction masked or capped (`Surveyed.masked`),
-    on all ranks; NaN for a quintile that holds no token (ties)."""
-    entropy = _valid(entries, lambda e: e.entropy)
+    region clipped (`Seen.clipped`) and that the off-policy correction masked or capped (`Seen.masked`), on all
+    ranks; NaN for a quintile that holds no token (ties)."""
+    start_mask = lambda s: s.start.mask  # noqa: E731
+    entropy = _valid(seen, lambda s: s.start.entropy, start_mask)
     quintile = (entropy[:, None] > quintile_edges(entropy, comm)[None, :]).sum(1)
-    flags = [_valid(entries, _flag(name)) for name in ("clipped", "masked")]
+    flags = [_valid(seen, lambda s: s.clipped, start_mask), _valid(seen, lambda s: s.masked, start_mask)]
     local = torch.stack([torch.bincount(quintile, weights=w, minlength=QUINTILES).double()
                          for w in (torch.ones_like(entropy), *flags)])
     tokens, clipped, masked = comm.sum_(local).unbind(0)
@@ -131,17 +132,17 @@ def quintile_cuts(entries: list[Surveyed], comm: Collectives) -> dict[str, float
     return out
 
 
-def offpolicy_profile(entries: list[Surveyed], comm: Collectives) -> dict[str, float]:
+def offpolicy_profile(seen: list[Seen], comm: Collectives) -> dict[str, float]:
     """The step's off-policy diagnostics on all ranks (every rank returns the same), keys without the
     `offpolicy/` prefix: `ess_token` and `ess_seq` (normalised ESS of rho over tokens and over responses),
     `m2` (M2PO's mean (log rho)^2), `kl_behav_prox` (mean rho - 1 - log rho: the k3 estimate of
     KL(pi_behav || pi_prox) from tokens pi_behav sampled), `m2po_masked` (share of tokens M2PO dropped) and
-    `clipped_q<i>` / `masked_q<i>` (`quintile_cuts`). Entries need `behav`, `seq_ids` and `num_seqs`."""
-    sums = comm.sum_(importance_sums(entries))
+    `clipped_q<i>` / `masked_q<i>` (`quintile_cuts`). Each `Seen.start` needs `behav`, `seq_ids` and `num_seqs`."""
+    sums = comm.sum_(importance_sums(seen))
     n = max(float(sums[0]), 1.0)
     out = {"ess_token": _ess(sums[0:3]), "ess_seq": _ess(sums[3:6]), "m2": float(sums[6]) / n,
            "kl_behav_prox": float(sums[7]) / n, "m2po_masked": float(sums[8]) / n}
-    return out | quintile_cuts(entries, comm)
+    return out | quintile_cuts(seen, comm)
 
 
 class EssStepScale:
@@ -159,14 +160,18 @@ class EssStepScale:
         """One micro-batch's tokens, after its training forward."""
         if self.rule == "off":
             return
-        _, w = response_weights(t.logp.detach(), t.behav, t.mask, t.seq_ids, t.num_seqs)
-        self.sums += torch.stack([w.new_tensor(float(w.numel())), w.sum(), w.square().sum()]).cpu()
+        # On the device, and without selecting the responses by a mask (which would read their count back): the
+        # responses without a valid token weigh 0. `factor` copies the mini-batch's sums to the host once.
+        log_rho, _ = response_weights(t.logp.detach(), t.behav, t.mask, t.seq_ids, t.num_seqs, select=False)
+        valid = (losses.segment_sum(t.mask.double(), t.seq_ids, t.num_seqs) > 0).double()
+        w = losses.segment_sum(log_rho, t.seq_ids, t.num_seqs).clamp(-SEQ_LOG_CLAMP, SEQ_LOG_CLAMP).exp() * valid
+        self.sums = self.sums.to(w.device) + torch.stack([valid.sum(), w.sum(), w.square().sum()])
 
     def factor(self, comm: Collectives) -> float:
         """The learning-rate factor of the mini-batch added since the last call (1 when off)."""
         if self.rule == "off":
             return 1.0
-        sums, self.sums = comm.sum_(self.sums.clone()), torch.zeros(3, dtype=torch.float64)
+        sums, self.sums = comm.sum_(self.sums.cpu().clone()), torch.zeros(3, dtype=torch.float64)
         return ess_lr_factor(_ess(sums), self.base_ratio, self.rule)
 
 

@@ -25,6 +25,7 @@ config). We disable the first and pass our own torch AdamW, so nothing compiles.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -36,10 +37,11 @@ import torch.distributed as dist
 
 from common.runfiles import apply_memory_fraction
 from common.config import ClipCovLoss, Config, TransportConfig
-from learner.batch import StepBatch, pack
-from learner.logprobs import install_token_forward
-from learner import offpolicy
-from learner.objective import Objective, Surveyed, Tokens, covariance_profile
+from learner import attention, offpolicy
+from learner.batch import Packed, StepBatch, pack
+from learner.logprobs import install_token_forward, resolve_head
+from learner.objective import Objective, covariance_profile
+from learner.tokens import Choices, Seen, Surveyed, Tokens
 
 log = logging.getLogger("covrl.trainer")
 
@@ -71,15 +73,6 @@ def init_distributed(timeout_s: float = TransportConfig().learner_timeout_s) -> 
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
-
-
-def attn_implementation(choice: str) -> str:
-    """"auto": flash-attn 2 (varlen over the packed rows) when CUDA and flash_attn are there, else sdpa."""
-    if choice != "auto":
-        return choice
-    import importlib.util
-
-    return "flash_attention_2" if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") else "sdpa"
 
 
 def ds_config(cfg: Config) -> dict:
@@ -129,17 +122,16 @@ class StepStats:
         return dict(zip(SUM_KEYS, self.sums.tolist()))
 
 
-def _seen(e: Surveyed, met: dict[str, torch.Tensor]) -> Surveyed:
-    """A micro-batch at the step start with what the loss did to it, for the step's profiles: the loss's
-    step-wide choice (`selected`), the tokens its trust region clipped and those the off-policy correction
-    capped or masked (the IS weight's cut, M2PO's drop)."""
+def _seen(start: Surveyed, choices: Choices, met: dict[str, torch.Tensor]) -> Seen:
+    """A micro-batch with what the loss did to it, for the step's profiles: the tokens the loss chose as it reports
+    them (`cov_selected`: the step's choice, or its own within the micro-batch with cov_scope = "micro_batch"),
+    the tokens its trust region clipped and those the off-policy correction capped or masked (the IS weight's cut,
+    M2PO's drop)."""
     masked = met["is_weight_clipfrac"] > 0
-    if e.m2po_keep is not None:
-        masked = masked | ((e.m2po_keep == 0) & (e.mask > 0))
-    return Surveyed(old=e.old.detach(), entropy=e.entropy, adv=e.adv, mask=e.mask, behav=e.behav, seq_ids=e.seq_ids,
-                    num_seqs=e.num_seqs, m2po_keep=e.m2po_keep,
-                    selected=met["cov_selected"] > 0 if "cov_selected" in met else None,
-                    clipped=(met["pg_clipfrac"] > 0).float(), masked=masked.float())
+    if choices.m2po_keep is not None:
+        masked = masked | ((choices.m2po_keep == 0) & (start.mask > 0))
+    chosen = dataclasses.replace(choices, selected=met["cov_selected"] > 0 if "cov_selected" in met else None)
+    return Seen(start=start, choices=chosen, clipped=(met["pg_clipfrac"] > 0).float(), masked=masked.float())
 
 
 def micro_sums(t: Tokens, metrics: dict[str, torch.Tensor], entropy_before: torch.Tensor,
@@ -155,10 +147,19 @@ def micro_sums(t: Tokens, metrics: dict[str, torch.Tensor], entropy_before: torc
 
 
 def accumulate(totals: dict[str, torch.Tensor], named: dict[str, torch.Tensor]) -> None:
-    """totals[name] += named[name] in float64 on the host, with one device-to-host copy for all names."""
+    """totals[name] += named[name] in float64 on the named values' device: no copy to the host (the step copies its
+    totals once, `host_totals`)."""
     keys = sorted(named)
-    for key, v in zip(keys, torch.stack([named[k] for k in keys]).double().cpu()):
-        totals[key] = totals.get(key, torch.zeros((), dtype=torch.float64)) + v
+    for key, v in zip(keys, torch.stack([named[k] for k in keys]).double()):
+        totals[key] = totals.get(key, v.new_zeros(())) + v
+
+
+def host_totals(totals: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The step's device totals as host floats, in one device-to-host copy."""
+    keys = sorted(totals)
+    if not keys:
+        return {}
+    return dict(zip(keys, torch.stack([totals[k] for k in keys]).cpu().tolist()))
 
 
 def sum_vector(totals: dict[str, torch.Tensor | float]) -> torch.Tensor:
@@ -206,28 +207,37 @@ class Trainer:
             raise RuntimeError("model.dtype = \"bfloat16\" trains with DeepSpeed's bf16 optimizer, which needs a GPU; "
                                "use model.dtype = \"float32\" on CPU")
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        attn = attn_implementation(cfg.learner.attn_implementation)
+        lc = cfg.learner
+        cuda = torch.cuda.is_available()
+        attn = attention.resolve(lc.attn_implementation, cuda)
+        head = resolve_head(lc.logprob_head, cuda)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
         model.config.use_cache = False
-        install_token_forward(model)  # the root module computes what the objective needs: ZeRO-3's hooks see it
-        if cfg.learner.gradient_checkpointing:
+        # the root module computes what the objective needs: ZeRO-3's hooks see it
+        install_token_forward(model, head=head)
+        if lc.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lc.compile_layers:
+            compile_layers(model)
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-        lc = cfg.learner
         self.ref = None
         if lc.kl.coef:
             self.ref = install_token_forward(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
-                                                                                  attn_implementation=attn))
+                                                                                  attn_implementation=attn), head=head)
             self.ref.eval().requires_grad_(False)
+        # Fused AdamW (one kernel over all parameters) where the optimizer steps on the GPU; torch's default on
+        # the CPU, where the recorded runs were made with it.
+        fused = cuda and not lc.offload_optimizer
         opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay, betas=lc.adam_betas,
-                                eps=lc.adam_eps)
+                                eps=lc.adam_eps, fused=fused or None)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(cfg))
         self.device = self.engine.device  # cpu here; the rank's GPU on the GPU path
         if dist.get_rank() == 0:  # what DeepSpeed and transformers actually set up, not what was asked
-            log.info("learner: ZeRO-%d, optimizer offload %s, bf16 %s, attention %s, gradient checkpointing %s, device %s",
+            log.info("learner: ZeRO-%d, optimizer offload %s, bf16 %s, attention %s, gradient checkpointing %s, device %s, "
+                     "head %s, compiled layers %s, fused AdamW %s",
                      self.engine.zero_optimization_stage(), self.engine.zero_cpu_offload(),
                      self.engine.bfloat16_enabled(), model.config._attn_implementation, model.is_gradient_checkpointing,
-                     self.device)
+                     self.device, head, lc.compile_layers, fused)
         if self.ref is not None:
             self.ref.to(self.device)
         self.world = dist.get_world_size()
@@ -246,19 +256,20 @@ class Trainer:
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
-    def _logp_entropy(self, model, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[1, N-1] log pi(target) and full-vocabulary entropy, the lm head run in chunks. `model` is called as the
-        root module (`install_token_forward`), so under ZeRO-3 each call resets DeepSpeed's fetch trace and the
-        parameters are prefetched in the recorded order."""
-        return model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], targets=mb["targets"],
-                     temperature=self.cfg.rollout.temperature, chunk=self.cfg.learner.logprob_chunk_tokens)
+    def _logp_entropy(self, model, mb: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+        """[1, N-1] log pi(target) and full-vocabulary entropy. `model` is called as the root module
+        (`install_token_forward`), so under ZeRO-3 each call resets DeepSpeed's fetch trace and the parameters are
+        prefetched in the recorded order; the row's sample boundaries travel with it for varlen attention."""
+        return model(input_ids=mb.input_ids, position_ids=mb.position_ids, targets=mb.targets,
+                     temperature=self.cfg.rollout.temperature, chunk=self.cfg.learner.logprob_chunk_tokens,
+                     **mb.attn_kwargs())
 
-    def _micro(self, batch: StepBatch) -> list[tuple[int, int, list[int], dict]]:
-        """(mini index, micro index, sample indices, packed tensors) for this rank, in training order.
+    def _micro(self, batch: StepBatch) -> list[tuple[int, int, Packed]]:
+        """(mini index, micro index, packed micro-batch on this rank's device) for this rank, in training order.
 
         Packed once per step and shared by the survey, the training loop and the entropy-after pass.
         """
-        return [(m, k, idx, {name: t.to(self.device) for name, t in pack(batch.samples, idx, self.pad_id).items()})
+        return [(m, k, pack(batch.samples, idx, self.pad_id).to(self.device))
                 for m, per_rank in enumerate(batch.plan) for k, idx in enumerate(per_rank[self.rank])]
 
     def _generator(self, batch: StepBatch) -> torch.Generator:
@@ -266,31 +277,30 @@ class Trainer:
         return torch.Generator().manual_seed(batch.seed * 1009 + self.rank)
 
     @torch.no_grad()
-    def _survey(self, batch: StepBatch, micro: list) -> dict[tuple[int, int], Surveyed]:
-        """Everything that must be known about the whole step before the first update, by (mini, micro) index."""
+    def _survey(self, batch: StepBatch, micro: list) -> dict[tuple[int, int], tuple[Surveyed, Choices]]:
+        """Everything that must be known about the whole step before the first update, by (mini, micro) index:
+        each micro-batch as the step start sees it, and the step-wide token choices made from all of them."""
         self.engine.eval()
         per = {}
-        for m, k, idx, mb in micro:
+        for m, k, mb in micro:
             logp, ent = self._logp_entropy(self.module, mb)
             ref = self._logp_entropy(self.ref, mb)[0] if self.ref is not None else None
-            per[(m, k)] = Surveyed(old=logp, entropy=ent, adv=mb["adv"], mask=mb["mask"], ref=ref, behav=mb["behav"],
-                                   seq_ids=mb["seq_ids"], num_seqs=max(len(idx), 1),
-                                   lag=batch.version - mb["versions"].double())
+            per[(m, k)] = Surveyed.of(mb, logp, ent, version=batch.version, ref=ref)
         self.engine.train()
-        self.objective.select(list(per.values()), self.comm, self._generator(batch))
-        return per
+        choices = self.objective.select(list(per.values()), self.comm, self._generator(batch))
+        return {key: (start, c) for (key, start), c in zip(per.items(), choices, strict=True)}
 
-    def _prox(self, before: Surveyed, m: int, logp: torch.Tensor, mb: dict, batch: StepBatch) -> torch.Tensor:
+    def _prox(self, before: Surveyed, m: int, logp: torch.Tensor, mb: Packed, batch: StepBatch) -> torch.Tensor:
         imp = self.cfg.learner.importance
         if imp.prox == "behaviour":
-            return mb["behav"]
+            return mb.behav
         if imp.prox == "loglinear" and m > 0:
             # AReaL's approximation, no extra pass: interpolate in log space between pi_behav and the
             # current policy by version, treating mini-batch m of M as version v + m / M.
             v = float(batch.version)
-            ver = mb["versions"].double()
+            ver = mb.versions.double()
             alpha = ((v - ver) / (v + m / len(batch.plan) - ver)).clamp(0.0, 1.0).float()
-            return mb["behav"] + alpha * (logp.detach() - mb["behav"])
+            return mb.behav + alpha * (logp.detach() - mb.behav)
         return before.old
 
     def _optimizer_step(self) -> bool:
@@ -310,10 +320,10 @@ class Trainer:
         self.engine.step()
         return self.engine.skipped_steps == before
 
-    def _backward(self, batch: StepBatch, survey, gen: torch.Generator, poison: bool, m: int, k: int, idx: list[int],
-                  mb: dict, last: bool) -> tuple[Tokens, dict[str, torch.Tensor], Surveyed]:
+    def _backward(self, batch: StepBatch, survey, gen: torch.Generator, poison: bool, m: int, k: int, mb: Packed,
+                  last: bool) -> tuple[Tokens, dict[str, torch.Tensor], Seen]:
         """Forward and backward of one micro-batch (its share of the mini-batch's loss); returns its tokens, the
-        objective's per-token metrics and the micro-batch as the step start saw it."""
+        objective's per-token metrics and what the loss did to it (`Seen`)."""
         self.engine.set_gradient_accumulation_boundary(last)
         # We call the module, not engine.forward (which would also hook our outputs for loss scaling), so do
         # what engine.forward does first: ZeRO-3 counts micro-steps there, and with the count stuck at 0 each
@@ -322,24 +332,21 @@ class Trainer:
             self.engine.optimizer.clear_backward_seen_flag()
         logp, entropy = self._logp_entropy(self.module, mb)
         # The policy at the step start: surveyed, or (one mini-batch, no survey) the one just run.
-        e = survey[(m, k)] if survey is not None else Surveyed(
-            old=logp.detach(), entropy=entropy, adv=mb["adv"], mask=mb["mask"], behav=mb["behav"],
-            seq_ids=mb["seq_ids"], num_seqs=max(len(idx), 1))
-        t = Tokens(logp=logp, entropy=entropy, old=self._prox(e, m, logp, mb, batch), behav=mb["behav"],
-                   adv=mb["adv"], mask=mb["mask"], seq_ids=mb["seq_ids"], num_seqs=max(len(idx), 1),
-                   ref=e.ref, selected=e.selected, keep=e.keep, m2po_keep=e.m2po_keep)
+        start, choices = survey[(m, k)] if survey is not None else (
+            Surveyed.of(mb, logp.detach(), entropy.detach(), version=batch.version), Choices())
+        t = Tokens.of(start, logp, entropy, self._prox(start, m, logp, mb, batch), choices)
         loss, met = self.objective(t, global_tokens=float(batch.mini_tokens[m]), global_seqs=float(batch.mini_seqs[m]),
                                    par_lambda=batch.par_lambda, generator=gen)
         loss = loss * self.world
         if poison:
             loss = loss * float("nan")
-        if not idx and self.cfg.learner.zero_stage < 3:
+        if not mb.num_seqs and self.cfg.learner.zero_stage < 3:
             # Empty micro-batch: touch every parameter with a zero gradient so ZeRO's reduction hooks
             # fire on this rank like on the others. (ZeRO-3 shards are empty outside a forward; there
             # the forward on the placeholder input already reaches every parameter.)
             loss = loss + 0.0 * sum(p.sum() for p in self.module.parameters())
         self.engine.backward(loss, scale_wrt_gas=False)
-        return t, met, e
+        return t, met, _seen(start, choices, met)
 
     def train_step(self, batch: StepBatch, poison: bool = False) -> StepStats:
         """`poison`: fault injection for tests (COVRL_FAULT_NONFINITE_STEPS): make this step's loss NaN."""
@@ -352,19 +359,21 @@ class Trainer:
         self.engine.train()
         n_micro = [len(per_rank[self.rank]) for per_rank in batch.plan]
         sampled = self._entropy_sample(micro)
-        seen: list[Surveyed] = []  # each micro-batch at the step start, with what the loss cut: the step's profiles
-        for i, (m, k, idx, mb) in enumerate(micro):
-            t, met, e = self._backward(batch, survey, gen, poison, m, k, idx, mb, last=k == n_micro[m] - 1)
-            with torch.no_grad():  # e.entropy: the policy *before* this step's updates
-                own = micro_sums(t, met, e.entropy, mb["input_ids"].numel() if idx else 0, len(idx))
-                seen.append(_seen(e, met))
+        seen: list[Seen] = []  # each micro-batch at the step start, with what the loss cut: the step's profiles
+        # Nothing in this loop reads a value back from the device (tested): the sums stay there until the step ends.
+        for i, (m, k, mb) in enumerate(micro):
+            t, met, s = self._backward(batch, survey, gen, poison, m, k, mb, last=k == n_micro[m] - 1)
+            with torch.no_grad():  # s.start.entropy: the policy *before* this step's updates
+                own = micro_sums(t, met, s.start.entropy, mb.row_tokens, mb.num_seqs)
+                seen.append(s)
                 self.ess.add(t)
                 if i in sampled:  # the tokens whose entropy is measured again after the update
                     own |= {"entropy_sampled": own["entropy"], "tokens_sampled": own["tokens"]}
                 accumulate(totals, own)
             if k == n_micro[m] - 1:
                 lr_scales.append(self.ess.factor(self.comm))
-                with offpolicy.scaled_lr(self.engine.optimizer, lr_scales[-1]):
+                with offpolicy.scaled_lr(self.engine.optimizer, lr_scales[-1]), \
+                        torch.profiler.record_function("covrl/optimizer"):
                     applied = self._optimizer_step()
                 skipped.append(not applied)
                 gn = self.engine.get_global_grad_norm()
@@ -372,9 +381,10 @@ class Trainer:
                     grad_norms.append(float(gn))
         logged_after = self.cfg.learner.log_entropy_delta
         if logged_after:
-            totals["entropy_after"] = self._entropy_sum([micro[i] for i in sorted(sampled)])
-        totals["ranks"] = 1.0 if totals.get("tokens", 0.0) > 0 else 0.0
-        sums = sum_vector(totals)
+            accumulate(totals, {"entropy_after": self._entropy_sum([micro[i] for i in sorted(sampled)])})
+        host = host_totals(totals)
+        host["ranks"] = 1.0 if host.get("tokens", 0.0) > 0 else 0.0
+        sums = sum_vector(host)
         dist.all_reduce(sums)
         profile = covariance_profile(seen, self.comm, self.cov_band)
         offp = offpolicy.offpolicy_profile(seen, self.comm) | {"ess_lr_scale": sum(lr_scales) / len(lr_scales)}
@@ -388,17 +398,18 @@ class Trainer:
         Empty when the metric is off."""
         if not self.cfg.learner.log_entropy_delta:
             return set()
-        filled = [i for i, (_, _, idx, _) in enumerate(micro) if idx]
+        filled = [i for i, (_, _, mb) in enumerate(micro) if mb.num_seqs]
         return set(filled[::self.cfg.learner.entropy_delta_stride])
 
     @torch.no_grad()
-    def _entropy_sum(self, micro: list) -> float:
-        """Sum of token entropies of these micro-batches (just trained on), under the updated policy."""
+    def _entropy_sum(self, micro: list) -> torch.Tensor:
+        """Sum of token entropies of these micro-batches (just trained on), under the updated policy: a float64
+        0-d tensor on the device, added in the order a host float would be."""
         self.engine.eval()
-        total = 0.0
-        for _, _, idx, mb in micro:
-            if idx:
-                total += float((self._logp_entropy(self.module, mb)[1] * mb["mask"]).sum())
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for _, _, mb in micro:
+            if mb.num_seqs:
+                total = total + (self._logp_entropy(self.module, mb)[1] * mb.mask).sum().double()
         self.engine.train()
         return total
 
@@ -438,3 +449,11 @@ def step_metrics(stats: StepStats) -> dict[str, float]:
 def thread_setup(cfg: Config) -> None:
     torch.set_num_threads(cfg.run.torch_threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.run.torch_threads))
+
+
+def compile_layers(model: torch.nn.Module, backend: str = "inductor") -> None:
+    """`learner.compile_layers`: torch.compile each decoder layer in place (regional compilation: the layers share
+    one compiled graph, so the cost is one layer's compile, not the model's), dynamic in the row length so a new
+    packing does not recompile. `backend`: inductor (fused kernels); tests trace with "eager"."""
+    for layer in model.model.layers:
+        layer.compile(dynamic=True, backend=backend)

@@ -98,7 +98,7 @@ def _packing_isolation_error(model, samples, rows: list[list[int]], pad_id: int)
     row = pack(samples, idx, pad_id)
     last = M.as_array(samples[idx[-1]].input_ids, M.TOKEN_DTYPE).astype(np.int64)
     with torch.no_grad():
-        packed = model.model(input_ids=row["input_ids"], position_ids=row["position_ids"],
+        packed = model.model(input_ids=row.input_ids, position_ids=row.position_ids,
                              use_cache=False).last_hidden_state[0, -len(last):]
         alone = model.model(input_ids=torch.from_numpy(last)[None], use_cache=False).last_hidden_state[0]
     err = float((packed - alone).abs().max())
@@ -128,16 +128,16 @@ def test_packed_vs_padded_train_throughput():
     packed = [pack(samples, idx, pad_id) for idx in batch.plan[0][0]]
     order = list(range(len(samples)))
     padded = [_padded(samples, order[i : i + PADDED_BATCH], pad_id) for i in range(0, len(order), PADDED_BATCH)]
-    if sum(int(mb["input_ids"].numel()) for mb in packed) != real_tokens:
+    if sum(int(mb.input_ids.numel()) for mb in packed) != real_tokens:
         raise AssertionError("packed rows must hold exactly the batch's tokens, no padding")
     isolation_err = _packing_isolation_error(model, samples, batch.plan[0][0], pad_id)
 
     def run_packed():
         model.zero_grad(set_to_none=True)
         for mb in packed:
-            hidden = model.model(input_ids=mb["input_ids"], position_ids=mb["position_ids"],
+            hidden = model.model(input_ids=mb.input_ids, position_ids=mb.position_ids,
                                  use_cache=False).last_hidden_state
-            _loss(model, hidden[0, :-1], mb["targets"][0], mb["mask"][0], mb["adv"][0], chunk).backward()
+            _loss(model, hidden[0, :-1], mb.targets[0], mb.mask[0], mb.adv[0], chunk).backward()
 
     def run_padded():
         model.zero_grad(set_to_none=True)
@@ -188,18 +188,18 @@ def test_entropy_delta_pass_cost_by_stride():
     packed = [pack(batch.samples, idx, pad_id) for idx in batch.plan[0][0]]
 
     def forward(mb):
-        return model.model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).last_hidden_state
+        return model.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).last_hidden_state
 
     def train():
         model.zero_grad(set_to_none=True)
         for mb in packed:
-            _loss(model, forward(mb)[0, :-1], mb["targets"][0], mb["mask"][0], mb["adv"][0], chunk).backward()
+            _loss(model, forward(mb)[0, :-1], mb.targets[0], mb.mask[0], mb.adv[0], chunk).backward()
 
     def after(stride):
         def run():
             with torch.no_grad():
                 for mb in packed[::stride]:
-                    logprobs_and_entropy(model.lm_head, forward(mb)[0, :-1], mb["targets"][0], chunk=chunk)
+                    logprobs_and_entropy(model.lm_head, forward(mb)[0, :-1], mb.targets[0], chunk=chunk)
         return run
 
     runs = {"train": train, "stride_8": after(8), "stride_1": after(1)}

@@ -26,9 +26,9 @@ def entropy_sums(trainer: Trainer, micro: list) -> list[tuple[float, float]]:
     """(entropy sum, response tokens) of each micro-batch under the trainer's current weights."""
     out = []
     with torch.no_grad():
-        for _, _, idx, mb in micro:
+        for _, _, mb in micro:
             ent = trainer._logp_entropy(trainer.module, mb)[1]
-            out.append((float((ent * mb["mask"]).sum()), float(mb["mask"].sum())) if idx else (0.0, 0.0))
+            out.append((float((ent * mb.mask).sum()), float(mb.mask.sum())) if mb.num_seqs else (0.0, 0.0))
     return out
 
 
@@ -52,7 +52,7 @@ def main(stride: int) -> None:
     before = entropy_sums(trainer, micro)
     met = step_metrics(trainer.train_step(batch))
     after = entropy_sums(trainer, micro)
-    filled = [i for i, (_, _, idx, _) in enumerate(micro) if idx]
+    filled = [i for i, (_, _, mb) in enumerate(micro) if mb.num_seqs]
     picked = filled[::stride]
     tokens = sum(before[i][1] for i in picked)
     print(json.dumps({

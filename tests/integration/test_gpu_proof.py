@@ -14,12 +14,12 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.slow
 
 
-def rehearse(tmp_path, stages: str) -> tuple[dict, str]:
+def rehearse(tmp_path, stages: str, extra: tuple = ()) -> tuple[dict, str]:
     """`make gpu-proof`'s stages as it runs them on a GPU machine (a module, from the repository root), on the CPU:
     (gpu_proof.json, stdout). The rehearsal is split for time: the throughput workers and the ZeRO-3 run are
     rehearsed by `make bench` (tests/bench/test_bench_gpu_rehearsal.py)."""
     out = subprocess.run([sys.executable, "-m", "hardware.proof", "--rehearse-cpu", "--stages", stages,
-                          "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
+                          "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), *extra],
                          cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     doc = json.loads((tmp_path / "out" / "gpu_proof.json").read_text())
@@ -28,8 +28,19 @@ def rehearse(tmp_path, stages: str) -> tuple[dict, str]:
     return doc, out.stdout
 
 
-def test_the_gpu_proof_passes_its_cpu_rehearsal(tmp_path):
-    doc, _ = rehearse(tmp_path, "vllm-kit,vllm-tests,vllm-run,z1")
+# The learner stage rides in the same rehearsal (one preflight for both): the untied stand-in of 7b-4l at one budget,
+# the baseline, one variant that runs on a CPU and two that must be skipped there. About 20 s of the run.
+LEARNER_ARGS = ("--learner-shapes", "7b-4l:320", "--learner-variants",
+                "sdpa-chunked,varlen-fused,sdpa-fused,sdpa-chunked-compile", "--learner-steps", "1,1")
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory) -> dict:
+    return rehearse(tmp_path_factory.mktemp("gpu-proof"), "vllm-kit,vllm-tests,vllm-run,z1,learner", LEARNER_ARGS)[0]
+
+
+def test_the_gpu_proof_passes_its_cpu_rehearsal(rehearsal):
+    doc = rehearsal
     z1 = doc["stages"]["z1"]
     assert z1["passed"], doc
     # vLLM's own stages need a GPU (skipped, not passed); vllm-run's checks rehearse with the torch engine.
@@ -54,3 +65,77 @@ def test_run_as_a_file_it_refuses_in_one_line(tmp_path):
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and "python3 -m hardware.proof" in out.stderr, out.stderr
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_the_learner_stage_measures_each_variant_against_the_baseline_and_says_why_it_skips(rehearsal):
+    stage = rehearsal["stages"]["learner"]
+    assert stage["passed"] and not stage.get("skipped"), stage["checks"]
+    fig = stage["figures"]
+    assert fig["baseline"] == "sdpa-chunked" and fig["dtype"] == "float32"
+    shape = fig["shapes"]["7b-4l"]
+    v = shape["variants"]
+    assert sorted(v) == sorted(LEARNER_ARGS[3].split(","))
+    # Skipped on the CPU, with the reason, never as measured.
+    assert v["varlen-fused"]["status"] == "skipped" and "need CUDA" in v["varlen-fused"]["reason"]
+    assert v["sdpa-chunked-compile"]["status"] == "skipped" and "compile_layers" in v["sdpa-chunked-compile"]["reason"]
+    for name in ("sdpa-chunked", "sdpa-fused"):
+        rec = v[name]
+        assert rec["status"] == "measured" and rec["all_steps_applied"], rec
+        (b,) = rec["budgets"]  # one budget: 8 samples of 64 tokens in rows of <= 320, so two micro-batches
+        assert b["micro_batch_tokens"] == 320 and b["micro_batches"] == 2 and b["tokens_per_step"] == 512
+        assert b["tokens_per_s"] > 0 and b["mfu"] is None  # no peak FLOP/s on a CPU
+        assert b["peak_rss_gib"] > 0 and len(b["grad_norms"]) == 1
+        prof = b["profile"]
+        assert prof["clock"] == "CPU self time" and prof["total_s"] > 0
+        parts = prof["attention_s"] + prof["head_s"] + prof["optimizer_s"] + prof["body_s"]
+        assert abs(parts - prof["total_s"]) <= 1e-3
+        # The untied stand-in's input embedding (397 x 64) is a lookup: not in the FLOP count.
+        assert rec["n_params"] - rec["n_flop_params"] == 397 * 64
+    assert v["sdpa-chunked"]["budgets"][0]["speedup"] == 1.0
+    assert v["sdpa-fused"]["budgets"][0]["speedup"] > 0
+    assert "covrl/head" in v["sdpa-fused"]["budgets"][0]["profile"]["labels_seen"]  # the fused head's range
+    # fp32 on both sides, the same weights and batch: the first step agrees to rounding.
+    ag = v["sdpa-fused"]["agreement"]
+    assert ag["flagged"] == [] and ag["tolerance"] == 1e-3, ag
+    assert max(ag["first_step_rel_diff"].values()) < 1e-5 and ag["hidden_rel_diff"] < 1e-5
+
+
+def test_the_profile_split_counts_a_backward_where_its_forward_ran():
+    """The learner stage's time split (hardware/learner_bench.py): the backward of an op run under covrl/attention
+    counts as attention although the backward runs outside that range, and so does torch's sdpa op, forward and
+    backward, where no range is around it; the rest is body; the parts add up."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from hardware.learner_bench import labeller, time_split
+
+    x, w = torch.randn(64, 64, requires_grad=True), torch.randn(64, 64, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("covrl/attention"):
+            y = (x @ w).tanh()  # tanh only here
+        q = (y @ w).exp()  # exp only here
+        # torch's attention op outside every range (an sdpa path without the label) is attention too
+        a = torch.nn.functional.scaled_dot_product_attention(q[None], q[None], q[None], is_causal=True)[0]
+        a.sum().backward()  # sum only here, and the backward outside every range
+        with record_function("covrl/optimizer"), torch.no_grad():
+            w.sub_(0.1 * w.grad)
+    cpu = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU),
+                 key=lambda e: e.time_range.start)
+    label = labeller(cpu)
+    by_name = {}
+    for e in cpu:
+        by_name.setdefault(e.name, set()).add(label(e))
+    backward = "autograd::engine::evaluate_function: "
+    assert by_name[backward + "TanhBackward0"] == {"covrl/attention"}
+    assert by_name[backward + "ExpBackward0"] == {"body"} and by_name[backward + "SumBackward0"] == {"body"}
+    assert by_name["aten::tanh_backward"] == {"covrl/attention"} and by_name["aten::tanh"] == {"covrl/attention"}
+    assert by_name["aten::sub_"] == {"covrl/optimizer"}
+    # its backward: one fused node, or (torch's math path on a CPU) the nodes of its parts, softmax among them
+    sdpa_backward = [n for n in by_name if n.startswith(backward) and ("Attention" in n or "Softmax" in n)]
+    assert sdpa_backward and all(by_name[n] == {"covrl/attention"} for n in sdpa_backward), sdpa_backward
+    split = time_split(prof.events(), device=False)
+    assert split["labels_seen"] == ["covrl/attention", "covrl/optimizer"] and split["head_s"] == 0
+    assert split["attention_ops_seen"] == ["aten::scaled_dot_product_attention"]
+    assert split["attention_s"] > 0 and split["optimizer_s"] > 0 and split["body_s"] > 0
+    parts = split["attention_s"] + split["head_s"] + split["optimizer_s"] + split["body_s"]
+    assert abs(parts - split["total_s"]) <= 1e-3

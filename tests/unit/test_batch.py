@@ -53,10 +53,10 @@ def test_pack_aligns_targets_with_response_tokens(tiny_model_dir):
     groups = [_group([5, 6, 7], [[8, 9], [10, 11, 12]], [1, 0]), _group([13, 14], [[15, 16, 17, 18], [19]], [0, 1])]
     b = batch.build_step_batch(groups, scores(groups), version=0, ranks=1, mini_batches=1, micro_batch_tokens=1000)
     mb = batch.pack(b.samples, [0, 1, 2, 3], pad_id=0)
-    assert mb["mask"].sum().item() == 2 + 3 + 4 + 1
+    assert mb.mask.sum().item() == 2 + 3 + 4 + 1
     with torch.no_grad():
-        logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits[:, :-1]
-        packed = torch.log_softmax(logits, -1).gather(-1, mb["targets"][..., None])[..., 0][mb["mask"] > 0]
+        logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits[:, :-1]
+        packed = torch.log_softmax(logits, -1).gather(-1, mb.targets[..., None])[..., 0][mb.mask > 0]
         # The same log-probs one sequence at a time, unpacked:
         ref = []
         for s in b.samples:
@@ -64,7 +64,7 @@ def test_pack_aligns_targets_with_response_tokens(tiny_model_dir):
             lp = torch.log_softmax(model(ids).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[0, :, 0]
             ref.append(lp[s.prompt_len - 1 :])
     assert_close(packed, torch.cat(ref), rtol=1e-5, atol=1e-5)
-    adv = mb["adv"][mb["mask"] > 0]
+    adv = mb.adv[mb.mask > 0]
     assert_close(adv[:2], torch.full((2,), 0.7071057))  # group 0: rewards [1, 0] -> +-1/sqrt(2)
     empty = batch.pack(b.samples, [], pad_id=0)
-    assert empty["mask"].numel() == 0 and empty["input_ids"].shape == (1, 1)
+    assert empty.mask.numel() == 0 and empty.input_ids.shape == (1, 1) and empty.num_seqs == 0

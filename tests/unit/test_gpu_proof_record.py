@@ -88,3 +88,30 @@ def test_a_zero3_vllm_run_of_the_old_option_is_filed_as_vllm_z3(tmp_path):
     rec = json.loads(results.read_text())["gpu_proofs"]["H200"]
     assert sorted(rec["stages"]) == ["vllm-run", "vllm-z3"]
     assert rec["stages"]["vllm-z3"]["figures"]["zero_stage"] == 3 and "zero_stage" not in rec["stages"]["vllm-run"]["figures"]
+
+
+def test_the_learner_stage_lands_with_its_per_variant_figures_and_a_cut_one_is_not_passed(tmp_path):
+    """The learner stage's figures (per shape, per variant, per budget) go into the record as they are; a command
+    stopped mid-stage leaves the stage in progress (hardware/proof.py partial_writer): kept with what it measured,
+    never counted as passed."""
+    results = tmp_path / "results.json"
+    results.write_text("{}")
+    budget = {"micro_batch_tokens": 8192, "tokens_per_s": 52000.0, "mfu": 0.16, "speedup": 1.36,
+              "peak_allocated_gib": 21.5, "profile": {"attention_s": 0.1, "head_s": 0.2, "optimizer_s": 0.05,
+                                                      "body_s": 0.4, "total_s": 0.75}}
+    figures = {"baseline": "sdpa-chunked", "shapes": {"0.5b": {"variants": {
+        "sdpa-chunked": {"status": "measured", "budgets": [{**budget, "speedup": 1.0}]},
+        "varlen-fused": {"status": "measured", "budgets": [budget], "agreement": {"flagged": []}},
+        "varlen-fused-compile": {"status": "not_run", "reason": "the stage's time for this shape was spent"}}}}}
+    done = {**stage(), "figures": figures}
+    a = proof(tmp_path, "a.json", "H200", {"learner": done, "vllm-kit": stage()}, date="2026-11-28T01:00:00+00:00")
+    assert record([a], force=False, results_path=str(results)) == 0
+    rec = json.loads(results.read_text())["gpu_proofs"]["H200"]
+    assert rec["stages"]["learner"]["figures"] == figures and rec["all_passed"]
+    cut = {**stage(False), "in_progress": "the stage was still running when this was written: its figures so far",
+           "figures": figures}
+    b = proof(tmp_path, "b.json", "H200", {"learner": cut}, date="2026-11-28T02:00:00+00:00")
+    assert record([a, b], force=False, results_path=str(results)) == 0
+    rec = json.loads(results.read_text())["gpu_proofs"]["H200"]
+    assert rec["stages"]["learner"]["in_progress"] and rec["stages"]["learner"]["figures"] == figures
+    assert not rec["all_passed"] and rec["stages"]["vllm-kit"]["passed"]

@@ -13,7 +13,8 @@ from torch.testing import assert_close
 
 from common import config
 from learner import losses
-from learner.objective import LOSSES, Objective, Surveyed, Tokens, covariance_profile, loss_name, make_loss
+from learner.objective import LOSSES, Objective, covariance_profile, loss_name, make_loss
+from learner.tokens import Choices, Seen, Surveyed, Tokens
 from learner.trainer import SUM_KEYS, StepStats, accumulate, micro_sums, step_metrics, sum_vector
 
 G = lambda s=0: torch.Generator().manual_seed(s)  # noqa: E731
@@ -189,18 +190,26 @@ def test_the_staleness_aware_budget_needs_the_step_scope():
                                   "learner.cov_scope=micro_batch"])
 
 
+def as_seen(entries: list[Surveyed], selected: list | None = None) -> list[Seen]:
+    """The entries as the step's profiles read them after the loss: with the loss's choice `selected` (per entry,
+    None for none) and nothing clipped or masked."""
+    selected = selected or [None] * len(entries)
+    return [Seen(start=e, choices=Choices(selected=s), clipped=torch.zeros_like(e.mask), masked=torch.zeros_like(e.mask))
+            for e, s in zip(entries, selected, strict=True)]
+
+
 def test_covariance_profile_hand_computed():
     """_step's Cov over the step: [[1.375, -0.625, pad], [1.125, -0.375, pad]], sum 1.5."""
     entries = _step()
-    entries[1].selected = torch.tensor([[True, False, True]])  # the padded slot never counts
-    out = covariance_profile(entries, OneRank(), bounds=(1.0, 5.0))
+    chosen = [None, torch.tensor([[True, False, True]])]  # the padded slot never counts
+    out = covariance_profile(as_seen(entries, chosen), OneRank(), bounds=(1.0, 5.0))
     assert out["cov_sum"] == pytest.approx(1.5)
     assert out["cov_candidates"] == 2  # 1.375 and 1.125 lie in (1, 5)
     assert out["cov_candidates_share"] == pytest.approx(2.5 / 1.5)
     assert out["cov_selected_share"] == pytest.approx(1.125 / 1.5)
     assert out["cov_top1_share"] == pytest.approx(1.375 / 1.5)
     assert out["cov_top10_share"] == pytest.approx(1.0)  # fewer than 10 valid tokens: all of them
-    assert covariance_profile(_step(), OneRank(), bounds=(1.2, 5.0))["cov_candidates"] == 1
+    assert covariance_profile(as_seen(_step()), OneRank(), bounds=(1.2, 5.0))["cov_candidates"] == 1
 
 
 def test_covariance_profile_counts_tied_tokens_only_up_to_k():
@@ -209,16 +218,14 @@ def test_covariance_profile_counts_tied_tokens_only_up_to_k():
     tied = [Surveyed(old=torch.tensor([[-0.5, -0.5, -3.0, -2.0]]), entropy=torch.ones(1, 4),
                      adv=torch.tensor([[1.0, 1.0, -1.0, -1.0]]), mask=mask)]
     # means: logp -1.5, A 0 -> Cov [1, 1, 1.5, 0.5], sum 4; the top-1 is 1.5, the top-2 is 1.5 + one tied 1
-    assert covariance_profile(tied, OneRank(), bounds=(1.0, 5.0))["cov_top1_share"] == pytest.approx(1.5 / 4)
-    tied[0].old = torch.tensor([[-0.5, -0.5, -2.5, -2.5]])  # Cov [1, 1, 1, 1]: every token ties
-    assert covariance_profile(tied, OneRank(), bounds=(0.0, 5.0))["cov_top1_share"] == pytest.approx(0.25)
+    assert covariance_profile(as_seen(tied), OneRank(), bounds=(1.0, 5.0))["cov_top1_share"] == pytest.approx(1.5 / 4)
+    tied = [replace(tied[0], old=torch.tensor([[-0.5, -0.5, -2.5, -2.5]]))]  # Cov [1, 1, 1, 1]: all tie
+    assert covariance_profile(as_seen(tied), OneRank(), bounds=(0.0, 5.0))["cov_top1_share"] == pytest.approx(0.25)
 
 
 def test_covariance_profile_leaves_shares_out_when_the_sum_is_not_positive():
-    flat = _step()
-    for e in flat:
-        e.adv = torch.zeros_like(e.adv)
-    out = covariance_profile(flat, OneRank(), bounds=(1.0, 5.0))
+    flat = [replace(e, adv=torch.zeros_like(e.adv)) for e in _step()]
+    out = covariance_profile(as_seen(flat), OneRank(), bounds=(1.0, 5.0))
     assert out["cov_sum"] == 0 and "cov_top1_share" not in out and "cov_selected_share" not in out
 
 
@@ -226,16 +233,14 @@ def test_objective_select_fills_the_step_choices():
     # High entropy: top 50 % of 4 valid tokens = 2 (0.9 and 0.7); the padded 5.0 never counts.
     obj = Objective(_lc(config.KLCovLoss(kl_fraction=0.25), high_entropy_fraction=0.5), max_new_tokens=8)
     assert obj.selects_over_step
-    entries = _step()
-    obj.select(entries, OneRank(), G(0))
-    assert [e.keep.tolist() for e in entries] == [[[0.0, 1.0, 0.0]], [[0.0, 1.0, 0.0]]]
-    assert [e.selected.tolist() for e in entries] == [[[True, False, False]], [[False, False, False]]]
-    # Nothing step-wide: no survey is needed for it, and select leaves the entries alone.
+    choices = obj.select(_step(), OneRank(), G(0))
+    assert [c.keep.tolist() for c in choices] == [[[0.0, 1.0, 0.0]], [[0.0, 1.0, 0.0]]]
+    assert [c.selected.tolist() for c in choices] == [[[True, False, False]], [[False, False, False]]]
+    assert all(c.m2po_keep is None for c in choices)
+    # Nothing step-wide: no survey is needed for it, and select chooses nothing.
     plain = Objective(_lc(config.ClipCovLoss(), cov_scope="micro_batch"), max_new_tokens=8)
     assert not plain.selects_over_step
-    entries = _step()
-    plain.select(entries, OneRank(), G(0))
-    assert all(e.selected is None and e.keep is None for e in entries)
+    assert plain.select(_step(), OneRank(), G(0)) == [Choices(), Choices()]
 
 
 def _tokens(adv, selected=None, seed=0):
@@ -245,7 +250,7 @@ def _tokens(adv, selected=None, seed=0):
     mask = torch.ones(1, 12)
     mask[0, -2:] = 0.0
     return Tokens(logp=logp, entropy=torch.ones(1, 12), old=old, behav=old, adv=adv * torch.ones(1, 12), mask=mask,
-                  seq_ids=torch.tensor([[0] * 6 + [1] * 6]), num_seqs=2, selected=selected)
+                  seq_ids=torch.tensor([[0] * 6 + [1] * 6]), num_seqs=2, choices=Choices(selected=selected))
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
@@ -268,7 +273,7 @@ def test_registry_binds_the_config_knobs():
     assert_close(make_loss(_lc(config.PPOLoss(dual_clip_c=0.0)))(t, G())[0], torch.tensor([[torch.e ** 2]]))
     assert_close(make_loss(_lc(config.PPOLoss(dual_clip_c=3.0)))(t, G())[0], torch.tensor([[3.0]]))
     # KL-Cov with a step-wide choice: the penalty kl_coef * |logp - old| = 0.5 * 2 lands on the chosen token.
-    t.selected = torch.ones(1, 1, dtype=torch.bool)
+    t = replace(t, choices=Choices(selected=torch.ones(1, 1, dtype=torch.bool)))
     assert_close(make_loss(_lc(config.KLCovLoss(kl_coef=0.5)))(t, G())[0], torch.tensor([[torch.e ** 2 + 1.0]]))
 
 

@@ -11,7 +11,7 @@ import torch
 from torch.testing import assert_close
 
 from learner import losses, offpolicy
-from learner.tokens import Surveyed, Tokens
+from learner.tokens import Choices, Seen, Surveyed, Tokens
 from tests.unit.test_loss_registry import OneRank
 
 
@@ -58,6 +58,13 @@ def _row(logp: list[float], behav: list[float], entropy: list[float], seq: list[
                     seq_ids=t(seq, torch.long), num_seqs=max(seq) + 1)
 
 
+def _seen(e: Surveyed, clipped: torch.Tensor | None = None, masked: torch.Tensor | None = None) -> Seen:
+    """`e` after a loss that chose nothing and cut `clipped` / `masked` (nothing by default)."""
+    zero = torch.zeros_like(e.mask)
+    return Seen(start=e, choices=Choices(), clipped=zero if clipped is None else clipped,
+                masked=zero if masked is None else masked)
+
+
 # A step of 4 micro-batches: log pi_prox, log pi_behav, entropy, response of each token. Dyadic values, so the
 # squared log ratios are exact: m = 0, 1, 1/64 | 1/4, 0, 0 | 9/16, 1/64, 0 | 1/64, 0, 1/4.
 STEP = [
@@ -70,11 +77,10 @@ STEP = [
 
 def _profile(entries, comm):
     keep = offpolicy.select_m2po(entries, comm, threshold=0.05, first=1)  # first=1: several gather rounds
-    for e, k in zip(entries, keep):
-        e.m2po_keep = k
-        e.clipped = (e.entropy > 1.0).float()  # stand-ins for a loss's clip flags, by entropy
-        e.masked = (1.0 - k) * e.mask
-    return [k[0].tolist() for k in keep], offpolicy.offpolicy_profile(entries, comm)
+    # stand-ins for a loss's clip flags, by entropy
+    seen = [Seen(start=e, choices=Choices(m2po_keep=k), clipped=(e.entropy > 1.0).float(), masked=(1.0 - k) * e.mask)
+            for e, k in zip(entries, keep)]
+    return [k[0].tolist() for k in keep], offpolicy.offpolicy_profile(seen, comm)
 
 
 def _rank_main(rank: int, port: int, out):
@@ -118,11 +124,11 @@ def test_m2po_and_the_profile_do_not_depend_on_how_the_step_is_split():
 def test_effective_sample_size_of_equal_and_of_one_dominant_weight():
     n = 100
     equal = _row([-0.5] * n, [-0.5] * n, [1.0] * n, list(range(n)))
-    prof = offpolicy.offpolicy_profile([equal], OneRank())
+    prof = offpolicy.offpolicy_profile([_seen(equal)], OneRank())
     assert prof["ess_token"] == pytest.approx(1.0) and prof["ess_seq"] == pytest.approx(1.0)
     assert prof["m2"] == 0 and prof["kl_behav_prox"] == 0
     dominant = _row([9.5] + [-0.5] * (n - 1), [-0.5] * n, [1.0] * n, list(range(n)))  # one rho = e^10, the rest 1
-    prof = offpolicy.offpolicy_profile([dominant], OneRank())
+    prof = offpolicy.offpolicy_profile([_seen(dominant)], OneRank())
     e10 = math.exp(10.0)
     assert prof["ess_token"] == pytest.approx((e10 + n - 1) ** 2 / (n * (e10 ** 2 + n - 1)))
     assert 1 / n < prof["ess_token"] < 1.02 / n
@@ -130,15 +136,15 @@ def test_effective_sample_size_of_equal_and_of_one_dominant_weight():
     assert prof["kl_behav_prox"] == pytest.approx((e10 - 1 - 10) / n)  # k3: rho - 1 - log rho, behav's samples
     # One response of all n tokens: a single weight, ESS 1 whatever it is.
     one_seq = _row([9.5] + [-0.5] * (n - 1), [-0.5] * n, [1.0] * n, [0] * n)
-    assert offpolicy.offpolicy_profile([one_seq], OneRank())["ess_seq"] == pytest.approx(1.0)
+    assert offpolicy.offpolicy_profile([_seen(one_seq)], OneRank())["ess_seq"] == pytest.approx(1.0)
 
 
 def test_entropy_quintiles_locate_the_cuts():
     ent = [0.1 * (i + 1) for i in range(10)]  # quintiles: two tokens each, q5 = the two largest
     e = _row([-0.5] * 10, [-0.5] * 10, ent, list(range(10)))
-    e.clipped = torch.tensor([[0.0] * 8 + [1.0, 0.0]])  # one of q5's two tokens clipped
-    e.masked = torch.tensor([[1.0, 1.0] + [0.0] * 8])  # both of q1's masked
-    q = offpolicy.quintile_cuts([e], OneRank())
+    clipped = torch.tensor([[0.0] * 8 + [1.0, 0.0]])  # one of q5's two tokens clipped
+    masked = torch.tensor([[1.0, 1.0] + [0.0] * 8])  # both of q1's masked
+    q = offpolicy.quintile_cuts([_seen(e, clipped, masked)], OneRank())
     assert [q[f"clipped_q{i}"] for i in range(1, 6)] == [0, 0, 0, 0, 0.5]
     assert [q[f"masked_q{i}"] for i in range(1, 6)] == [1, 0, 0, 0, 0]
 
@@ -149,13 +155,12 @@ def test_entropy_quintiles_are_fifths_of_the_tokens_even_when_most_entropies_are
     half), and a quintile left empty by ties reads NaN, not 0."""
     ent = [1e-4 * (i + 1) for i in range(50)] + [0.04 * (i + 1) for i in range(50)]
     e = _row([-0.5] * 100, [-0.5] * 100, ent, list(range(100)))
-    e.clipped, e.masked = torch.ones(1, 100), torch.zeros(1, 100)
     edges = offpolicy.quintile_edges(torch.tensor(ent, dtype=torch.float64), OneRank())
     assert edges.tolist() == pytest.approx([ent[19], ent[39], ent[59], ent[79]])
-    q = offpolicy.quintile_cuts([e], OneRank())
+    q = offpolicy.quintile_cuts([_seen(e, torch.ones(1, 100), torch.zeros(1, 100))], OneRank())
     assert [q[f"clipped_q{i}"] for i in range(1, 6)] == [1, 1, 1, 1, 1]
     tied = _row([-0.5] * 10, [-0.5] * 10, [0.3] * 10, list(range(10)))  # all tied: one quintile holds them all
-    q = offpolicy.quintile_cuts([tied], OneRank())
+    q = offpolicy.quintile_cuts([_seen(tied)], OneRank())
     assert q["clipped_q1"] == 0 and all(math.isnan(q[f"clipped_q{i}"]) for i in range(2, 6))
 
 

@@ -57,13 +57,14 @@ def test_every_learner_metric_is_documented():
     import torch
 
     from learner import loop, offpolicy
-    from learner.tokens import Surveyed
+    from learner.tokens import Choices, Seen, Surveyed
     from tests.unit.test_loss_registry import OneRank
 
     one = torch.ones(1, 1)
     entry = Surveyed(old=0 * one, entropy=one, adv=one, mask=one, behav=0 * one, seq_ids=torch.zeros(1, 1).long(),
                      num_seqs=1)
-    names = [f"offpolicy/{k}" for k in offpolicy.offpolicy_profile([entry], OneRank())] + ["offpolicy/ess_lr_scale"]
+    seen = Seen(start=entry, choices=Choices(), clipped=0 * one, masked=0 * one)
+    names = [f"offpolicy/{k}" for k in offpolicy.offpolicy_profile([seen], OneRank())] + ["offpolicy/ess_lr_scale"]
     names = [re.sub(r"_q\d$", "_q1", n) for n in names]
     bins = [k.removeprefix("staleness/share_lag") for k in loop.staleness_shares(np.zeros(1))]
     missing = sorted(n for n in names if f"`{n}`" not in text) + sorted(b for b in bins if f"`{b}`" not in text
