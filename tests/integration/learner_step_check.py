@@ -8,12 +8,15 @@ Per variant (`learner.attn_implementation`, `learner.logprob_head`): the step me
 reads (`Tensor.item`, `.tolist`, `.cpu`, `bool()`, `float()`, `int()`, indexing by a boolean mask, `nonzero`: each a
 device sync on a GPU) made by the code
 of the micro-batch loop: the forward, loss and backward (`Trainer._backward`), the step sums (`micro_sums`,
-`accumulate`) and the ESS sums. Counted with a torch function mode, which sees every such call on a tensor.
+`accumulate`) and the ESS sums. Counted with a torch function mode, which sees every such call on a tensor; those
+made inside DeepSpeed (ZeRO-3's fetch checks) are counted apart.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import numpy as np
 import torch
@@ -29,25 +32,43 @@ from learner.trainer import Trainer, init_distributed, step_metrics, thread_setu
 
 HOST_READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"}
 DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "argwhere"}  # output sizes read back from the device
-VARIANTS = (("sdpa", "chunked"), ("varlen", "chunked"), ("sdpa", "fused"), ("varlen", "fused"))
+# (attention, head, ZeRO stage): the last is the fused head under ZeRO-3, whose weight is gathered once per forward
+# and once per backward by DeepSpeed's module hooks.
+VARIANTS = (("sdpa", "chunked", 1), ("varlen", "chunked", 1), ("sdpa", "fused", 1), ("varlen", "fused", 1),
+            ("varlen", "fused", 3))
 
 
 class HostReads(TorchFunctionMode):
-    """Counts the calls that read a tensor's value on the host."""
+    """Counts the calls that read a tensor's value on the host: `calls` those made by covrl's own code (and
+    transformers', which it calls), `library` those made inside DeepSpeed (ZeRO-3's parameter coordinator checks
+    its fetches on the host: not ours to remove, reported apart)."""
 
     def __init__(self):
         super().__init__()
         self.calls: list[str] = []
+        self.library: list[str] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name in HOST_READS:
-            self.calls.append(name)
+        read = None
+        if name in HOST_READS or name in DATA_DEPENDENT:
+            read = name
         elif name in ("__getitem__", "__setitem__") and _bool_index(args[1]):
-            self.calls.append(f"{name}[bool]")  # the result's size is the mask's count, read back
-        elif name in DATA_DEPENDENT:
-            self.calls.append(name)
+            read = f"{name}[bool]"  # the result's size is the mask's count, read back
+        if read is not None:
+            (self.library if _caller_is_deepspeed() else self.calls).append(read)
         return func(*args, **(kwargs or {}))
+
+
+def _caller_is_deepspeed() -> bool:
+    """Whether the innermost frame outside torch and this file is DeepSpeed's."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if f"{os.sep}torch{os.sep}" not in path and not path.endswith("learner_step_check.py"):
+            return f"{os.sep}deepspeed{os.sep}" in path
+        frame = frame.f_back
+    return False
 
 
 def _bool_index(index) -> bool:
@@ -90,8 +111,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     steps = [groups(rng, 4, 397) for _ in range(2)]
     out = {}
-    for attn, head in VARIANTS:
-        cfg = load_config(None, base + [f"learner.attn_implementation=\"{attn}\"", f"learner.logprob_head=\"{head}\""])
+    for attn, head, zero in VARIANTS:
+        cfg = load_config(None, base + [f"learner.attn_implementation=\"{attn}\"", f"learner.logprob_head=\"{head}\"",
+                                        f"learner.zero_stage={zero}"])
         thread_setup(cfg)
         torch.manual_seed(0)
         trainer = Trainer(cfg, BUILTIN_MODEL)
@@ -106,9 +128,9 @@ def main() -> None:
             micro += len(batch.plan[0][0])
             rows.append(step_metrics(trainer.train_step(batch)))
         trainer_mod.micro_sums, trainer_mod.accumulate = plain
-        out[f"{attn}+{head}"] = {"metrics": rows, "micro_batches": micro, "loop_reads": loop.calls,
-                                 "sum_reads": sums.calls,
-                                 "attention": trainer.module.config._attn_implementation}
+        name = f"{attn}+{head}" + ("+zero3" if zero == 3 else "")
+        out[name] = {"metrics": rows, "micro_batches": micro, "loop_reads": loop.calls, "sum_reads": sums.calls,
+                     "deepspeed_reads": len(loop.library), "attention": trainer.module.config._attn_implementation}
         del trainer
     print(json.dumps(out), flush=True)
 

@@ -1,5 +1,5 @@
 """The learner's attention and head choices on real train steps (tests/integration/learner_step_check.py): every
-variant trains to the same numbers from the same weights, and the varlen path reads nothing back from the device
+variant, the fused head under ZeRO-3 included, trains to the same numbers from the same weights, and the varlen path reads nothing back from the device
 inside the micro-batch loop, while the dense-mask path's read (transformers' packed-row check, one per forward) shows
 that the count can see one."""
 
@@ -35,6 +35,7 @@ def steps():
 
 def test_every_attention_and_head_trains_to_the_same_numbers(steps):
     base = steps["sdpa+chunked"]
+    assert set(steps) == {"sdpa+chunked", "varlen+chunked", "sdpa+fused", "varlen+fused", "varlen+fused+zero3"}
     assert {v["attention"] for k, v in steps.items() if k.startswith("varlen")} == {"covrl_varlen"}
     for name, got in steps.items():
         assert len(got["metrics"]) == len(base["metrics"]) == 2
@@ -51,3 +52,6 @@ def test_no_host_read_inside_the_micro_batch_loop_on_the_varlen_path(steps):
             assert got["loop_reads"] == [], (name, got["loop_reads"])
         else:  # positive control: the dense path's packed-row check reads one bool per forward, and it is seen
             assert got["loop_reads"] == ["__bool__"] * got["micro_batches"], (name, got["loop_reads"])
+        # ZeRO-1 reads nothing back; ZeRO-3's parameter coordinator does, while it records its fetch trace in the
+        # first step (it checks the recorded order is the same on every rank: DeepSpeed's, once per trace)
+        assert (got["deepspeed_reads"] > 0) == name.endswith("zero3"), (name, got["deepspeed_reads"])
