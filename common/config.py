@@ -229,10 +229,11 @@ class LearnerConfig(_Section):
     zero_stage: Annotated[int, Meta(ge=0, le=3)] = 1
     offload_optimizer: bool = False  # ZeRO >= 1: optimizer states and step on the CPU (DeepSpeed offload)
     gradient_checkpointing: bool = False  # recompute activations in the backward: memory for ~30 % more compute
-    # How packed rows are attended (learner/attention.py). "auto": on CUDA, flash_attention_2 when flash-attn is
-    # installed, else "varlen" (torch's own FlashAttention-2 kernels, torch.nn.attention.varlen, torch >= 2.10);
-    # elsewhere sdpa. "varlen" and flash_attention_2 attend each packed sample alone with no mask; sdpa and eager
-    # build transformers' dense [N x N] block-causal mask (correct, but every score of the row is computed).
+    # How packed rows are attended (learner/attention.py). "auto": "varlen" where torch's own FlashAttention-2
+    # varlen kernels can run the model (CUDA, sm80+, bf16 / fp16, torch >= 2.10), else flash_attention_2 where
+    # flash-attn is installed, else sdpa (the CPU, fp32). "varlen" and flash_attention_2 attend each packed sample
+    # alone with no mask; sdpa and eager build transformers' dense [N x N] block-causal mask (correct, but every
+    # score of the row is computed).
     attn_implementation: Literal["auto", "sdpa", "varlen", "flash_attention_2", "eager"] = "auto"
     # How log pi(target) and the entropy come out of the LM head (learner/logprobs.py). "fused": one custom
     # autograd op per micro-batch: the head's weight is read once (ZeRO-3 gathers it once), the backward forms

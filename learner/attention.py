@@ -10,8 +10,8 @@ Python ints, `Packed.attn_kwargs`), plus the lengths on the host (`seq_lens`), s
 - on CUDA, torch's own FlashAttention-2 varlen kernels (`torch.nn.attention.varlen.varlen_attn`, torch >= 2.10);
   its signature differs between 2.10 (`is_causal`), 2.11 (`window_size`, no GQA) and 2.12 (`enable_gqa`), so the
   call is read from the installed signature once (`varlen_plan`);
-- elsewhere (CPU), one causal sdpa call per sample: the same maths, for tests and for a CPU user who wants the
-  cost of a row to grow with its samples' squared lengths rather than its own.
+- elsewhere (the CPU, an fp32 model, a GPU before sm80), one causal sdpa call per sample: the same maths, for tests
+  and for a user who wants the cost of a row to grow with its samples' squared lengths rather than its own.
 
 `register()` adds the function to transformers' `AttentionInterface` as `VARLEN`; a model loaded with
 `attn_implementation=VARLEN` then builds no mask at all (transformers skips mask creation for an attention name
@@ -41,17 +41,31 @@ def torch_varlen() -> Callable | None:
     return varlen_attn
 
 
-def resolve(choice: str, cuda: bool | None = None) -> str:
-    """`learner.attn_implementation` -> the `attn_implementation` for `from_pretrained`. "auto": on CUDA
-    flash_attention_2 where flash-attn is installed, else torch's varlen kernels where this torch has them, else sdpa;
-    sdpa without CUDA. "varlen": `VARLEN` (registered here)."""
+HALF = (torch.bfloat16, torch.float16)  # what FlashAttention kernels take
+
+
+def flash_capable(dtype: torch.dtype, cuda: bool) -> bool:
+    """Whether torch's varlen FlashAttention kernels can run a model of `dtype` here: CUDA, an sm80+ GPU, bf16 or
+    fp16, and a torch that has them."""
+    return (cuda and dtype in HALF and torch_varlen() is not None
+            and torch.cuda.get_device_capability() >= (8, 0))
+
+
+def resolve(choice: str, cuda: bool | None = None, dtype: torch.dtype = torch.bfloat16) -> str:
+    """`learner.attn_implementation` -> the `attn_implementation` for `from_pretrained`, for a model of `dtype`.
+    "auto": `VARLEN` where torch's varlen FlashAttention kernels can run it (`flash_capable`); else
+    flash_attention_2 on CUDA in bf16 / fp16 where flash-attn is installed (torch < 2.10); else sdpa (the CPU, an
+    fp32 model). `VARLEN` before flash_attention_2: the same kernels, and transformers' flash_attention_2 path still
+    checks the packing on the host every forward. "varlen": `VARLEN` (registered here; it attends one sample at a
+    time with sdpa where the kernels cannot run)."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     if choice == "auto":
-        if not cuda:
-            return "sdpa"
-        if importlib.util.find_spec("flash_attn"):
+        if flash_capable(dtype, cuda):
+            choice = "varlen"
+        elif cuda and dtype in HALF and importlib.util.find_spec("flash_attn"):
             return "flash_attention_2"
-        choice = "varlen" if torch_varlen() is not None else "sdpa"
+        else:
+            return "sdpa"
     if choice == "varlen":
         register()
         return VARLEN
@@ -147,10 +161,14 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                          "for this model")
     if dropout:
         raise ValueError("covrl's varlen attention has no dropout (the learner trains with attention_dropout = 0)")
+    unsupported = sorted(k for k in ("softcap", "s_aux") if kwargs.get(k) is not None)
+    if unsupported or kwargs.get("is_causal", True) is False:
+        raise ValueError(f"covrl's varlen attention is causal softmax attention only; this model asks for "
+                         f"{unsupported or 'is_causal=False'}: use learner.attn_implementation = \"sdpa\"")
     groups = query.shape[1] // key.shape[1]
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     with torch.profiler.record_function("covrl/attention"):
-        if q.is_cuda and _PLAN is not None:
+        if q.is_cuda and _PLAN is not None and q.dtype in HALF:
             out = varlen_call(_PLAN, q.contiguous(), k.contiguous(), v.contiguous(), cu, kwargs["max_length_q"],
                               scaling, groups)
         else:

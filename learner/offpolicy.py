@@ -154,7 +154,7 @@ class EssStepScale:
 
     def __init__(self, rule: str, base_ratio: float):
         self.rule, self.base_ratio = rule, base_ratio
-        self.sums = torch.zeros(3, dtype=torch.float64)
+        self.sums: torch.Tensor | None = None  # on the tokens' device, from the mini-batch's first `add`
 
     def add(self, t: Tokens) -> None:
         """One micro-batch's tokens, after its training forward."""
@@ -165,13 +165,15 @@ class EssStepScale:
         log_rho, _ = response_weights(t.logp.detach(), t.behav, t.mask, t.seq_ids, t.num_seqs, select=False)
         valid = (losses.segment_sum(t.mask.double(), t.seq_ids, t.num_seqs) > 0).double()
         w = losses.segment_sum(log_rho, t.seq_ids, t.num_seqs).clamp(-SEQ_LOG_CLAMP, SEQ_LOG_CLAMP).exp() * valid
-        self.sums = self.sums.to(w.device) + torch.stack([valid.sum(), w.sum(), w.square().sum()])
+        mine = torch.stack([valid.sum(), w.sum(), w.square().sum()])
+        self.sums = mine if self.sums is None else self.sums + mine
 
     def factor(self, comm: Collectives) -> float:
         """The learning-rate factor of the mini-batch added since the last call (1 when off)."""
         if self.rule == "off":
             return 1.0
-        sums, self.sums = comm.sum_(self.sums.cpu().clone()), torch.zeros(3, dtype=torch.float64)
+        host = self.sums.cpu().clone() if self.sums is not None else torch.zeros(3, dtype=torch.float64)
+        sums, self.sums = comm.sum_(host), None
         return ess_lr_factor(_ess(sums), self.base_ratio, self.rule)
 
 

@@ -209,7 +209,7 @@ class Trainer:
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         lc = cfg.learner
         cuda = torch.cuda.is_available()
-        attn = attention.resolve(lc.attn_implementation, cuda)
+        attn = attention.resolve(lc.attn_implementation, cuda, dtype)
         head = resolve_head(lc.logprob_head, cuda)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
         model.config.use_cache = False

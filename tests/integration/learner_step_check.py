@@ -2,7 +2,7 @@
 under each attention and head the learner offers, from the same weights on the same batches, and the host reads
 inside the micro-batch loop counted.
 
-    python -m tests.integration.learner_step_check     (from the repository root; prints one JSON line)
+    python -m tests.integration.learner_step_check [--cuda]    (from the repository root; prints one JSON line)
 
 Per variant (`learner.attn_implementation`, `learner.logprob_head`): the step metrics of two steps, and the host
 reads (`Tensor.item`, `.tolist`, `.cpu`, `bool()`, `float()`, `int()`, indexing by a boolean mask, `nonzero`: each a
@@ -14,9 +14,11 @@ made inside DeepSpeed (ZeRO-3's fetch checks) are counted apart.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import warnings
 
 import numpy as np
 import torch
@@ -34,6 +36,8 @@ HOST_READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int_
 DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "argwhere"}  # output sizes read back from the device
 # (attention, head, ZeRO stage): the last is the fused head under ZeRO-3, whose weight is gathered once per forward
 # and once per backward by DeepSpeed's module hooks.
+# With --cuda (tests/gpu/test_learner_kernels.py): bf16, today's path and the new one, CUDA's syncs watched too.
+CUDA_VARIANTS = (("sdpa", "chunked", 1), ("varlen", "fused", 1))
 VARIANTS = (("sdpa", "chunked", 1), ("varlen", "chunked", 1), ("sdpa", "fused", 1), ("varlen", "fused", 1),
             ("varlen", "fused", 3))
 
@@ -76,12 +80,53 @@ def _bool_index(index) -> bool:
     return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
 
 
-def counted(fn, reads: HostReads):
+class DeviceSyncs:
+    """On CUDA: the device syncs CUDA's sync debug mode reports while active ("warn": each sync a warning at the
+    Python line that caused it), `calls` covrl's (and transformers'), `library` DeepSpeed's."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.library: list[str] = []
+
+    @contextlib.contextmanager
+    def watching(self):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        for w in seen:
+            if "synchroniz" in str(w.message):
+                where = f"{w.filename}:{w.lineno}"
+                (self.library if f"{os.sep}deepspeed{os.sep}" in w.filename else self.calls).append(where)
+
+
+def counted(fn, reads: HostReads, syncs: DeviceSyncs | None = None):
     def wrapper(*a, **k):
-        with reads:
+        with reads, (syncs.watching() if syncs is not None else contextlib.nullcontext()):
             return fn(*a, **k)
 
     return wrapper
+
+
+def release_head_after_forward(head: torch.nn.Module) -> None:
+    """Make ZeRO-3 let go of the head's weight between its forward and its backward. The built-in model's
+    parameters are small enough that DeepSpeed keeps them whole (`stage3_param_persistence_threshold`, and its reuse
+    distance on one rank); a real model's head is released, and its backward must gather it again before the fused
+    head's backward reads it. A forward hook registered after DeepSpeed's runs after its release step."""
+    released: list[str] = []
+
+    def release(module, inputs, output):
+        w = module.weight
+        w.ds_persist = False
+        if w.ds_status.name == "AVAILABLE" and not w.ds_active_sub_modules:
+            w.partition()
+        released.append(w.ds_status.name)
+
+    head.register_forward_hook(release)
+    head.released = released
 
 
 def groups(rng: np.random.Generator, n: int, vocab: int) -> list[messages.RolloutGroup]:
@@ -104,24 +149,27 @@ def groups(rng: np.random.Generator, n: int, vocab: int) -> list[messages.Rollou
     return out
 
 
-def main() -> None:
+def main(cuda: bool) -> None:
     base = ["rollout.groups_per_step=4", "rollout.group_size=4", "learner.micro_batch_tokens=96", "learner.lr=1e-3",
-            "learner.ess_step_scaling=\"sqrt\""]
+            "learner.ess_step_scaling=\"sqrt\""] + (["model.dtype=\"bfloat16\""] if cuda else [])
     init_distributed()
     rng = np.random.default_rng(0)
     steps = [groups(rng, 4, 397) for _ in range(2)]
     out = {}
-    for attn, head, zero in VARIANTS:
+    for attn, head, zero in (CUDA_VARIANTS if cuda else VARIANTS):
         cfg = load_config(None, base + [f"learner.attn_implementation=\"{attn}\"", f"learner.logprob_head=\"{head}\"",
                                         f"learner.zero_stage={zero}"])
         thread_setup(cfg)
         torch.manual_seed(0)
         trainer = Trainer(cfg, BUILTIN_MODEL)
+        if zero == 3:
+            release_head_after_forward(trainer.module.lm_head)
         loop, sums = HostReads(), HostReads()
-        trainer._backward = counted(trainer._backward, loop)
-        trainer.ess.add = counted(trainer.ess.add, sums)
+        syncs = DeviceSyncs() if cuda else None
+        trainer._backward = counted(trainer._backward, loop, syncs)
+        trainer.ess.add = counted(trainer.ess.add, sums, syncs)
         plain = trainer_mod.micro_sums, trainer_mod.accumulate
-        trainer_mod.micro_sums, trainer_mod.accumulate = counted(plain[0], sums), counted(plain[1], sums)
+        trainer_mod.micro_sums, trainer_mod.accumulate = counted(plain[0], sums, syncs), counted(plain[1], sums, syncs)
         rows, micro = [], 0
         for version, step in enumerate(steps):
             batch = batch_from_config(step, GroupRules.of(cfg).rewards(step), cfg, version=version, ranks=1)
@@ -130,10 +178,13 @@ def main() -> None:
         trainer_mod.micro_sums, trainer_mod.accumulate = plain
         name = f"{attn}+{head}" + ("+zero3" if zero == 3 else "")
         out[name] = {"metrics": rows, "micro_batches": micro, "loop_reads": loop.calls, "sum_reads": sums.calls,
-                     "deepspeed_reads": len(loop.library), "attention": trainer.module.config._attn_implementation}
+                     "deepspeed_reads": len(loop.library), "attention": trainer.module.config._attn_implementation,
+                     "head_released": sorted(set(getattr(trainer.module.lm_head, "released", []))),
+                     "device_syncs": syncs.calls if syncs else None,
+                     "deepspeed_syncs": len(syncs.library) if syncs else None}
         del trainer
     print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    main(cuda="--cuda" in sys.argv[1:])

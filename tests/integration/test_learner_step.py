@@ -36,6 +36,9 @@ def steps():
 def test_every_attention_and_head_trains_to_the_same_numbers(steps):
     base = steps["sdpa+chunked"]
     assert set(steps) == {"sdpa+chunked", "varlen+chunked", "sdpa+fused", "varlen+fused", "varlen+fused+zero3"}
+    # under ZeRO-3 the head's weight was let go after its forward (a real model's is), so the fused backward read it
+    # as DeepSpeed's backward hooks gathered it again
+    assert "NOT_AVAILABLE" in steps["varlen+fused+zero3"]["head_released"]
     assert {v["attention"] for k, v in steps.items() if k.startswith("varlen")} == {"covrl_varlen"}
     for name, got in steps.items():
         assert len(got["metrics"]) == len(base["metrics"]) == 2

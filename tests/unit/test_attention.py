@@ -149,10 +149,15 @@ def test_an_unknown_signature_is_refused_with_what_to_do():
     assert "window_size" in str(inspect.signature(attention.torch_varlen()))  # the CPU torch's own (2.13)
 
 
-def test_auto_picks_varlen_on_cuda_without_flash_attn_and_sdpa_on_cpu():
+def test_auto_picks_varlen_only_where_flash_kernels_run(monkeypatch):
+    bf16, fp32 = torch.bfloat16, torch.float32
     assert attention.resolve("auto", cuda=False) == "sdpa"
-    assert attention.resolve("auto", cuda=True) == attention.VARLEN  # flash-attn is not installed here
-    assert attention.resolve("varlen", cuda=False) == attention.VARLEN
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # a Hopper GPU
+    assert attention.resolve("auto", cuda=True, dtype=bf16) == attention.VARLEN  # flash-attn is not installed here
+    assert attention.resolve("auto", cuda=True, dtype=fp32) == "sdpa"  # FlashAttention takes bf16 / fp16 only
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))  # before sm80: no flash kernels
+    assert attention.resolve("auto", cuda=True, dtype=bf16) == "sdpa"
+    assert attention.resolve("varlen", cuda=False) == attention.VARLEN  # asked for: one sdpa per sample there
     assert attention.resolve("eager", cuda=True) == "eager"
 
 
