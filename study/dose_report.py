@@ -17,7 +17,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from common.metrics import read_metrics
+from study.archive import read_run
 from study.arms import ARMS, LADDERS, OFF_POLICY, RANDOM_CONTROLS, parse_run, study_lr
 from study.lawfit import (EvalPoint, eval_lengths, judge_law, key_series, mean_eval_acc, merge_rows, row_value,
                           run_eval_points)
@@ -207,7 +207,7 @@ def pilot_rows(pilot_dirs: dict[str, str]) -> list[tuple[str, float | None, floa
     """(lr, step-0 accuracy, accuracy at the end, mean pg_clipfrac, meets both lr* rules) per pilot."""
     out = []
     for lr, run_dir in pilot_dirs.items():
-        rows = merge_rows(read_metrics(run_dir))
+        rows = merge_rows(read_run(run_dir))
         evals = [a for r in rows if (a := mean_eval_acc(r)) is not None]
         clip = mean_or_none([v for _, v in key_series(rows, "actor/pg_clipfrac")]) or 0.0
         first, last = (evals[0], mean_or_none(evals[-LAST_EVALS:])) if len(evals) > LAST_EVALS else (None, None)
@@ -314,7 +314,7 @@ def reproduces_pilot(study_dir: str, first_run: str, pilot_dir: str | None) -> s
     if pilot_dir is None:
         return None
     keys = ("actor/entropy", "critic/score/mean", "eval/chain_long/acc", "eval/chain_short/acc")
-    mine, pilot = (merge_rows(read_metrics(d)) for d in (os.path.join(study_dir, first_run), pilot_dir))
+    mine, pilot = (merge_rows(read_run(d)) for d in (os.path.join(study_dir, first_run), pilot_dir))
     if not mine or not pilot:
         return None
     same = len(mine) == len(pilot) and all(a.get(k) == b.get(k) for a, b in zip(mine, pilot) for k in keys)
@@ -430,7 +430,7 @@ def study_pilots(study_dir: str) -> dict[str, str]:
 def write_dose_report(study_dir: str, names: list[str], meta: dict, now: datetime.datetime | None = None) -> str:
     """Write STUDY_DIR/report.md and its PNGs; returns the report path."""
     first_seed = (meta.get("seeds") or [0])[0]
-    rows = {n: read_metrics(os.path.join(study_dir, n)) for n in names}  # each run's metrics, read once
+    rows = {n: read_run(os.path.join(study_dir, n)) for n in names}  # each run's metrics, read once
     arms = by_arm(rows, first_seed, responses_per_step=meta.get("responses_per_step", 128))
     write_plots(study_dir, rows, arms, first_seed)
     path = os.path.join(study_dir, "report.md")

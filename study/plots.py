@@ -28,7 +28,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from study.lawfit import LawFit, merge_rows, row_value
-from common.metrics import read_metrics
+from study.archive import read_run
 
 Series = dict[str, list[tuple[float, float]]]  # label -> [(x, y), ...]
 
@@ -198,7 +198,7 @@ def run_plots(run_dir: str) -> list[str]:
     evaluated version's entropy with the law R = -a exp(H) + b where it has enough points. Returns their paths."""
     from study.lawfit import MIN_FIT_POINTS, eval_points, eval_sources, fit_law, key_series
 
-    rows = merge_rows(read_metrics(run_dir))
+    rows = merge_rows(read_run(run_dir))
     out = os.path.join(run_dir, "plots")
     name = os.path.basename(os.path.abspath(run_dir))
     paths = [plot_metric({name: rows}, key, os.path.join(out, png), title=f"{name}: {key}")
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"runs need distinct directory names (they label the lines), got {', '.join(labels)}")
     rows = {}
     for label, run_dir in zip(labels, args.run_dirs):
-        rows[label] = merge_rows(read_metrics(run_dir))
+        rows[label] = merge_rows(read_run(run_dir))
         if not rows[label]:
             print(f"error: {run_dir}/metrics.jsonl is missing or has no rows with a step; pass a covrl run "
                   f"directory", file=sys.stderr)

@@ -26,7 +26,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from common.metrics import read_metrics
+from study.archive import has_run, read_run
 from study.lawfit import (
     EARLY_FRACTION,
     EARLY_MAE,
@@ -80,9 +80,9 @@ class MethodRun:
 
 def load_run(study_dir: str, method: str) -> MethodRun:
     run_dir = os.path.join(study_dir, method)
-    if not os.path.isdir(run_dir):
+    if not has_run(run_dir):
         return MethodRun(method, [], f"not run (no {run_dir})")
-    rows = merge_rows(read_metrics(run_dir))
+    rows = merge_rows(read_run(run_dir))
     return MethodRun(method, rows, None if rows else f"{run_dir}/metrics.jsonl is missing or empty")
 
 

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 
 from common.config import ConfigError, load_config
-from common.metrics import read_metrics
+from study.archive import has_run, read_run
 from study.arms import ARMS, STALENESS_ARMS, STALENESS_LAGS, parse_run, run_name, staleness_steps
 from study.dose_report import write_dose_report
 from study.staleness_report import write_staleness_report
@@ -265,10 +265,11 @@ def cluster_command(plan: Plan, name: str) -> list[str]:
 
 
 def run_status(run_dir: str, steps: int) -> str:
-    """'missing' (no dir), 'complete' (metrics.jsonl has a row with step == steps) or 'incomplete'."""
-    if not os.path.exists(run_dir):
+    """'missing' (no dir, nor in the study's runs.tar.xz), 'complete' (its metrics have a row with step == steps)
+    or 'incomplete'."""
+    if not has_run(run_dir):
         return "missing"
-    return "complete" if any(r.get("step") == steps for r in read_metrics(run_dir)) else "incomplete"
+    return "complete" if any(r.get("step") == steps for r in read_run(run_dir)) else "incomplete"
 
 
 def _settings(plan: Plan) -> dict:

@@ -17,7 +17,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from common.metrics import read_metrics
+from study.archive import has_run, read_run
 from study.arms import STALENESS_ARMS, STALENESS_LAGS, parse_run, run_name, staleness_steps, study_lr
 from study.dose_report import Contrast, bounds, ci_text, contrast, fmt, md_table, mean_by_step, mean_or_none, on_policy_points
 from study.lawfit import key_series, merge_rows, row_value
@@ -148,8 +148,8 @@ def section_header(meta: dict, now: datetime.datetime, names: list[str], missing
              f"`{meta.get('command', '?')}` (the runs come from every invocation of the same study directory, which "
              f"must share its settings; a run's own settings are its config.toml).",
              "", f"{len(names)} of {len(names) + len(missing)} runs complete; every number below is from them. Each "
-             f"run's directory is its name (`<method>@k<lag>@s<seed>`) beside this report (config.toml and "
-             f"metrics.jsonl.xz)."]
+             f"run is named `<method>@k<lag>@s<seed>`; its config.toml and metrics.jsonl are in runs.tar.xz beside this "
+             f"report (or in its own directory, while the study runs)."]
     if missing:
         lines += ["", f"Missing (not yet run): {', '.join(missing)}."]
     return "\n".join(lines)
@@ -479,7 +479,7 @@ def write_plots(study_dir: str, rows: dict[str, list[dict]]) -> None:
 def write_staleness_report(study_dir: str, names: list[str], meta: dict, now: datetime.datetime | None = None) -> str:
     """Write STUDY_DIR/report.md and its PNGs from the complete runs among `names`; returns the report path."""
     steps = {n: staleness_steps(parse_name(n)[1], meta.get("steps", 64)) for n in names}
-    rows = {n: read_metrics(os.path.join(study_dir, n)) for n in names if os.path.isdir(os.path.join(study_dir, n))}
+    rows = {n: read_run(os.path.join(study_dir, n)) for n in names if has_run(os.path.join(study_dir, n))}
     done = [n for n, r in rows.items() if any(x.get("step") == steps[n] for x in r)]
     rows = {n: rows[n] for n in done}
     cells = by_cell([run_endpoints(n, rows[n], steps[n]) for n in done])

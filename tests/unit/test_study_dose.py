@@ -147,9 +147,11 @@ def test_jobs_run_several_runs_at_once_as_processes(tmp_path, monkeypatch, capsy
     assert study_runs.main(["--methods", "grpo", "--steps", "5", "--study-dir", str(tmp_path / "x"), "--jobs", "0"]) == 2
 
 
-def test_archive_keeps_complete_runs_config_and_compressed_metrics(tmp_path, capsys):
-    from common.metrics import read_metrics
+def test_archive_keeps_complete_runs_config_and_metrics_in_one_archive(tmp_path, capsys):
+    import tarfile
+
     from study import archive
+    from study import runs as study_runs
 
     src, dest = tmp_path / "study", tmp_path / "kept"
     rows = rows_for([0.1, 0.08, 0.05])
@@ -161,9 +163,19 @@ def test_archive_keeps_complete_runs_config_and_compressed_metrics(tmp_path, cap
         (d / "rollouts").mkdir()
     (src / "study.json").write_text(json.dumps({"runs": ["grpo", "kl_cov"], "steps": 3}))
     assert archive.main([str(src), str(dest)]) == 0
-    assert sorted(os.listdir(dest)) == ["grpo", "study.json"]
-    assert sorted(os.listdir(dest / "grpo")) == ["config.toml", "metrics.jsonl.xz"]
-    assert read_metrics(str(dest / "grpo")) == rows
+    assert sorted(os.listdir(dest)) == ["runs.tar.xz", "study.json"]
+    with tarfile.open(dest / "runs.tar.xz") as tar:
+        assert tar.getnames() == ["grpo/config.toml", "grpo/metrics.jsonl"]
+    assert archive.read_run(str(dest / "grpo")) == rows and archive.read_run(str(dest / "kl_cov")) == []
+    assert study_runs.run_status(str(dest / "grpo"), 3) == "complete"  # a study continued from the archive skips it
+    assert study_runs.run_status(str(dest / "kl_cov"), 3) == "missing"
+    # kl_cov finishes later: archiving again adds it and keeps grpo as it was
+    (src / "kl_cov" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = archive.archived(str(dest))
+    assert archive.main([str(src), str(dest)]) == 0
+    after = archive.archived(str(dest))
+    assert sorted(after) == ["grpo/config.toml", "grpo/metrics.jsonl", "kl_cov/config.toml", "kl_cov/metrics.jsonl"]
+    assert {k: after[k] for k in before} == before and archive.read_run(str(dest / "kl_cov")) == rows
     assert archive.main([str(tmp_path / "nowhere"), str(dest)]) == 2
     assert "has no study.json" in capsys.readouterr().err
 

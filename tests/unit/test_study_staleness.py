@@ -248,7 +248,6 @@ def test_archive_keeps_every_complete_run_any_invocation_asked_for(tmp_path):
 
 
 def test_archive_keeps_every_value_exactly_but_the_machines_clocks(tmp_path):
-    from common.metrics import read_metrics
     from study import archive
 
     rows = [{"step": 1, "actor/entropy": 0.1 + 0.2, "offpolicy/ess_seq": 1 / 3, "timing_s/step": 2.5,
@@ -257,11 +256,32 @@ def test_archive_keeps_every_value_exactly_but_the_machines_clocks(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.toml").write_text("[run]\nseed = 0\n")
     (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    archive.archive_run(str(tmp_path / "run"), str(tmp_path / "dest"))
-    assert not (tmp_path / "dest" / "metrics.jsonl").exists()
-    assert read_metrics(str(tmp_path / "dest")) == [
+    archive.write_runs(str(tmp_path / "dest"), archive.run_files(str(tmp_path / "run")))
+    assert os.listdir(tmp_path / "dest") == ["runs.tar.xz"]
+    assert archive.read_run(str(tmp_path / "dest" / "run")) == [
         {k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows]
-    assert (tmp_path / "dest" / "config.toml").read_text() == "[run]\nseed = 0\n"
+    assert archive.archived(str(tmp_path / "dest"))["run/config.toml"] == b"[run]\nseed = 0\n"
+
+
+def test_the_report_from_the_archive_equals_the_report_from_the_run_directories(tmp_path):
+    """What docs/study-staleness keeps (runs.tar.xz beside study.json) gives the report and plots its run
+    directories gave."""
+    from study import archive
+
+    names = [f"{m}@k{k}@s{s}" for s in (0, 1) for m in ("grpo_tis", "kl_cov_tis") for k in (0, 4, 16, 64)]
+    steps_of = {n: staleness_steps(sr.parse_name(n)[1], 8) for n in names}
+    meta = _study(tmp_path / "src", names, steps_of, kl_cov_tis={"entropy_end": 0.15})
+    for n in names:
+        (tmp_path / "src" / n / "config.toml").write_text(f"# {n}\n")
+    with open(tmp_path / "src" / "study.json", "w") as f:
+        json.dump(meta, f)
+    assert sorted(archive.archive(str(tmp_path / "src"), str(tmp_path / "dest"))) == sorted(names)
+    assert sorted(os.listdir(tmp_path / "dest")) == ["runs.tar.xz", "study.json"]
+    now = datetime.datetime(2026, 11, 28, 9, 0)
+    reports = [open(sr.write_staleness_report(str(tmp_path / d), names, meta, now=now)).read() for d in ("src", "dest")]
+    assert reports[0] == reports[1] and "16 of 16 runs complete" in reports[0]
+    for png in sr.PLOTS:
+        assert (tmp_path / "src" / png).read_bytes() == (tmp_path / "dest" / png).read_bytes()
 
 
 def test_header_names_the_learning_rate_that_the_runs_used():
