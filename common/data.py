@@ -17,9 +17,11 @@ from collections import Counter
 from dataclasses import dataclass
 
 from common.config import Config, ConfigError, is_hub_id
-from common.datasets import DatasetError, fit_prompt, read_records, render_prompt_text, template_mode
+from common.datasets import DatasetError, Record, fit_prompt, read_records, render_prompt_text, template_mode
 
 log = logging.getLogger("covrl.data")
+
+Records = dict[str, list[Record]] | None  # rows already read and checked, by file path
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILTIN_MODEL = os.path.join(REPO_ROOT, "assets", "arith-base")
@@ -60,14 +62,15 @@ def _arith_problems(cfg: Config, tokenizer, problems, data_source: str | None, l
     return out
 
 
-def _file_prompts(cfg: Config, tokenizer, paths, lengths: Counter) -> list[Prompt]:
-    """Every usable row of `paths`, rendered and tokenised; over-long prompts handled by data.truncation."""
+def _file_prompts(cfg: Config, tokenizer, paths, lengths: Counter, records: Records = None) -> list[Prompt]:
+    """Every usable row of `paths` (their records if already read), rendered and tokenised; over-long prompts
+    handled by data.truncation."""
     d = cfg.data
     chat = template_mode(tokenizer, d.template) == "chat"
     out = []
     for path in paths:
         stem = os.path.splitext(os.path.basename(path))[0]
-        for i, rec in enumerate(read_records(path)):
+        for i, rec in enumerate(records[path] if records and path in records else read_records(path)):
             try:
                 text = render_prompt_text(rec, tokenizer, template=d.template, instruction=d.instruction,
                                           system_prompt=d.system_prompt)
@@ -91,13 +94,14 @@ def length_note(cfg: Config, lengths: Counter) -> str:
     return ""
 
 
-def eval_sets(cfg: Config, tokenizer, lengths: Counter | None = None) -> dict[str, list[Prompt]]:
+def eval_sets(cfg: Config, tokenizer, lengths: Counter | None = None,
+              records: Records = None) -> dict[str, list[Prompt]]:
     """The held-out sets by data_source, in file (or built-in) order: `data.eval_files` if given, else the
     built-in arith_easy / arith_hard for the arith task, else none."""
     lengths = Counter() if lengths is None else lengths
     if cfg.data.eval_files:
         sets: dict[str, list[Prompt]] = {}
-        for p in _file_prompts(cfg, tokenizer, cfg.data.eval_files, lengths):
+        for p in _file_prompts(cfg, tokenizer, cfg.data.eval_files, lengths, records):
             sets.setdefault(p.data_source, []).append(p)
         return sets
     if cfg.data.task != "arith":
@@ -158,6 +162,12 @@ def resolve_model(path: str, what: str = "model.path") -> tuple[str, str | None]
 def check_model_dir(path: str, what: str = "model.path"):
     """A Hugging Face model directory that the roles can load: config.json readable, a tokenizer. Returns the
     tokenizer; a ConfigError naming `what` and the fix otherwise."""
+    check_model_files(path, what)
+    return load_tokenizer(path, what)
+
+
+def check_model_files(path: str, what: str = "model.path") -> None:
+    """The model directory's files, without loading anything (no transformers import: a fraction of a second)."""
     import json
 
     if not os.path.isdir(path):
@@ -180,6 +190,10 @@ def check_model_dir(path: str, what: str = "model.path"):
     if not any(n in names for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")):
         raise ConfigError(f"{what} {path!r} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json); save it "
                           f"there with tokenizer.save_pretrained")
+
+
+def load_tokenizer(path: str, what: str = "model.path"):
+    """The model directory's tokenizer; a ConfigError naming `what` and the fix if it does not load."""
     from transformers import AutoTokenizer
 
     try:
@@ -194,10 +208,15 @@ def check_inputs(cfg: Config) -> list[str]:
     directory and tokenizer, every train and eval row, the prompt lengths. Raises ConfigError / DatasetError
     naming the file, row and field; returns the start banner's lines about the data."""
     path = model_dir(cfg) if not cfg.model.path else cfg.model.path
-    tokenizer = check_model_dir(path)
-    train = PromptSource(cfg, tokenizer)
+    check_model_files(path)
+    # Every row of every file first: a bad row is reported before the tokenizer (and transformers) loads.
+    files = [*(cfg.data.train_files if cfg.data.task == "files" else ()),
+             *(cfg.data.eval_files if cfg.eval.every_steps else ())]
+    records = {f: read_records(f) for f in files}
+    tokenizer = load_tokenizer(path)
+    train = PromptSource(cfg, tokenizer, records)
     eval_lengths: Counter = Counter()
-    evals = eval_sets(cfg, tokenizer, eval_lengths) if cfg.eval.every_steps else {}  # off: the hub reads none
+    evals = eval_sets(cfg, tokenizer, eval_lengths, records) if cfg.eval.every_steps else {}  # off: the hub reads none
     lines = [f"data: {len(train)} training prompts" + (f" ({note})" if (note := length_note(cfg, train.lengths)) else "")]
     if evals:
         sizes = ", ".join(f"{ds} {len(ps)}" for ds, ps in evals.items())
@@ -208,10 +227,10 @@ def check_inputs(cfg: Config) -> list[str]:
 class PromptSource:
     """The training prompts of the configured task, in a seeded order per epoch."""
 
-    def __init__(self, cfg: Config, tokenizer):
+    def __init__(self, cfg: Config, tokenizer, records: Records = None):
         self.lengths: Counter = Counter()  # kept / dropped / truncated by data.max_prompt_tokens
         if cfg.data.task == "files":
-            self.prompts = _file_prompts(cfg, tokenizer, cfg.data.train_files, self.lengths)
+            self.prompts = _file_prompts(cfg, tokenizer, cfg.data.train_files, self.lengths, records)
             if not self.prompts:
                 raise DatasetError(f"no training prompts left in {list(cfg.data.train_files)} after the length limit "
                                  f"(data.max_prompt_tokens={cfg.data.max_prompt_tokens}); raise it")

@@ -8,15 +8,12 @@ import sys
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import BASE_MODEL, HUB_OLD, HUB_SHA, REPO
+
 sys.path.insert(0, REPO)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
-
-BASE_MODEL = os.path.join(REPO, "assets", "arith-base")
-HUB_SHA = "0123456789abcdef0123456789abcdef01234567"
-HUB_OLD = "fedcba9876543210fedcba9876543210fedcba98"
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ from common.metrics import read_metrics
 from learner.autoscale import Figures, Policy, read_decisions
 from tests.bench import simulate as S
 from tests.bench.common import REPO, record, verdict
-from tests.bench.test_bench_heavy import heavy_model, workload
+from tests.helpers.heavy_workload import heavy_model, workload
 
 FIXED = (1, 2, 3)
 STEPS, WARMUP, STEADY = 32, 4, (22, 31)

@@ -2,7 +2,7 @@
 and resume stages in `make test`): the throughput workers and the ZeRO-3 run with the vLLM run's checks. Here for
 time (about 40 s); nothing is recorded, it passes or fails."""
 
-from tests.integration.test_gpu_proof import rehearse
+from tests.helpers.gpu_rehearsal import rehearse
 
 
 def test_the_gpu_proofs_throughput_and_zero3_stages_pass_their_cpu_rehearsal(tmp_path):

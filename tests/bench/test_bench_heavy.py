@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 
 import time
@@ -41,30 +40,12 @@ import numpy as np
 
 from tests.bench import simulate as S
 from tests.bench.common import REPO, record, verdict
-from tests.bench.test_bench_pipeline import (SAMPLES_PER_STEP, SETTINGS, launch_clocked, mean, run_sync, sync_stages,
-                                             window_rate)
-from tests.bench.test_bench_trl import BENCH_PY, bench_env_problem
+from tests.helpers.bench_env import BENCH_PY, bench_env_problem
+from tests.helpers.heavy_workload import CAP, MEDIAN, SIGMA, heavy_model, workload
+from tests.helpers.pipeline_clock import SAMPLES_PER_STEP, launch_clocked, mean, run_sync, sync_stages, window_rate
 
 STEPS, WARMUP = 12, 3  # covrl: steps WARMUP+1 .. STEPS-1 are timed
 TRL_STEPS, TRL_WARMUP, TRL_THREADS = 4, 1, 2  # TRL takes about a minute a step here
-MEDIAN, SIGMA, CAP = 128, 0.9, 2048
-
-
-def heavy_model(dst: str) -> str:
-    """assets/arith-base with room for 2048-token responses (max_position_embeddings 4096)."""
-    shutil.copytree(os.path.join(REPO, "assets", "arith-base"), dst)
-    path = os.path.join(dst, "config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    cfg["max_position_embeddings"] = 4096
-    with open(path, "w") as f:
-        json.dump(cfg, f, indent=1)
-    return dst
-
-
-def workload(model: str) -> list[str]:
-    return [*SETTINGS, f'model.path="{model}"', f"rollout.forced_length_median={MEDIAN}",
-            f"rollout.forced_length_sigma={SIGMA}", f"rollout.max_new_tokens={CAP}"]
 
 
 def iteration_costs(model: str) -> dict[int, float]:

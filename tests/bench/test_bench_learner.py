@@ -32,6 +32,7 @@ from common.config import Config
 from learner.batch import build_step_batch, pack
 from learner.logprobs import logprobs_and_entropy
 from tests.bench.common import REPO, record, verdict
+from tests.helpers.groups import rollout_group, sample
 
 DEMO = os.path.join(REPO, "assets", "arith-base")
 GROUPS, GROUP_SIZE = 4, 8
@@ -48,12 +49,10 @@ def _groups(vocab: int) -> list[M.RolloutGroup]:
         samples = []
         for _ in range(GROUP_SIZE):
             n = int(np.clip(rng.lognormal(np.log(120), 0.9), 4, MAX_TOKENS - len(prompt)))
-            samples.append(M.Sample(token_ids=M.to_bytes(rng.integers(1, vocab, n), M.TOKEN_DTYPE),
-                                    logprobs=M.to_bytes(-rng.random(n), M.LOGPROB_DTYPE),
-                                    versions=M.to_bytes(np.zeros(n), M.VERSION_DTYPE),
-                                    reward=float(rng.integers(0, 2)), finish_reason="stop", score_status="ok"))
-        out.append(M.RolloutGroup(gen_id=0, incarnation="bench", ticket=g, prompt_id=g, epoch=0,
-                                  prompt_ids=M.to_bytes(prompt, M.TOKEN_DTYPE), samples=samples, gen_time_s=0.0))
+            # keyword order is draw order: tokens, logprobs, reward
+            samples.append(sample(tokens=rng.integers(1, vocab, n), logprobs=-rng.random(n), versions=0,
+                                  reward=rng.integers(0, 2)))
+        out.append(rollout_group(samples, prompt=prompt, incarnation="bench", ticket=g, prompt_id=g))
     return out
 
 

@@ -26,6 +26,7 @@ import zmq
 from common import messages as M
 from common.transport import HubSocket, _mac
 from tests.bench.common import REPO, best_of, record, verdict
+from tests.helpers.groups import rollout_group, sample
 
 GROUP_SIZE, TOKENS = 8, 2048
 WARMUP, MESSAGES, ROUNDS = 50, 1000, 5
@@ -72,12 +73,9 @@ else:
 def _group() -> M.RolloutGroup:
     """The sender's group, built here too: to size the raw payload and to cost each step in-process."""
     rng = np.random.default_rng(0)
-    s = M.Sample(token_ids=bytes(4 * TOKENS), logprobs=bytes(4 * TOKENS),
-                 versions=M.to_bytes(np.full(TOKENS, 3), M.VERSION_DTYPE), reward=1.0, finish_reason="length",
-                 score_status="ok")
-    return M.RolloutGroup(gen_id=1, incarnation="bench", ticket=0, prompt_id=0, epoch=0,
-                          prompt_ids=M.to_bytes(rng.integers(1, 1000, 30), M.TOKEN_DTYPE), samples=[s] * GROUP_SIZE,
-                          gen_time_s=0.1)
+    s = sample(np.zeros(TOKENS), logprobs=0.0, versions=3, finish_reason="length")  # zeros, as many bytes as sent
+    return rollout_group([s] * GROUP_SIZE, prompt=rng.integers(1, 1000, 30), gen_id=1, incarnation="bench",
+                         gen_time_s=0.1)
 
 
 def _step_costs_us(group: M.RolloutGroup, key: bytes) -> dict[str, float]:

@@ -25,23 +25,14 @@ import subprocess
 import pytest
 
 from tests.bench.common import REPO, record, verdict
-from tests.bench.test_bench_pipeline import SAMPLES_PER_STEP, SETTINGS, launch_clocked, mean, window_rate
+from tests.helpers.bench_env import BENCH_PY, bench_env_problem
+from tests.helpers.pipeline_clock import SAMPLES_PER_STEP, SETTINGS, launch_clocked, mean, window_rate
 
 STEPS, WARMUP, LAST = 24, 4, 5
 LEAN = "learner.log_entropy_delta=false"
-BENCH_PY = os.path.join(REPO, ".venv-bench", "bin", "python")
 # TRL is one process: it gets the two cores as torch threads. Both counts are run and the faster one is compared:
 # on an idle machine 2 threads are faster (1.1 vs 1.7 s/step), with other work beside it 2 threads were 2-5x slower.
 TRL_THREADS = (1, 2)
-
-
-def bench_env_problem() -> str | None:
-    if not os.path.exists(BENCH_PY):
-        return f"needs the bench-only environment {os.path.dirname(os.path.dirname(BENCH_PY))} with TRL; build it with `make bench-env`"
-    p = subprocess.run([BENCH_PY, "-c", "import trl, transformers, math_verify"], capture_output=True, text=True)
-    if p.returncode != 0:
-        return f".venv-bench cannot import trl / transformers / math_verify ({p.stderr.strip().splitlines()[-1]}); rebuild it with `make bench-env`"
-    return None
 
 
 def children_cpu_s() -> float:

@@ -45,7 +45,7 @@ RECEIVER = r"""
 import gc, json, sys
 import torch
 from common import weights as W
-from tests.unit.test_weights import receive
+from tests.helpers.weight_channel import receive
 torch.set_num_threads(1)
 host, port, spec, mode, versions = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 if spec == "demo":

@@ -14,7 +14,7 @@ from common.transport import free_port
 from learner.nccl import wait_until
 from learner.params import param_buckets, scratch_for
 from learner.publisher import WeightPublisher
-from tests.unit.test_weights import receive
+from tests.helpers.weight_channel import receive
 
 pytestmark = pytest.mark.gpu
 

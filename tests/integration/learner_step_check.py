@@ -31,6 +31,7 @@ from common.data import BUILTIN_MODEL
 from learner import trainer as trainer_mod
 from learner.batch import batch_from_config
 from learner.trainer import Trainer, init_distributed, step_metrics, thread_setup
+from tests.helpers.groups import rollout_group, sample
 
 HOST_READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"}
 DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "argwhere"}  # output sizes read back from the device
@@ -136,16 +137,10 @@ def groups(rng: np.random.Generator, n: int, vocab: int) -> list[messages.Rollou
         samples = []
         for j in range(4):
             toks = rng.integers(3, vocab, size=int(rng.integers(5, 41)))
-            samples.append(messages.Sample(
-                token_ids=messages.to_bytes(toks, messages.TOKEN_DTYPE),
-                logprobs=messages.to_bytes(np.full(len(toks), -np.log(vocab)) + 0.1 * rng.standard_normal(len(toks)),
-                                           messages.LOGPROB_DTYPE),
-                versions=messages.to_bytes(np.zeros(len(toks)), messages.VERSION_DTYPE), reward=float(j % 2),
-                finish_reason="stop", score_status="ok"))
-        out.append(messages.RolloutGroup(gen_id=0, incarnation="step", ticket=g, prompt_id=g, epoch=0,
-                                         prompt_ids=messages.to_bytes(rng.integers(3, vocab, size=int(rng.integers(4, 12))),
-                                                                      messages.TOKEN_DTYPE),
-                                         samples=samples, gen_time_s=0.0))
+            logprobs = np.full(len(toks), -np.log(vocab)) + 0.1 * rng.standard_normal(len(toks))
+            samples.append(sample(toks, j % 2, logprobs=logprobs, versions=0))
+        prompt = rng.integers(3, vocab, size=int(rng.integers(4, 12)))
+        out.append(rollout_group(samples, prompt=prompt, incarnation="step", ticket=g, prompt_id=g))
     return out
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.paths import REPO
 
 
 def _launch(run_dir, *args):

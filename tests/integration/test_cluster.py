@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -14,51 +13,11 @@ from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from common.checkpoint_dirs import GOOD, MANIFEST, complete_checkpoints, verify
-from common.metrics import CLOCK_KEYS, read_metrics
-from tests.conftest import BASE_MODEL, REPO
+from common.metrics import read_metrics
+from tests.helpers.paths import BASE_MODEL, REPO
+from tests.helpers.runs import EVAL, SMALL, VOLATILE, launch, start, wait_for_steps
 
 pytestmark = pytest.mark.slow
-
-SMALL = ["--set", "rollout.groups_per_step=8", "--set", "rollout.group_size=4", "--set", "rollout.max_new_tokens=24",
-         "--set", "data.train_size=256", "--set", "eval.every_steps=0"]
-# Evaluation on: small held-out sets, two evaluated versions besides the base model.
-EVAL = [*SMALL[:-2], "--set", "eval.every_steps=2", "--set", "data.eval_size=16", "--set", "eval.temperatures.arith_hard=0"]
-VOLATILE = CLOCK_KEYS  # wall-clock measurements: the only keys allowed to differ between runs
-
-
-def start(run_dir, *args) -> subprocess.Popen:
-    """The launcher in the background, for tests that act on the run while it trains."""
-    return subprocess.Popen([sys.executable, os.path.join(REPO, "launch", "cluster.py"), "--run-dir", str(run_dir),
-                             "--quiet", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def stop_gracefully(p: subprocess.Popen, timeout_s: float = 60) -> None:
-    """A launcher still running when a test is done with it: SIGINT (the learners finish their step and checkpoint,
-    then every role it started is stopped), SIGKILL if it has not ended within `timeout_s`."""
-    if p.poll() is None:
-        p.send_signal(signal.SIGINT)
-    try:
-        p.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.communicate()
-
-
-def wait_for_steps(run_dir, n: int, timeout_s: float = 240) -> None:
-    import time
-
-    deadline = time.time() + timeout_s
-    while len(read_metrics(str(run_dir))) < n and time.time() < deadline:
-        time.sleep(0.2)
-    assert len(read_metrics(str(run_dir))) >= n, f"the run never reached step {n}"
-
-
-def launch(run_dir, *args, timeout=600):
-    cmd = [sys.executable, os.path.join(REPO, "launch", "cluster.py"), "--run-dir", str(run_dir), "--quiet", *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    assert p.returncode == 0, f"cluster exited {p.returncode}\n{p.stdout}\n{p.stderr}\n" + "".join(
-        open(os.path.join(run_dir, "logs", f)).read()[-3000:] for f in sorted(os.listdir(os.path.join(run_dir, "logs"))))
-    return p
 
 
 def test_four_generators_four_learners(tmp_path):

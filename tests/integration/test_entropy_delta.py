@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.paths import REPO
 
 
 @pytest.mark.parametrize("stride", [1, 3])

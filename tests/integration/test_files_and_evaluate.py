@@ -14,8 +14,8 @@ import pytest
 
 from common.arith import ArithTask
 from common.metrics import read_metrics
-from tests.conftest import BASE_MODEL, REPO
-from tests.integration.test_cluster import launch
+from tests.helpers.paths import BASE_MODEL, REPO
+from tests.helpers.runs import launch
 
 pytestmark = pytest.mark.slow
 

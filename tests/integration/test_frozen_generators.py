@@ -20,8 +20,9 @@ import psutil
 import pytest
 
 from common.metrics import read_metrics
-from tests.conftest import REPO
-from tests.integration.test_cluster import SMALL, stop_gracefully
+from tests.helpers.paths import REPO
+from tests.helpers.run_records import placements
+from tests.helpers.runs import SMALL, stop_gracefully
 
 pytestmark = pytest.mark.slow
 
@@ -162,16 +163,8 @@ def test_frozen_hung_and_killed_generators_are_dropped_stopped_and_replaced(tmp_
     print(f"run: {time.time() - t0:.0f}s")
 
 
-try:  # test_ray skips itself (pytest.importorskip) where Ray is not installed: then only the Ray test here skips
-    from tests.integration.test_ray import placements, ray_cluster  # noqa: E402,F401  (the fixture, by name)
-except pytest.skip.Exception:
-    @pytest.fixture
-    def ray_cluster():
-        pytest.skip("ray is not installed")
-
-
 @pytest.mark.long  # make bench: the verdicts are test_frozen_hung_and_killed_...'s; this adds the Ray actor's kill path
-def test_frozen_and_hung_generators_on_ray_are_dropped_stopped_and_replaced(tmp_path, ray_cluster):  # noqa: F811
+def test_frozen_and_hung_generators_on_ray_are_dropped_stopped_and_replaced(tmp_path, ray_cluster):
     """The same faults under `--ray` on a multi-node Ray cluster (the learner on one node, the three generators on
     another): the launcher asks each lost generator's actor to SIGKILL its process group (`stop_lost`), and starts
     the generator again in the same actor, on the generators' node."""

@@ -2,30 +2,16 @@
 runs, checksums on both sides, checkpoint and resume, the throughput workers, the JSON it records) rehearsed on
 the CPU at toy scale, so a GPU lease is never spent finding a bug in the script."""
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.gpu_rehearsal import rehearse
+from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.slow
-
-
-def rehearse(tmp_path, stages: str, extra: tuple = ()) -> tuple[dict, str]:
-    """`make gpu-proof`'s stages as it runs them on a GPU machine (a module, from the repository root), on the CPU:
-    (gpu_proof.json, stdout). The rehearsal is split for time: the throughput workers and the ZeRO-3 run are
-    rehearsed by `make bench` (tests/bench/test_bench_gpu_rehearsal.py)."""
-    out = subprocess.run([sys.executable, "-m", "hardware.proof", "--rehearse-cpu", "--stages", stages,
-                          "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), *extra],
-                         cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    doc = json.loads((tmp_path / "out" / "gpu_proof.json").read_text())
-    assert all(st["git_commit"] == doc["git_commit"] and st["date"] >= doc["date"] for st in doc["stages"].values())
-    assert "ALL PASSED" in out.stdout
-    return doc, out.stdout
 
 
 # The learner stage rides in the same rehearsal (one preflight for both): the untied stand-in of 7b-4l at one budget,

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from tests.conftest import BASE_MODEL
-from tests.integration.test_cluster import SMALL, launch
+from tests.helpers.paths import BASE_MODEL
+from tests.helpers.runs import SMALL, launch
 
 pytestmark = pytest.mark.slow
 

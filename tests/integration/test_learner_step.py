@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from common.transport import free_port
-from tests.conftest import REPO
+from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from common.metrics import read_metrics
-from tests.integration.test_cluster import launch
+from tests.helpers.runs import launch
 
 pytestmark = pytest.mark.slow
 

@@ -25,22 +25,17 @@ import json
 import os
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 
 import pytest
 
 from common.metrics import read_metrics
-from tests.conftest import REPO
-from tests.integration.test_cluster import SMALL, start, stop_gracefully
+from tests.helpers.ports import free_port
+from tests.helpers.ray_nodes import RAY, start_node, stop_node, wait_started
+from tests.helpers.runs import SMALL, start, stop_gracefully
 
 pytestmark = pytest.mark.slow
-
-RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:
@@ -74,63 +69,6 @@ def netns():
         _ip("netns", "del", ns)
 
 
-def _free_port(addr: str) -> int:
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
-def _ray_node(argv: list[str], log_path) -> subprocess.Popen:
-    """`ray start ... --block` in a session of its own: every Ray process of the node (GCS, raylet, agents, and
-    the workers, which get process groups of their own) stays in that session."""
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def _wait_started(p: subprocess.Popen, log_path, what: str, timeout_s: float = 120) -> None:
-    deadline = time.time() + timeout_s
-    while "Ray runtime started" not in log_path.read_text(errors="replace"):
-        assert p.poll() is None, f"{what} exited {p.returncode}:\n{log_path.read_text(errors='replace')[-3000:]}"
-        assert time.time() < deadline, f"{what} did not start in {timeout_s:.0f}s:\n{log_path.read_text()[-3000:]}"
-        time.sleep(0.5)
-
-
-def _session(sid: int) -> list[int]:
-    pids = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if os.getsid(int(name)) == sid:
-                    pids.append(int(name))
-            except ProcessLookupError:
-                pass
-    return pids
-
-
-def _stop_node(p: subprocess.Popen) -> None:
-    """SIGTERM to `ray start --block` alone: it drains the node and stops its processes in order (a second or
-    two; SIGTERM to its whole group kills the GCS under the drain, which then waits 30 s for it). Then SIGKILL
-    whatever is left in its session."""
-    if p.poll() is None:
-        p.terminate()
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-    for _ in range(20):
-        left = _session(p.pid)
-        if not left:
-            break
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        p.poll()  # reap the leader if it was SIGKILLed here
-        time.sleep(0.5)
-
-
 @pytest.mark.long  # make bench, for time: Ray across local nodes is test_ray.py's; this adds a real network between them
 def test_generators_on_a_ray_node_in_another_network_namespace_train_with_the_hub(tmp_path, netns, monkeypatch):
     ns, host_addr, ns_addr = netns
@@ -141,21 +79,21 @@ def test_generators_on_a_ray_node_in_another_network_namespace_train_with_the_hu
     monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
     monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    port = _free_port(host_addr)
+    port = free_port(host_addr)
     temp = tempfile.mkdtemp(prefix="covrl-ray-")  # short: Ray's socket paths must fit in 107 characters
     head_log, worker_log = tmp_path / "ray-head.log", tmp_path / "ray-worker.log"
     nodes: list[subprocess.Popen] = []
     p = None
     run = tmp_path / "multihost"
     try:
-        nodes.append(_ray_node([RAY, "start", "--head", f"--node-ip-address={host_addr}", f"--port={port}",
-                                "--num-cpus=2", '--resources={"covrl_learner": 2}', "--include-dashboard=false",
-                                f"--temp-dir={temp}/head", "--block"], head_log))
-        _wait_started(nodes[0], head_log, "the Ray head")
-        nodes.append(_ray_node(["ip", "netns", "exec", ns, RAY, "start", f"--address={host_addr}:{port}",
-                                f"--node-ip-address={ns_addr}", "--num-cpus=2", '--resources={"covrl_gen": 2}',
-                                f"--temp-dir={temp}/worker", "--block"], worker_log))
-        _wait_started(nodes[1], worker_log, "the Ray worker node in the namespace")
+        nodes.append(start_node([RAY, "start", "--head", f"--node-ip-address={host_addr}", f"--port={port}",
+                                 "--num-cpus=2", '--resources={"covrl_learner": 2}', "--include-dashboard=false",
+                                 f"--temp-dir={temp}/head", "--block"], head_log))
+        wait_started(nodes[0], head_log, "the Ray head")
+        nodes.append(start_node(["ip", "netns", "exec", ns, RAY, "start", f"--address={host_addr}:{port}",
+                                 f"--node-ip-address={ns_addr}", "--num-cpus=2", '--resources={"covrl_gen": 2}',
+                                 f"--temp-dir={temp}/worker", "--block"], worker_log))
+        wait_started(nodes[1], worker_log, "the Ray worker node in the namespace")
         p = start(run, "--gens", "2", "--learners", "1", "--steps", "4", *SMALL, "--ray", f"{host_addr}:{port}",
                   "--ray-learner-resources", '{"covrl_learner": 1}', "--ray-generator-resources", '{"covrl_gen": 1}')
         out, err = p.communicate(timeout=420)
@@ -166,7 +104,7 @@ def test_generators_on_a_ray_node_in_another_network_namespace_train_with_the_hu
         if p is not None and p.poll() is None:
             stop_gracefully(p)
         for node in reversed(nodes):  # the worker node first, then the head
-            _stop_node(node)
+            stop_node(node)
         shutil.rmtree(temp, ignore_errors=True)
 
     # Where Ray put each role: the learner on the head (this side), both generators on the namespace's node.

@@ -22,26 +22,13 @@ import psutil
 import pytest
 
 from common.metrics import read_metrics
-from tests.conftest import REPO
-from tests.integration.test_cluster import SMALL, start, stop_gracefully, wait_for_steps
+from tests.helpers.paths import REPO
+from tests.helpers.run_records import placements
+from tests.helpers.runs import SMALL, start, stop_gracefully, wait_for_steps
 
 pytestmark = pytest.mark.slow
 
-ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
-
-
-@pytest.fixture
-def ray_cluster():
-    c = ray_cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # the head runs no role
-    try:
-        yield c
-    finally:
-        c.shutdown()
-
-
-def placements(run) -> list[dict]:
-    path = run / "placement.jsonl"
-    return [json.loads(line) for line in open(path)] if path.exists() else []
+pytest.importorskip("ray.cluster_utils")  # every test here needs Ray (`ray_cluster`: tests/integration/conftest.py)
 
 
 def wait_until(cond, timeout_s: float, what: str) -> None:

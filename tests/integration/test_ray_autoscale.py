@@ -1,4 +1,4 @@
-"""Generators on Ray's autoscaler: a covrl run on an autoscaling cluster (tests/integration/ray_autoscaling.py: a
+"""Generators on Ray's autoscaler: a covrl run on an autoscaling cluster (tests/helpers/ray_autoscaling.py: a
 head whose real autoscaler, v2, adds and removes local raylets as nodes; a node type with one generator's room).
 
 The learner rank runs on the head; each generator needs `covrl_gen`, which only the autoscaler's nodes offer. The
@@ -24,9 +24,8 @@ import pytest
 
 from common.metrics import read_metrics
 from launch import scale
-from tests.conftest import REPO
-from tests.integration.ray_autoscaling import ray_autoscaling  # noqa: F401 (the fixture)
-from tests.integration.test_cluster import SMALL, stop_gracefully
+from tests.helpers.paths import REPO
+from tests.helpers.runs import SMALL, stop_gracefully
 
 pytestmark = pytest.mark.slow
 

@@ -1,26 +1,28 @@
-"""Deterministic runs against their recorded metrics: a refactor that changes a number fails here.
+"""Deterministic runs against their recorded metrics: a refactor that changes a number fails here, on any x86-64 CPU.
 
-Each `recorded/NAME.toml` is a run config; `recorded/PLATFORM/NAME.jsonl` holds the metrics rows that config
-wrote (wall-clock keys removed) on one kind of CPU, described in `recorded/meta.json` (torch's vector instruction
-set and the CPU vendor). A run today must write the same rows, to the bit, as a recording made on its kind of CPU.
-Kinds differ: the same torch build on an AMD and an Intel AVX512 CPU takes different BLAS kernels, which differ in
-the last bits, and the runs' discrete choices (Clip-Cov's token selection, the top-entropy tokens, dynamic
-sampling) turn those bits into different trajectories within a step or two. Without a recording of its kind, the
-test allows a relative 1e-4 and says so.
+Each `recorded/NAME.toml` is a run config; `recorded/rows/NAME.jsonl` holds the metrics rows it wrote (wall-clock
+keys removed). Left to themselves, the CPU libraries pick their kernels by the CPU they find (torch's vector code
+by instruction set, MKL's BLAS by instruction set and vendor, oneDNN by ISA, glibc's libm and numpy by features),
+the last bits differ, and the runs' discrete choices (Clip-Cov's token selection, the top-entropy tokens, dynamic
+sampling, a near-tied sampled token) turn those bits into different trajectories within a step. So the recorded
+runs, and their recordings, run under PINNED: torch's portable scalar kernels, MKL's conditional numerical
+reproducibility in its compatible, strict mode (the same code path and results on every x86-64 CPU, whatever the
+thread count), oneDNN held to SSE4.1. With those, the rows are the same bits on every kind of CPU; `meta.json`
+lists the kinds and emulated kinds they were checked on (`verified`).
 
-Record this machine's kind (it keeps the other kinds' recordings: use it when the code has not changed the
-numbers, e.g. after checking that a commit known to match the recordings writes the same rows here):
+Re-record after a change that is meant to change the numbers, and say so in the commit:
     .venv/bin/python -m tests.integration.test_recorded_runs
-After a change that is meant to change the numbers, re-record with `--only-this-cpu` (the other kinds'
-recordings no longer describe the code and are removed) and say so in the commit.
+Check this machine (and, with the emulation settings of docs/testing.md in the environment, an emulated kind)
+against the recording, adding it to `verified` when the rows are equal:
+    .venv/bin/python -m tests.integration.test_recorded_runs --verify [--emulating "WHAT"]
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
-import shutil
 import sys
 import tempfile
 
@@ -28,43 +30,41 @@ import pytest
 import torch
 
 from common.metrics import read_metrics
-from tests.integration.test_cluster import VOLATILE, launch
+from tests.helpers.runs import VOLATILE, launch
 
 pytestmark = pytest.mark.slow
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recorded")
+ROWS = os.path.join(HERE, "rows")
 CASES = sorted(f[:-5] for f in os.listdir(HERE) if f.endswith(".toml"))
 ARGS = ["--gens", "1", "--learners", "2"]
+# The same kernels on every x86-64 CPU: set for the launcher, so for every role it starts (they inherit it).
+PINNED = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE,STRICT", "ONEDNN_MAX_CPU_ISA": "SSE41"}
 
 
 def run_case(name: str, run_dir: str) -> list[dict]:
-    launch(run_dir, *ARGS, "--config", os.path.join(HERE, f"{name}.toml"))
+    launch(run_dir, *ARGS, "--config", os.path.join(HERE, f"{name}.toml"), env=PINNED)
     return [{k: v for k, v in row.items() if not k.startswith(VOLATILE)} for row in read_metrics(run_dir)]
 
 
-def capability() -> str:
-    return torch.backends.cpu.get_cpu_capability()
+def recorded(name: str) -> list[dict]:
+    with open(os.path.join(ROWS, f"{name}.jsonl")) as f:
+        return [json.loads(line) for line in f]
 
 
-def vendor() -> str | None:
+def cpu_kind() -> str:
+    """This CPU: its vendor and the instruction set torch takes in this process (PINNED is set for the runs only)."""
+    vendor = "unknown vendor"
     try:
         with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), None)
+            vendor = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), vendor)
     except OSError:
-        return None
+        pass
+    return f"{vendor} {torch.backends.cpu.get_cpu_capability()}"
 
 
-def platform() -> str:
-    return f"{(vendor() or 'unknown').lower()}-{capability().lower()}"
-
-
-def recordings(meta: dict) -> dict[str, dict]:
-    """The recordings made on this kind of CPU (same instruction set; same vendor, or a vendor not recorded)."""
-    return {p: m for p, m in meta["platforms"].items()
-            if m["cpu_capability"] == capability() and m.get("vendor") in (None, vendor())}
-
-
-def differences(want: list[dict], got: list[dict], rel: float) -> list[str]:
+def differences(want: list[dict], got: list[dict]) -> list[str]:
+    """Every difference between two runs' rows, to the bit (NaN equals NaN)."""
     if [r["step"] for r in want] != [r["step"] for r in got]:
         return [f"steps {[r['step'] for r in got]}, recorded {[r['step'] for r in want]}"]
     out = []
@@ -73,8 +73,7 @@ def differences(want: list[dict], got: list[dict], rel: float) -> list[str]:
             out.append(f"step {w['step']}: keys {sorted(set(w) ^ set(g))} only on one side")
         for k in sorted(set(w) & set(g)):  # the shared keys are compared whatever the mismatch above
             a, b = w[k], g[k]
-            same = a == b or (a != a and b != b) or (rel > 0 and math.isclose(a, b, rel_tol=rel, abs_tol=1e-9))
-            if not same:
+            if not (a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))):
                 out.append(f"step {w['step']} {k}: {g[k]!r}, recorded {w[k]!r}")
     return out
 
@@ -83,41 +82,42 @@ def differences(want: list[dict], got: list[dict], rel: float) -> list[str]:
 def test_metrics_equal_the_recorded_run(name, tmp_path):
     with open(os.path.join(HERE, "meta.json")) as f:
         meta = json.load(f)
-    mine = recordings(meta)
-    rel = 0.0 if mine else 1e-4
-    got = run_case(name, str(tmp_path / name))
-    report = []
-    for p in mine or meta["platforms"]:
-        with open(os.path.join(HERE, p, f"{name}.jsonl")) as f:
-            want = [json.loads(line) for line in f]
-        diff = differences(want, got, rel)
-        if not diff:
-            return
-        report.append(f"against {p} ({meta['platforms'][p]}):\n" + "\n".join(diff[:40]))
-    pytest.fail(f"{name} (rel {rel}; this CPU: {vendor()} {capability()}):\n" + "\n".join(report))
+    assert meta["env"] == PINNED, "the recording was made under other settings: re-record (see this module's doc)"
+    diff = differences(recorded(name), run_case(name, str(tmp_path / name)))
+    if diff:
+        checked = "; ".join(f"{v['cpu']} ({v['emulating']})" for v in meta["verified"])
+        pytest.fail(f"{name}: the run's metrics differ from the recording ({len(diff)} values; this CPU: {cpu_kind()}; "
+                    f"the recording holds on: {checked}):\n" + "\n".join(diff[:40]))
 
 
-def record(only_this_cpu: bool) -> None:
+def main(argv: list[str]) -> int:
     path = os.path.join(HERE, "meta.json")
+    verify = "--verify" in argv
+    emulating = argv[argv.index("--emulating") + 1] if "--emulating" in argv else "native"
     with open(path) as f:
         meta = json.load(f)
-    if only_this_cpu:
-        for p in meta["platforms"]:
-            shutil.rmtree(os.path.join(HERE, p))
-        meta["platforms"] = {}
-    out = os.path.join(HERE, platform())
-    os.makedirs(out, exist_ok=True)
+    if not verify:
+        meta = {"env": PINNED, "torch": torch.__version__, "verified": []}
+    os.makedirs(ROWS, exist_ok=True)
     for name in CASES:
         with tempfile.TemporaryDirectory() as tmp:
             rows = run_case(name, os.path.join(tmp, name))
-        with open(os.path.join(out, f"{name}.jsonl"), "w") as f:
-            f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rows)
-        print(f"recorded {name}: {len(rows)} rows in {out}")
-    meta["platforms"][platform()] = {"cpu_capability": capability(), "vendor": vendor(), "torch": torch.__version__}
+        if verify:
+            if diff := differences(recorded(name), rows):
+                print(f"{name}: differs from the recording here ({cpu_kind()}, {emulating}):\n" + "\n".join(diff[:20]))
+                return 1
+            print(f"{name}: equal to the recording, {len(rows)} rows")
+        else:
+            with open(os.path.join(ROWS, f"{name}.jsonl"), "w") as f:
+                f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rows)
+            print(f"recorded {name}: {len(rows)} rows")
+    meta["verified"].append({"cpu": cpu_kind(), "emulating": emulating, "torch": torch.__version__,
+                             "date": datetime.date.today().isoformat()})
     with open(path, "w") as f:
         json.dump(meta, f, indent=1)
         f.write("\n")
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(record(only_this_cpu="--only-this-cpu" in sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 from common.checkpoint_dirs import MANIFEST, complete_checkpoints
 from common.metrics import read_metrics
-from tests.conftest import REPO
-from tests.integration.test_cluster import EVAL, VOLATILE, launch, start
+from tests.helpers.paths import REPO
+from tests.helpers.runs import EVAL, SMALL, VOLATILE, launch, start
 
 pytestmark = pytest.mark.slow
 
@@ -99,8 +99,6 @@ def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_with_a_checkpoi
     """Step 3's loss is NaN: that update is skipped and the weights stay those of step 2. Steps 5 and 6 too:
     two in a row (learner.max_consecutive_skipped_steps=2) stop the run with a checkpoint and a clear message.
     ZeRO-1 skips inside DeepSpeed (the grad norm is not finite); stage 0 is our own check."""
-    from tests.integration.test_cluster import SMALL
-
     run = tmp_path / "nan"
     env = {**os.environ, "COVRL_FAULT_NONFINITE_STEPS": "3,5-6"}
     p = subprocess.run([sys.executable, os.path.join(REPO, "launch", "cluster.py"), "--run-dir", str(run), "--quiet",

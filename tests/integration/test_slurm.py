@@ -29,8 +29,8 @@ import pytest
 
 from common.metrics import read_metrics
 from common.transport import free_port
-from tests.conftest import REPO
-from tests.integration.test_cluster import SMALL
+from tests.helpers.paths import REPO
+from tests.helpers.runs import SMALL
 
 pytestmark = pytest.mark.slow
 

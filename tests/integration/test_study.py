@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from common.metrics import read_metrics
-from tests.conftest import REPO
+from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from common.metrics import read_metrics
-from tests.conftest import HUB_SHA, REPO
-from tests.integration.test_cluster import EVAL
+from tests.helpers.paths import HUB_SHA, REPO
+from tests.helpers.runs import EVAL, SMALL, launch
 
 pytestmark = pytest.mark.slow
 
@@ -128,8 +128,6 @@ def test_hub_id_rollouts_tensorboard_text_and_wandb_offline(tmp_path, hub_cache)
 
 
 def test_rollouts_off_writes_none_and_all_writes_every_group(tmp_path):
-    from tests.integration.test_cluster import SMALL, launch
-
     launch(tmp_path / "off", "--steps", "1", *SMALL, "--set", 'logging.rollouts="off"')
     assert not (tmp_path / "off" / "rollouts").exists()
     launch(tmp_path / "all", "--steps", "1", *SMALL, "--set", 'logging.rollouts="all"')

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from common.transport import free_port
-from tests.conftest import BASE_MODEL, REPO
+from tests.helpers.paths import BASE_MODEL, REPO
 
 pytestmark = pytest.mark.slow
 

@@ -18,6 +18,7 @@ from common import messages
 from common.config import load_config
 from learner.batch import batch_from_config
 from learner.trainer import Trainer, init_distributed, thread_setup
+from tests.helpers.groups import rollout_group, sample
 
 
 def groups(rng: np.random.Generator, n: int) -> list[messages.RolloutGroup]:
@@ -26,13 +27,8 @@ def groups(rng: np.random.Generator, n: int) -> list[messages.RolloutGroup]:
         samples = []
         for j in range(4):
             toks = rng.integers(3, 60, size=12)
-            samples.append(messages.Sample(token_ids=messages.to_bytes(toks, messages.TOKEN_DTYPE),
-                                    logprobs=messages.to_bytes(np.full(12, -1.0), messages.LOGPROB_DTYPE),
-                                    versions=messages.to_bytes(np.zeros(12), messages.VERSION_DTYPE), reward=float(j % 2),
-                                    finish_reason="stop", score_status="ok"))
-        out.append(messages.RolloutGroup(gen_id=0, incarnation="z3", ticket=g, prompt_id=g, epoch=0,
-                                  prompt_ids=messages.to_bytes(rng.integers(3, 60, size=6), messages.TOKEN_DTYPE), samples=samples,
-                                  gen_time_s=0.0))
+            samples.append(sample(toks, j % 2, logprobs=-1.0, versions=0))
+        out.append(rollout_group(samples, prompt=rng.integers(3, 60, size=6), incarnation="z3", ticket=g, prompt_id=g))
     return out
 
 

@@ -16,7 +16,7 @@ from common.data import PromptSource
 from common.transport import free_port
 from learner.nccl import wait_until
 from learner.publisher import WeightPublisher
-from tests.unit.test_hub import Hooks
+from tests.helpers.hooks import Hooks
 
 KEY = b"d" * 32
 

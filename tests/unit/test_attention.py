@@ -12,7 +12,7 @@ from torch.testing import assert_close
 from common import messages
 from learner import attention
 from learner.batch import TrainSample, pack
-from tests.conftest import BASE_MODEL
+from tests.helpers.paths import BASE_MODEL
 
 
 def samples(lengths: list[tuple[int, int]], seed: int = 0) -> list[TrainSample]:

@@ -6,17 +6,11 @@ from broker.rules import scores
 from common import messages
 from learner import advantages
 from learner import batch
+from tests.helpers.groups import rollout_group, sample
 
 
 def _group(prompt, responses, rewards, version=0):
-    samples = [
-        messages.Sample(token_ids=messages.to_bytes(r, messages.TOKEN_DTYPE), logprobs=messages.to_bytes(np.full(len(r), -0.5), messages.LOGPROB_DTYPE),
-                 versions=messages.to_bytes(np.full(len(r), version), messages.VERSION_DTYPE), reward=float(w),
-                 finish_reason="stop", score_status="ok")
-        for r, w in zip(responses, rewards)
-    ]
-    return messages.RolloutGroup(gen_id=0, incarnation="x", ticket=0, prompt_id=0, epoch=0,
-                          prompt_ids=messages.to_bytes(prompt, messages.TOKEN_DTYPE), samples=samples, gen_time_s=0.0)
+    return rollout_group([sample(r, w, versions=version) for r, w in zip(responses, rewards)], prompt=prompt)
 
 
 def test_grpo_advantages_hand_computed():

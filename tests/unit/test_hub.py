@@ -12,45 +12,15 @@ from common import messages
 from common.config import load_config
 from common.data import PromptSource
 from common.transport import GeneratorSocket
-from broker.hooks import GeneratorHooks
 from broker.hub import Hub
 from broker.rules import GroupRules
+from tests.helpers.groups import rollout_group, sample
+from tests.helpers.hooks import Hooks
 
 KEY = b"k" * 32
-
-
-class Hooks(GeneratorHooks):
-    """A stand-in for learner rank 0's `GeneratorHooks`: each event is handed to its callable, if one is given."""
-
-    def __init__(self, join=None, leave=None, lost=None):
-        self.on = {"join": join, "leave": leave, "lost": lost}
-
-    def join(self, gen_id, incarnation):
-        self._tell("join", gen_id, incarnation)
-
-    def leave(self, gen_id, incarnation):
-        self._tell("leave", gen_id, incarnation)
-
-    def lost(self, gen_id, incarnation, pid, why, detail):
-        self._tell("lost", gen_id, incarnation, pid, why, detail)
-
-    def _tell(self, event, *args):
-        if self.on[event] is not None:
-            self.on[event](*args)
-
-
-@pytest.fixture
-def hub(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    cfg = load_config(None, ["data.train_size=64", "rollout.groups_per_step=2", "rollout.group_size=2",
-                             "rollout.max_staleness_steps=0", "transport.generator_timeout_s=1.5",
-                             "learner.filter.dynamic_sampling=false"])
-    h = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)),
-            weight_addr="127.0.0.1:1", generators=lambda: 2)
-    h.start()
-    yield h
-    h.stop()
+# The `hub` fixture's config (tests/unit/conftest.py).
+HUB_SETTINGS = ["data.train_size=64", "rollout.groups_per_step=2", "rollout.group_size=2",
+                "rollout.max_staleness_steps=0", "transport.generator_timeout_s=1.5", "learner.filter.dynamic_sampling=false"]
 
 
 def _hello(sock, gen_id=0, version=messages.PROTOCOL_VERSION, run_id="run1", inc="a"):
@@ -59,10 +29,8 @@ def _hello(sock, gen_id=0, version=messages.PROTOCOL_VERSION, run_id="run1", inc
 
 
 def _result(item: messages.WorkItem, gen_id=0, inc="a", version=0, n=2):
-    s = messages.Sample(token_ids=messages.to_bytes([3, 4], messages.TOKEN_DTYPE), logprobs=messages.to_bytes([-0.1, -0.2], messages.LOGPROB_DTYPE),
-                 versions=messages.to_bytes([version, version], messages.VERSION_DTYPE), reward=1.0, finish_reason="stop", score_status="ok")
-    return messages.RolloutGroup(gen_id=gen_id, incarnation=inc, ticket=item.ticket, prompt_id=item.prompt_id, epoch=item.epoch,
-                          prompt_ids=item.prompt_ids, samples=[s] * n, gen_time_s=0.1)
+    s = sample([3, 4], logprobs=[-0.1, -0.2], versions=version)
+    return rollout_group([s] * n, item=item, gen_id=gen_id, incarnation=inc, gen_time_s=0.1)
 
 
 def test_wrong_protocol_version_and_garbage_are_rejected_and_hub_survives(hub, caplog):
@@ -642,12 +610,8 @@ def test_free_ports_come_from_below_the_ephemeral_range_and_are_never_handed_out
 def _scored(item: messages.WorkItem, version: int, spread: bool) -> messages.RolloutGroup:
     """A group of two one-token responses sampled at `version`: rewards 1 and 0 (`spread`), else both 1 (a group
     dynamic sampling drops)."""
-    samples = [messages.Sample(token_ids=messages.to_bytes([3], messages.TOKEN_DTYPE),
-                               logprobs=messages.to_bytes([-0.1], messages.LOGPROB_DTYPE),
-                               versions=messages.to_bytes([version], messages.VERSION_DTYPE), reward=reward,
-                               finish_reason="stop", score_status="ok") for reward in ((1.0, 0.0) if spread else (1.0, 1.0))]
-    return messages.RolloutGroup(gen_id=0, incarnation="a", ticket=item.ticket, prompt_id=item.prompt_id,
-                                 epoch=item.epoch, prompt_ids=item.prompt_ids, samples=samples, gen_time_s=0.1)
+    samples = [sample([3], reward, logprobs=-0.1, versions=version) for reward in ((1.0, 0.0) if spread else (1.0, 1.0))]
+    return rollout_group(samples, item=item, incarnation="a", gen_time_s=0.1)
 
 
 def test_a_forced_lag_trains_every_token_exactly_that_many_versions_old(tiny_model_dir):

@@ -6,38 +6,23 @@ import time
 
 import msgspec
 import numpy as np
-import pytest
 import zmq
 
 from common import messages
-from common.config import load_config
-from common.data import PromptSource
 from common.transport import GeneratorSocket, _mac
-from broker.hub import Hub
+from tests.helpers.groups import rollout_group, sample
 
 KEY = b"s" * 32
 N_FRAMES = 10_000
-
-
-@pytest.fixture
-def hub(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    cfg = load_config(None, ["data.train_size=64", "rollout.groups_per_step=2", "rollout.group_size=2",
-                             "rollout.max_staleness_steps=0", "learner.filter.dynamic_sampling=false",
-                             "rollout.max_new_tokens=8", "eval.every_steps=0"])
-    h = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)),
-            weight_addr="127.0.0.1:1", generators=lambda: 2)
-    h.start()
-    yield h
-    h.stop()
+# The `hub` fixture's config (tests/unit/conftest.py).
+HUB_SETTINGS = ["data.train_size=64", "rollout.groups_per_step=2", "rollout.group_size=2",
+                "rollout.max_staleness_steps=0", "learner.filter.dynamic_sampling=false", "rollout.max_new_tokens=8",
+                "eval.every_steps=0"]
 
 
 def _group(item, n=2, tokens=(3, 4), logprobs=(-0.1, -0.2), versions=(0, 0), inc="a"):
-    s = messages.Sample(token_ids=messages.to_bytes(list(tokens), messages.TOKEN_DTYPE), logprobs=messages.to_bytes(list(logprobs), messages.LOGPROB_DTYPE),
-                 versions=messages.to_bytes(list(versions), messages.VERSION_DTYPE), reward=1.0, finish_reason="stop", score_status="ok")
-    return messages.RolloutGroup(gen_id=0, incarnation=inc, ticket=item.ticket, prompt_id=item.prompt_id, epoch=item.epoch,
-                          prompt_ids=item.prompt_ids, samples=[s] * n, gen_time_s=0.1)
+    s = sample(list(tokens), logprobs=list(logprobs), versions=list(versions))
+    return rollout_group([s] * n, item=item, incarnation=inc, gen_time_s=0.1)
 
 
 def _wait(hub, expected: dict[str, int], timeout_s=60.0) -> dict:

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import BASE_MODEL, HUB_OLD as OLD, HUB_SHA as SHA, REPO
+from tests.helpers.paths import BASE_MODEL, HUB_OLD as OLD, HUB_SHA as SHA, REPO
 
 
 def resolve(cache, path, offline=True, endpoint=None):

@@ -3,10 +3,14 @@ of learner rank 0) imports only common/, and learner/ imports it only in its com
 builds the hub and wires it in; everything else talks to it through learner/ports.py); common/ imports none of them;
 launch/ imports common/ (it starts the roles as processes) and study/ (the end-of-run plots); study/ imports only
 common/; hardware/ (the GPU tools) imports the roles' packages (it runs their code in its workers) but not
-study/, and no role imports the tools. No product module imports tests/. And no import cycle anywhere."""
+study/, and no role imports the tools. No product module imports tests/. And no import cycle anywhere.
+
+Under tests/, a test module (test_*.py) is a leaf: no module there imports a test module or a conftest.py; code that
+several modules share lives in tests/helpers/, fixtures in a conftest.py (docs/testing.md)."""
 
 import ast
 import os
+import textwrap
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGES = ("actors", "broker", "common", "hardware", "launch", "learner", "study")
@@ -126,3 +130,86 @@ def test_no_two_modules_share_a_name():
     assert len(seen) > 50, "the walk found too few modules: the check would pass vacuously"
     shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert not shared, f"modules sharing a name: {shared}"
+
+
+def _imported_names(source: str, package: str) -> set[str]:
+    """The modules a file's import statements name, as absolute dotted names, at any depth of the file (function-local
+    imports too); relative imports are resolved against `package`, and `from a import b` names both `a` and `a.b` (b
+    may be a module). Imports in the file's string literals count too: the driver scripts tests run with `python -c`."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = ".".join(parts[:len(parts) - node.level + 1]) if node.level else ""
+            module = ".".join(filter(None, [base, node.module]))
+            names.add(module)
+            names.update(f"{module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "import" in node.value:
+            names |= _imported_names_in_text(node.value, package)
+    return names
+
+
+def _imported_names_in_text(text: str, package: str) -> set[str]:
+    try:
+        return _imported_names(textwrap.dedent(text), package)
+    except SyntaxError:  # not a whole program (a str.format template, prose): line by line
+        names: set[str] = set()
+        for line in text.splitlines():
+            try:
+                names |= _imported_names(line.strip(), package)
+            except SyntaxError:
+                pass
+        return names
+
+
+def _test_module(name: str) -> str | None:
+    """The file, relative to the repository, when dotted `name` is a test module (test_*.py) or a conftest.py."""
+    rel = os.path.join(*name.split(".")) + ".py"
+    stem = os.path.basename(rel)[:-3]
+    if (stem.startswith("test_") or stem == "conftest") and os.path.isfile(os.path.join(REPO, rel)):
+        return rel
+    return None
+
+
+def _test_tree_sources():
+    """(path relative to the repository, dotted package) of every Python file under tests/."""
+    for root, dirs, files in os.walk(os.path.join(REPO, "tests")):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for f in sorted(files):
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(root, f), REPO)
+                yield rel, os.path.dirname(rel).replace(os.sep, ".")
+
+
+def test_no_module_under_tests_imports_a_test_module():
+    """A test module is a leaf: running, renaming or deleting one never breaks another, importing one never runs
+    another's module-level setup (its `pytestmark`, an importorskip), and no fixture is imported by name. Shared
+    code goes to tests/helpers/ (whose modules import no test module either), shared fixtures to the conftest.py of
+    the level that uses them; no module imports a conftest.py (its constants are tests/helpers/paths.py's)."""
+    bad, seen = [], set()
+    for rel, package in _test_tree_sources():
+        seen.add(rel)
+        with open(os.path.join(REPO, rel)) as f:
+            names = _imported_names(f.read(), package)
+        bad += [f"{rel} imports {name} ({target})" for name in sorted(names) if (target := _test_module(name))]
+    assert len(seen) > 50 and {"tests/helpers/runs.py", "tests/conftest.py"} <= seen, \
+        "the walk missed tests/: the rule would pass vacuously"
+    assert not bad, ("a module under tests/ imports a test module or a conftest.py; move what it needs into "
+                     "tests/helpers/ (a fixture into a conftest.py) and import it from there:\n" + "\n".join(bad))
+
+
+def test_the_test_module_rule_sees_every_form_of_import():
+    """The rule above catches each way of importing a test module, and passes an import from tests/helpers/. (The
+    names are assembled here so that this file's own literals import no test module.)"""
+    me = "test_" + "imports"  # this file: a test module that surely exists
+    cases = {"plain": f"import tests.unit.{me} as t",
+             "from its package": f"from tests.unit import {me}",
+             "relative": f"from .{me} import REPO",
+             "inside a function": f"def f():\n    from tests.unit.{me} import PACKAGES",
+             "a script in a string": f"S = \"\"\"\nimport sys\nfrom tests.unit.{me} import REPO\nprint({{repo!r}})\n\"\"\"",
+             "a conftest.py": "from .. import " + "con" + "ftest"}
+    for what, source in cases.items():
+        assert any(_test_module(n) for n in _imported_names(source, "tests.unit")), f"not caught ({what}): {source}"
+    assert not any(_test_module(n) for n in _imported_names("from tests.helpers.runs import SMALL", "tests.unit"))

@@ -16,7 +16,6 @@ from broker.hooks import GeneratorHooks
 from broker.hub import BrokerStats
 from broker.hub import Hub as RealHub
 from broker.rules import GroupRules
-from common import messages
 from common.config import eval_versions, from_dict
 from learner.__main__ import GeneratorEvents
 from learner.batch import batch_from_config, decode, encode
@@ -24,18 +23,15 @@ from learner.loop import Follower, Lead, Learner
 from learner.ports import HubPort
 from learner.par import ParSchedule
 from learner.trainer import SUM_KEYS, StepStats
-from tests.unit.test_hub import Hooks
+from tests.helpers.groups import rollout_group, sample
+from tests.helpers.hooks import Hooks
 
 CFG = {"run": {"steps": 4, "checkpoint_every_steps": 3}, "rollout": {"groups_per_step": 2, "group_size": 2},
        "eval": {"every_steps": 2}, "learner": {"max_consecutive_skipped_steps": 2}}
 
 
 def _group(rewards):
-    samples = [messages.Sample(token_ids=messages.to_bytes([5, 6, 7], messages.TOKEN_DTYPE), logprobs=messages.to_bytes(np.full(3, -0.5), messages.LOGPROB_DTYPE),
-                        versions=messages.to_bytes([0, 0, 0], messages.VERSION_DTYPE), reward=float(r), finish_reason="stop",
-                        score_status="ok") for r in rewards]
-    return messages.RolloutGroup(gen_id=0, incarnation="x", ticket=0, prompt_id=0, epoch=0,
-                          prompt_ids=messages.to_bytes([1, 2], messages.TOKEN_DTYPE), samples=samples, gen_time_s=0.0)
+    return rollout_group([sample([5, 6, 7], r) for r in rewards])
 
 
 class Ready:

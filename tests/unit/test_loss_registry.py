@@ -16,24 +16,9 @@ from learner import losses
 from learner.objective import LOSSES, Objective, covariance_profile, loss_name, make_loss
 from learner.tokens import Choices, Seen, Surveyed, Tokens
 from learner.trainer import SUM_KEYS, StepStats, accumulate, micro_sums, step_metrics, sum_vector
+from tests.helpers.collectives import OneRank
 
 G = lambda s=0: torch.Generator().manual_seed(s)  # noqa: E731
-
-
-class OneRank:
-    """`learner.objective.Collectives` of a data-parallel group of one rank."""
-
-    rank, world = 0, 1
-
-    def sum_(self, x):
-        return x
-
-    def kth_largest(self, values, k):
-        return self.top_values(values, k)[-1]
-
-    def top_values(self, values, k):
-        ordered = values.double().sort(descending=True).values[:k]
-        return torch.cat([ordered, torch.full((k - ordered.numel(),), float("-inf"), dtype=torch.float64)])
 
 
 def _lc(loss, **learner):

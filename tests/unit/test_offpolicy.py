@@ -12,7 +12,7 @@ from torch.testing import assert_close
 
 from learner import losses, offpolicy
 from learner.tokens import Choices, Seen, Surveyed, Tokens
-from tests.unit.test_loss_registry import OneRank
+from tests.helpers.collectives import OneRank
 
 
 def _mask_of(m2: list[float], threshold: float, mask: list[float] | None = None) -> list[float]:

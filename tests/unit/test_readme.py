@@ -58,7 +58,7 @@ def test_every_learner_metric_is_documented():
 
     from learner import loop, offpolicy
     from learner.tokens import Choices, Seen, Surveyed
-    from tests.unit.test_loss_registry import OneRank
+    from tests.helpers.collectives import OneRank
 
     one = torch.ones(1, 1)
     entry = Surveyed(old=0 * one, entropy=one, adv=one, mask=one, behav=0 * one, seq_ids=torch.zeros(1, 1).long(),

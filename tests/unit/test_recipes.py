@@ -6,7 +6,7 @@ import os
 import pytest
 
 from common import config
-from tests.conftest import REPO
+from tests.helpers.paths import REPO
 
 RECIPES = os.path.join(REPO, "launch", "recipes")
 PAPER = sorted(glob.glob(os.path.join(RECIPES, "qwen2.5-[0-9]*b-*.toml")))

@@ -3,18 +3,13 @@
 import numpy as np
 
 from broker.rules import GroupRules, overlong_penalty, scores, zero_spread
-from common import messages
 from common.config import from_dict
+from tests.helpers.groups import rollout_group, sample
 
 
 def _group(lengths, rewards, versions):
-    samples = [messages.Sample(token_ids=messages.to_bytes(np.arange(n), messages.TOKEN_DTYPE),
-                        logprobs=messages.to_bytes(np.full(n, -0.5), messages.LOGPROB_DTYPE),
-                        versions=messages.to_bytes(np.full(n, v), messages.VERSION_DTYPE), reward=float(r),
-                        finish_reason="stop", score_status="ok")
-               for n, r, v in zip(lengths, rewards, versions)]
-    return messages.RolloutGroup(gen_id=0, incarnation="x", ticket=0, prompt_id=0, epoch=0,
-                          prompt_ids=messages.to_bytes([1, 2], messages.TOKEN_DTYPE), samples=samples, gen_time_s=0.0)
+    """Response i: `lengths[i]` tokens, reward `rewards[i]`, every token sampled at version `versions[i]`."""
+    return rollout_group([sample(np.arange(n), r, versions=v) for n, r, v in zip(lengths, rewards, versions)])
 
 
 def _rules(**filter_):

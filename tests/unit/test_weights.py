@@ -8,18 +8,8 @@ from torch.testing import assert_close
 from common import weights
 from common.transport import free_port
 from learner.nccl import wait_until
-
-
-def receive(ch: weights.WeightChannel, lay: weights.Layout, out: torch.Tensor | None = None):
-    """A receiver's whole step, for tests: block for the next version -> (version, flat, checksum); None when the
-    learner says stop. (The generator's weight thread does the same in two calls, `actors/weight_receiver.py`.)"""
-    got = ch.receive_header(lay)
-    if got is None:
-        return None
-    version, flags = got
-    weights.refuse_direct(flags, "this test receiver")
-    flat, total = ch.receive_buckets(lay, out)
-    return version, flat, total
+from tests.helpers.paths import REPO
+from tests.helpers.weight_channel import receive
 
 
 def _model(seed):
@@ -461,8 +451,6 @@ def _healthy_and_frozen(port: int, got: list):
     """Generator 0 in a thread, receiving every version; generator 1 a process that joins and freezes."""
     import subprocess
     import sys
-
-    from tests.conftest import REPO
 
     def receiver():
         ch = weights.WeightChannel("127.0.0.1", port, 1, 2, 60, prefix=weights.pair_prefix(0, "ok"))

@@ -1,41 +1,19 @@
-"""A real Ray autoscaling cluster on this machine, for tests: a head node whose autoscaler adds and removes fake nodes.
-
-Ray's "fake_multinode" node provider makes each node the autoscaler launches a local raylet (started by the
-autoscaler's monitor process on the head), so scaling up and down runs through the real autoscaler, the real GCS
-and real raylets. `ray.cluster_utils.AutoscalingCluster` does the same but runs `ray stop --force` (which kills
-every Ray process of the user) and reads an example config that the wheel does not ship; this module builds the
-config itself and stops only the processes it started: the head runs `ray start --head --block` in a session of
-its own, the monitor and the fake nodes it launches stay in that session, and tear-down ends that session.
-
-Autoscaler v2 (RAY_enable_autoscaler_v2=1). v1 scales as fast here (a node in about 2 s; gone about 3 s after
-nothing needs it, with the 3 s idle timeout), but v1 removes an idle node by deregistering it outright, while v2 asks
-the node's raylet to drain and the raylet refuses if work has just landed there: with an idle timeout of seconds,
-that race is real. v2 is also where Ray is going.
-
-Token authentication is on, with a fresh token in the environment of the head (so of the monitor and the fake
-nodes) and in `env`, which a client process must have: `ray.init(address=...)` does not pick up a head's token by
-itself and is refused without it (see test_multihost.py). ~/.ray is neither read nor written.
-
-Use: `from tests.integration.ray_autoscaling import ray_autoscaling` in a test module, then take `ray_autoscaling`.
-"""
+"""A Ray autoscaling cluster on this machine for tests: a head whose real autoscaler adds and removes fake nodes."""
 
 from __future__ import annotations
 
 import json
 import os
 import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
-from tests.conftest import REPO
-from tests.integration.test_multihost import RAY, _free_port, _stop_node, _wait_started
+from tests.helpers.paths import REPO
+from tests.helpers.ports import free_port
+from tests.helpers.ray_nodes import RAY, stop_node, wait_started
 
 FAKE_PROVIDER = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider"
 HEAD_ID = "fffffffffffffffffffffffffffffffffffffffffffffffffff00000"  # the fake provider's fixed head node id
@@ -107,11 +85,29 @@ def autoscaling_config(gcs_address: str, head_cpus: int, node_types: dict, idle_
 
 def start_head(tmp: Path, temp_dir: str, head_cpus: int = 2, node_types: dict | None = None,
                idle_timeout_s: float = 3.0) -> AutoscalingRay:
-    """Start the head with its autoscaler; returns once the head is up (no worker node yet: min_workers 0)."""
+    """Start the head with its autoscaler; returns once the head is up (no worker node yet: min_workers 0). Tests take
+    the `ray_autoscaling` fixture (tests/integration/conftest.py), which calls this.
+
+    Ray's "fake_multinode" node provider makes each node the autoscaler launches a local raylet (started by the
+    autoscaler's monitor process on the head), so scaling up and down runs through the real autoscaler, the real GCS
+    and real raylets. `ray.cluster_utils.AutoscalingCluster` does the same but runs `ray stop --force` (which kills
+    every Ray process of the user) and reads an example config that the wheel does not ship; this module builds the
+    config itself and stops only the processes it started: the head runs `ray start --head --block` in a session of
+    its own, the monitor and the fake nodes it launches stay in that session, and tear-down ends that session.
+
+    Autoscaler v2 (RAY_enable_autoscaler_v2=1). v1 scales as fast here (a node in about 2 s; gone about 3 s after
+    nothing needs it, with the 3 s idle timeout), but v1 removes an idle node by deregistering it outright, while v2 asks
+    the node's raylet to drain and the raylet refuses if work has just landed there: with an idle timeout of seconds,
+    that race is real. v2 is also where Ray is going.
+
+    Token authentication is on, with a fresh token in the environment of the head (so of the monitor and the fake
+    nodes) and in `env`, which a client process must have: `ray.init(address=...)` does not pick up a head's token by
+    itself and is refused without it (see tests/integration/test_multihost.py). ~/.ray is neither read nor written.
+    """
     import ray._private.services as services  # no ray.init here: only the address this machine's nodes will use
 
     ip = services.get_node_ip_address()
-    address = f"{ip}:{_free_port(ip)}"
+    address = f"{ip}:{free_port(ip)}"
     config = tmp / "autoscaling.json"
     config.write_text(json.dumps(autoscaling_config(address, head_cpus, node_types or {"gen_node": GEN_NODE},
                                                     idle_timeout_s)))
@@ -122,31 +118,15 @@ def start_head(tmp: Path, temp_dir: str, head_cpus: int = 2, node_types: dict | 
            "RAY_OVERRIDE_NODE_ID_FOR_TESTING": HEAD_ID}
     argv = [RAY, "start", "--head", f"--node-ip-address={ip}", f"--port={address.split(':')[1]}",
             f"--num-cpus={head_cpus}", f"--object-store-memory={100 * 2**20}", "--include-dashboard=false",
-            f"--ray-client-server-port={_free_port(ip)}", f"--autoscaling-config={config}",
+            f"--ray-client-server-port={free_port(ip)}", f"--autoscaling-config={config}",
             f"--temp-dir={temp_dir}", "--block"]
     with open(cluster.log, "wb") as log:
         cluster.head = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True)
     try:
-        _wait_started(cluster.head, cluster.log, "the Ray head")
+        wait_started(cluster.head, cluster.log, "the Ray head")
     except BaseException:
-        _stop_node(cluster.head)
+        stop_node(cluster.head)
         raise
     return cluster
 
-
-@pytest.fixture
-def ray_autoscaling(tmp_path):
-    """An autoscaling cluster: head with 2 CPUs; node type gen_node ({"CPU": 1, "covrl_gen": 1}, 0 to 2 nodes)
-    that the autoscaler adds on demand and removes after 3 s idle. Tear-down ends every process it started."""
-    if shutil.which(RAY) is None:
-        pytest.skip(f"Ray's command line is not installed ({RAY})")
-    temp = tempfile.mkdtemp(prefix="covrl-ray-")  # short: Ray's socket paths must fit in 107 characters
-    cluster = None
-    try:
-        cluster = start_head(tmp_path, temp)
-        yield cluster
-    finally:
-        if cluster is not None:
-            _stop_node(cluster.head)
-        shutil.rmtree(temp, ignore_errors=True)

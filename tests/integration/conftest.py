@@ -1,0 +1,40 @@
+"""Fixtures of the integration tests that start Ray clusters on this machine (several modules take them)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import pytest
+
+from tests.helpers.ray_autoscaling import start_head
+from tests.helpers.ray_nodes import RAY, stop_node
+
+
+@pytest.fixture
+def ray_cluster():
+    """A multi-node Ray cluster in this process (`ray.cluster_utils.Cluster`): a head that runs no role; the test
+    adds the nodes it needs. Skips the test where Ray is not installed."""
+    ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
+    c = ray_cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # the head runs no role
+    try:
+        yield c
+    finally:
+        c.shutdown()
+
+
+@pytest.fixture
+def ray_autoscaling(tmp_path):
+    """An autoscaling cluster: head with 2 CPUs; node type gen_node ({"CPU": 1, "covrl_gen": 1}, 0 to 2 nodes)
+    that the autoscaler adds on demand and removes after 3 s idle. Tear-down ends every process it started."""
+    if shutil.which(RAY) is None:
+        pytest.skip(f"Ray's command line is not installed ({RAY})")
+    temp = tempfile.mkdtemp(prefix="covrl-ray-")  # short: Ray's socket paths must fit in 107 characters
+    cluster = None
+    try:
+        cluster = start_head(tmp_path, temp)
+        yield cluster
+    finally:
+        if cluster is not None:
+            stop_node(cluster.head)
+        shutil.rmtree(temp, ignore_errors=True)
