@@ -12,7 +12,7 @@ BSTAMP  := .venv-bench/.covrl-bench-deps
 GPY     := .venv-gpu/bin/python
 GSTAMP  := .venv-gpu/.covrl-deps
 
-.PHONY: demo test bench bench-env venv venv-gpu test-gpu-contract test-gpu clean-runs
+.PHONY: demo test check bench bench-env venv venv-gpu test-gpu-contract test-gpu clean-runs
 
 venv: $(STAMP)
 
@@ -29,9 +29,16 @@ $(STAMP): $(DEPS)
 demo: $(STAMP)
 	.venv/bin/covrl run --gens 1 --learners 1 --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
-# `long` cases (pyproject.toml's markers) run in `make bench`: make test stays under 20 minutes on 2 cores.
+# The README's test command and CI's: the unit tests two at a time (one per core), then the integration tests one at
+# a time (each starts its own processes, and some measure time). `long` cases (pyproject.toml's markers) run in
+# `make bench`, each beside a faster case here that checks the same path. docs/testing.md: which to run when.
 test: $(STAMP)
-	$(PY) -m pytest -q tests/unit tests/integration -m "not long"
+	$(PY) -m pytest -q -n 2 tests/unit
+	$(PY) -m pytest -q tests/integration -m "not long"
+
+# The edit loop: the unit tests and one short end-to-end run (a recorded run, to the bit), in under 3 minutes.
+check: $(STAMP)
+	$(PY) -m pytest -q -n 2 tests/unit tests/integration -m "check or not slow"
 
 # All benchmarks in one go (tests/bench/results.json), then the README table rendered from it.
 bench: $(STAMP) $(BSTAMP)

@@ -11,6 +11,8 @@ import pytest
 
 from tests.helpers.paths import REPO
 
+pytestmark = pytest.mark.slow
+
 
 def _launch(run_dir, *args):
     return subprocess.run([sys.executable, os.path.join(REPO, "launch", "cluster.py"), "--run-dir", str(run_dir), *args],

@@ -179,14 +179,17 @@ def test_a_run_explains_itself_and_a_finished_run_is_not_restarted(tmp_path):
     assert after.keys() == logs.keys() and all(after[f].st_mtime_ns == logs[f].st_mtime_ns for f in logs)  # no role ran
 
 
-def test_same_seed_same_numbers_with_evaluation(tmp_path):
-    """Determinism with in-training evaluation: two runs of the async pipeline (staleness 1)
-    with evaluation at versions 0, 2, 4 write identical metrics, timings aside."""
-    runs = []
-    for name in ("a", "b"):
-        launch(tmp_path / name, "--gens", "1", "--learners", "1", "--steps", "4", *EVAL)
-        runs.append(read_metrics(str(tmp_path / name)))
-    a, b = runs
+def evaluated_run(run_dir) -> list[dict]:
+    launch(run_dir, "--gens", "1", "--learners", "1", "--steps", "4", *EVAL)
+    return read_metrics(str(run_dir))
+
+
+def test_evaluation_rows_at_versions_0_2_4(tmp_path):
+    """In-training evaluation in the async pipeline (staleness 1): the base model's row at step 0, then versions 2
+    and 4, each data source with every eval metric. That such a run writes the same numbers twice is checked by
+    test_recorded_runs.py's kl_cov_par_eval (evaluation, staleness 1, to the bit) here, and by the two-run case below
+    in `make bench`."""
+    a = evaluated_run(tmp_path / "a")
     assert [r["step"] for r in a] == [0, 1, 2, 3, 4]  # one row per step; step 0 is the base model's eval
     assert set(a[0]) == {"step", *(f"eval/{ds}/{m}" for ds in ("arith_easy", "arith_hard")
                                    for m in ("acc", "pass@k", "response_length", "score_failures", "entropy",
@@ -198,7 +201,15 @@ def test_same_seed_same_numbers_with_evaluation(tmp_path):
     assert a[0]["eval/arith_easy/acc"] > 0.2, "the warm-started base model should solve some easy problems"
     assert not any(k.startswith("eval/") for k in a[1]) and not any(k.startswith("eval/") for k in a[3])
     assert max(r["staleness/max"] for r in a[1:]) == 1  # the run was off-policy, not a synchronous loop
+
+
+@pytest.mark.long
+def test_same_seed_same_numbers_with_evaluation(tmp_path):
+    """Determinism with in-training evaluation: two runs of the async pipeline (staleness 1) with evaluation at
+    versions 0, 2, 4 write identical metrics, timings aside."""
+    a, b = evaluated_run(tmp_path / "a"), evaluated_run(tmp_path / "b")
     strip = lambda r: {k: v for k, v in r.items() if not k.startswith(VOLATILE)}  # noqa: E731
+    assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
         assert strip(ra) == strip(rb), f"step {ra['step']} differs"
 

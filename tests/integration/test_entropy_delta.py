@@ -10,6 +10,8 @@ import pytest
 
 from tests.helpers.paths import REPO
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("stride", [1, 3])
 def test_entropy_delta_is_measured_on_the_picked_micro_batches(stride):
