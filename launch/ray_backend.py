@@ -36,6 +36,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from common.transport import free_port
 from common.runfiles import NOT_PLACED, PlacementError
 from common.lifeline import LIFELINE_ENV
 from launch.process_group import signal_group
@@ -94,18 +95,10 @@ class RoleActor:
 
 @ray.remote(num_cpus=0)
 def _node_ports(n: int) -> tuple[str, list[int]]:
-    """On rank 0's node: its address, and `n` ports free there."""
+    """On rank 0's node: its address, and `n` different ports free there, below its ephemeral range (free_port: a
+    port from bind(0) was taken by an outgoing connection before the learner bound its weight store, EADDRINUSE)."""
     ip = ray.util.get_node_ip_address()
-    ports = []
-    socks = []
-    for _ in range(n):  # hold each until all are picked, so they differ
-        s = socket.socket()
-        s.bind((ip, 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ip, ports
+    return ip, [free_port(ip) for _ in range(n)]
 
 
 def free_of(bundle: dict[str, float]) -> dict[str, float]:

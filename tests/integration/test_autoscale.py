@@ -36,7 +36,11 @@ pytestmark = pytest.mark.slow
 K = 1
 POLICY = ["--set", "cluster.autoscale.window_steps=3", "--set", "cluster.autoscale.settle_steps=1",
           "--set", "cluster.autoscale.cooldown_steps=4", "--set", f"rollout.max_staleness_steps={K}",
-          "--set", "learner.filter.dynamic_sampling=false"]  # each step is two engine calls: a steady pace
+          "--set", "learner.filter.dynamic_sampling=false",  # each step is two engine calls: a steady pace
+          # 8 new tokens (SMALL's 24): the learner's own step stays well under what 4 paced generators take for one,
+          # on the slower CPUs too (with 24 tokens, a 2-core machine running torch's scalar kernels trained a step in
+          # 0.8-0.95 s, so 3 generators already fed it, and 2 -> 3 gained 2% and was undone)
+          "--set", "rollout.max_new_tokens=8"]
 
 
 def paced_env(tmp_path, **pace) -> tuple[dict[str, str], str]:
@@ -94,7 +98,7 @@ def share(rows, lo: int, hi: int) -> float:
 
 def test_starved_learner_scales_up_then_a_slow_learner_scales_down_to_min(tmp_path):
     run, steps = tmp_path / "up-down", 40
-    env, pace = paced_env(tmp_path, generate_s=0.4)
+    env, pace = paced_env(tmp_path, generate_s=0.6)
     # A step is 4 requests of 2 groups: up to 4 generators share it (with 8 groups in 2 requests, a third generator
     # gains nothing: the policy finds that and undoes it, as in the test below).
     p = launch(run, env, steps, "1:4", "--set", "rollout.groups_per_request=2")
@@ -102,10 +106,11 @@ def test_starved_learner_scales_up_then_a_slow_learner_scales_down_to_min(tmp_pa
         wait_for(p, lambda: any(d["kind"] == "kept" and d["after"] == 4 for d in read_decisions(str(run))), 240,
                  "kept scale-up to 4 generators")
         moved = len(read_metrics(str(run)))
-        # Now the learner is the bottleneck, on any CPU: its 2 s pause alone outlasts what one unpaced generator
-        # takes for a step's 32 samples (with 0.6 s, a 2-core AVX2 machine still needed 4 generators: 4 -> 3 lost
-        # 29% of the samples/s and was undone).
-        set_pace(pace, generate_s=0.0, learner_s=2.0)
+        # Now the learner is the bottleneck, on any CPU: its 2 s pause alone outlasts what 4 paced generators take for
+        # a step. The engines keep their pace: unpaced (as this test had it), the step in which the pace changed
+        # trained at 4 fast generators' rate with them idle 77%, and a window holding it and one slow step took the
+        # fast rate as the scale-down's baseline, so 4 -> 2 looked like a 71% loss and was undone.
+        set_pace(pace, generate_s=0.6, learner_s=2.0)
         wait_for(p, lambda: read_generator_target(str(run)).generators == 1 and len(read_metrics(str(run))) < steps,
                  240, "scale-down to 1")
     except BaseException:
