@@ -16,10 +16,10 @@ import torch
 pytest.importorskip("vllm", reason="vllm is not installed (the gpu extra)")
 
 from hardware import check as gpu_check  # noqa: E402
+from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.gpu
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = os.path.join(REPO, "assets", "arith-base")
 MAX_DLOGP = 0.05
 

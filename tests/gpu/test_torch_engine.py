@@ -18,10 +18,10 @@ from actors.engine import TorchEngine, gumbel_noise, row_seeds, stop_token_ids
 from common.runfiles import apply_memory_fraction
 from common import weights
 from common.messages import SamplingParams
+from tests.helpers.paths import REPO
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = os.path.join(REPO, "assets", "arith-base")
 MAX_DLOGP = 1e-4  # |logprob difference| allowed between CPU fp32 and CUDA fp32, per token
 GREEDY = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=48)

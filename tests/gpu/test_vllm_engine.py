@@ -19,10 +19,10 @@ from actors.vllm_engine import VllmEngine, VllmSettings  # noqa: E402
 from common import vllm_weights  # noqa: E402
 from common import weights  # noqa: E402
 from common.messages import SamplingParams  # noqa: E402
+from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.gpu
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = os.path.join(REPO, "assets", "arith-base")
 # max_num_seqs 32: a Work of 16 prompts x 4 samples leaves half the sequences waiting, the case where a paused vLLM
 # 0.26 would hold requests across an update (covrl drains first; see the finish-mode test).

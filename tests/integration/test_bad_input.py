@@ -16,11 +16,10 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from tests.helpers.paths import BASE_MODEL, REPO
 
 pytestmark = pytest.mark.slow
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BASE_MODEL = os.path.join(REPO, "assets", "arith-base")
 GOOD = {"prompt": "What is 2 + 3?", "answer": "5"}
 
 

@@ -11,8 +11,8 @@ several modules share lives in tests/helpers/, fixtures in a conftest.py (docs/t
 import ast
 import os
 import textwrap
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGES = ("actors", "broker", "common", "hardware", "launch", "learner", "study")
 FORBIDDEN = {"actors": {"learner", "broker", "launch"}, "learner": {"actors", "broker", "launch"},
              "broker": {"actors", "learner", "launch"}, "common": {"actors", "learner", "broker", "launch"},

@@ -10,8 +10,8 @@ import re
 import msgspec
 
 from common import config
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = os.path.join(REPO, "docs")
 README_LINES_MAX = 260
 

@@ -4,8 +4,8 @@ class; an `elif` is the same level as its `if`."""
 
 import ast
 import os
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHECKED = ("actors", "broker", "common", "hardware", "launch", "learner", "study")
 MAX_LINES, MAX_DEPTH = 80, 3
 BLOCKS = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, ast.Match,

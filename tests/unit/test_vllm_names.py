@@ -25,8 +25,8 @@ from actors import vllm_engine
 from common import vllm_weights
 from common import weights
 from common.messages import SamplingParams
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ---- the name map ------------------------------------------------------------------------------
