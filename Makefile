@@ -29,12 +29,15 @@ $(STAMP): $(DEPS)
 demo: $(STAMP)
 	.venv/bin/covrl run --gens 1 --learners 1 --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
-# The README's test command and CI's: the unit tests two at a time (one per core), then the integration tests one at
-# a time (each starts its own processes, and some measure time). `long` cases (pyproject.toml's markers) run in
-# `make bench`, each beside a faster case here that checks the same path. docs/testing.md: which to run when.
+# The README's test command and CI's, in three phases: the unit tests two at a time (one per core); the integration
+# tests that share the machine well two at a time, whole modules per worker, the longest first
+# (tests/integration/conftest.py); then the `serial` ones one at a time (their timing assumes the machine to itself:
+# autoscaling, frozen generators, Ray). `long` cases (pyproject.toml's markers) run in `make bench`, each beside a
+# faster case here that checks the same path. docs/testing.md: which to run when.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 tests/unit
-	$(PY) -m pytest -q tests/integration -m "not long"
+	$(PY) -m pytest -q -n 2 --dist loadfile tests/integration -m "not long and not serial"
+	$(PY) -m pytest -q tests/integration -m "serial and not long"
 
 # The edit loop: the unit tests and one short end-to-end run (a recorded run, to the bit), in under 3 minutes.
 check: $(STAMP)

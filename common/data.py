@@ -16,6 +16,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
+from common.check_cache import input_key, recalled, record
 from common.config import Config, ConfigError, is_hub_id
 from common.datasets import DatasetError, Record, fit_prompt, read_records, render_prompt_text, template_mode
 
@@ -213,6 +214,9 @@ def check_inputs(cfg: Config) -> list[str]:
     files = [*(cfg.data.train_files if cfg.data.task == "files" else ()),
              *(cfg.data.eval_files if cfg.eval.every_steps else ())]
     records = {f: read_records(f) for f in files}
+    key = input_key(cfg, path, files)
+    if (notes := recalled(key)) is not None:  # these very inputs passed before: no tokenizer (common/check_cache.py)
+        return notes
     tokenizer = load_tokenizer(path)
     train = PromptSource(cfg, tokenizer, records)
     eval_lengths: Counter = Counter()
@@ -221,6 +225,7 @@ def check_inputs(cfg: Config) -> list[str]:
     if evals:
         sizes = ", ".join(f"{ds} {len(ps)}" for ds, ps in evals.items())
         lines.append(f"eval: {sizes}" + (f" ({note})" if (note := length_note(cfg, eval_lengths)) else ""))
+    record(key, lines)
     return lines
 
 

@@ -15,9 +15,11 @@ plots (`launch/summary.py`); TensorBoard with --tensorboard (`launch/board.py`).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import signal
 import sys
+import threading
 import time
 
 from common.cli import USER_ERRORS, fail
@@ -193,28 +195,49 @@ def banner(args, run: RunDir, gpus: int) -> None:
         print(f"  scale generators while it runs: covrl scale {run.path} --gens N (or let it: --autoscale MIN:MAX)")
 
 
+def stacks_on_sigusr1() -> None:
+    """`kill -USR1 <launcher pid>` prints every thread's Python stack on stderr, even while the main thread is blocked
+    in C (a launcher that does not answer Ctrl-C); the run goes on."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError: stderr is not a file (pytest's capture)
+        return  # nowhere to write the stacks to
+    faulthandler.register(signal.SIGUSR1, file=fd, all_threads=True)
+
+
 def supervised(args, sup: Supervisor, backend, run: RunDir, gpus: int) -> int:
     """Everything after the checks: the banner, the supervised run, the summary and plots."""
     banner(args, run, gpus)
+    stacks_on_sigusr1()
+    stop = threading.Event()
 
-    def on_term(signum, frame):
+    def request_stop(signum, frame):
+        stop.set()
+
+    def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGHUP, on_term)  # the terminal closed: stop as gracefully as for SIGTERM
+    # Ctrl-C, SIGTERM, SIGHUP (the terminal closed): a stop, taken by the supervisor's loop (Supervisor.run).
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, request_stop)
     t0 = time.monotonic()
     clear_learners_ready(run.path)
     try:
-        code = sup.run()
-    except KeyboardInterrupt:
+        code = sup.run(stop)
+        if code is None:
+            code = 130
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # again: stop at once
+                signal.signal(sig, interrupt)
+            sup.say(f"interrupted: the learners finish their step and write a checkpoint (up to "
+                    f"{run.cfg.run.stop_grace_s:.0f}s; Ctrl-C again stops at once)")
+            try:
+                sup.drain_learners(run.cfg.run.stop_grace_s)
+            except KeyboardInterrupt:
+                print("second interrupt: not waiting for the checkpoint", file=sys.stderr)
+            print("stopping every process this run started", file=sys.stderr)
+    except KeyboardInterrupt:  # the second signal came while the first was being said
         code = 130
-        sup.say(f"interrupted: the learners finish their step and write a checkpoint (up to "
-                f"{run.cfg.run.stop_grace_s:.0f}s; Ctrl-C again stops at once)")
-        try:
-            sup.drain_learners(run.cfg.run.stop_grace_s)
-        except KeyboardInterrupt:
-            print("second interrupt: not waiting for the checkpoint", file=sys.stderr)
-        print("stopping every process this run started", file=sys.stderr)
+        print("second interrupt: not waiting for the checkpoint", file=sys.stderr)
     finally:
         backend.close(GRACE_S)
     sup.progress.finish()

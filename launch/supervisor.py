@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 import time
 
 from common.runfiles import (EXIT_DRAINED, NOT_PLACED, LostGenerators, PlacementError, learners_ready,
@@ -188,11 +189,15 @@ class Supervisor:
         self.progress.interrupt()
         print(message, file=sys.stderr)
 
-    def run(self) -> int:
-        while True:
+    def run(self, stop: threading.Event) -> int | None:
+        """Supervise until the run ends (its exit code) or `stop` is set (None): a stop is taken here, between two
+        polls, never in the middle of a backend's call (a KeyboardInterrupt raised inside Ray's client can be lost,
+        and the run then went on after a Ctrl-C)."""
+        while not stop.is_set():
             if (code := self.poll()) is not None:
                 return code
-            time.sleep(0.5)
+            stop.wait(0.5)
+        return None
 
     def drain_learners(self, grace_s: float) -> None:
         """Graceful stop: SIGTERM the learner ranks (they finish the step, checkpoint and exit) while the

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -14,6 +16,15 @@ sys.path.insert(0, REPO)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
+# The launcher's record of checked inputs (common/check_cache.py): one per test session, never the user's ~/.cache.
+_CHECKS = None if "COVRL_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="covrl-test-cache-")
+if _CHECKS:
+    os.environ["COVRL_CACHE_DIR"] = _CHECKS
+
+
+def pytest_unconfigure(config):
+    if _CHECKS:
+        shutil.rmtree(_CHECKS, ignore_errors=True)
 
 
 @pytest.fixture

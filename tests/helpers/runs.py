@@ -46,11 +46,17 @@ def wait_for_steps(run_dir, n: int, timeout_s: float = 240) -> None:
 
 def stop_gracefully(p: subprocess.Popen, timeout_s: float = 60) -> None:
     """A launcher still running when a test is done with it: SIGINT (the learners finish their step and checkpoint,
-    then every role it started is stopped), SIGKILL if it has not ended within `timeout_s`."""
+    then every role it started is stopped), SIGKILL if it has not ended within `timeout_s` (after SIGUSR1: its
+    threads' stacks on its stderr, for the test's failure message)."""
     if p.poll() is None:
         p.send_signal(signal.SIGINT)
     try:
         p.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGUSR1)  # the launcher prints every thread's stack (launch/cluster.py): where it hangs
+        try:
+            p.communicate(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass  # the stack is written by then; the kill below ends it
         p.kill()
         p.communicate()

@@ -31,7 +31,7 @@ from tests.helpers.paths import REPO
 from tests.helpers.run_records import check_weights_followed
 from tests.helpers.runs import SMALL, stop_gracefully
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # its timing assumes the machine to itself
 
 K = 1
 POLICY = ["--set", "cluster.autoscale.window_steps=3", "--set", "cluster.autoscale.settle_steps=1",
@@ -142,6 +142,7 @@ def test_starved_learner_scales_up_then_a_slow_learner_scales_down_to_min(tmp_pa
         assert "drained" in open(run / "logs" / f"gen{g}.log").read()
 
 
+@pytest.mark.long  # make bench: the undo decision is tests/unit/test_autoscale.py's, the scale-down the test above's
 def test_a_scale_up_that_gains_nothing_is_undone(tmp_path):
     run, steps = tmp_path / "undo", 20
     env, _ = paced_env(tmp_path, generate_s=0.6, lock=str(tmp_path / "shared-service.lock"))

@@ -102,7 +102,8 @@ def _port():
 
 
 def test_sigterm_stops_every_process_it_started_and_tensorboard_serves_the_run(tmp_path):
-    """docs/DESIGN.md section 2: Ctrl-C / SIGTERM stops everything the launcher started, and nothing else;
+    """docs/DESIGN.md section 2: Ctrl-C / SIGTERM stops everything the launcher started, and nothing else (SIGUSR1
+    before it prints the launcher's stacks and changes nothing);
     `--tensorboard` serves the run's scalars while it trains, and is stopped with it (one of the processes the
     launcher started), printing the command that reopens it."""
     import signal
@@ -129,10 +130,14 @@ def test_sigterm_stops_every_process_it_started_and_tensorboard_serves_the_run(t
         wait_for_steps(run, 1)
         family = psutil.Process(p.pid).children(recursive=True)
         assert len(family) >= 5  # 2 learners + 2 generators + TensorBoard (+ reward workers)
+        p.send_signal(signal.SIGUSR1)  # every thread's stack on stderr (for a launcher that seems stuck); it goes on
+        time.sleep(1)
+        assert p.poll() is None
         at_signal = len(read_metrics(str(run)))
         p.send_signal(signal.SIGTERM)
         out, err = p.communicate(timeout=120)
         assert p.returncode == 130 and "stopping every process" in err
+        assert "Current thread 0x" in err and 'launch/supervisor.py", line' in err, err[-2000:]
         # Not at a terminal: TensorBoard is stopped with the run, and the command that reopens it is printed.
         assert "TensorBoard stopped; reopen it with: " in out and f"--logdir {run}/tb" in out
         # Graceful: the learners finished their step and wrote a checkpoint before anything was stopped.

@@ -24,7 +24,7 @@ from tests.helpers.paths import REPO
 from tests.helpers.run_records import placements
 from tests.helpers.runs import SMALL, stop_gracefully
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # its timing assumes the machine to itself
 
 STEPS = 28  # long enough for every replacement to start (a 2 s backoff, then a few seconds of start-up)
 GENERATOR_TIMEOUT_S = 3.0

@@ -35,7 +35,7 @@ from tests.helpers.ports import free_port
 from tests.helpers.ray_nodes import RAY, start_node, stop_node, wait_started
 from tests.helpers.runs import SMALL, start, stop_gracefully
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # its timing assumes the machine to itself
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:

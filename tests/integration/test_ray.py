@@ -26,7 +26,7 @@ from tests.helpers.paths import REPO
 from tests.helpers.run_records import placements
 from tests.helpers.runs import SMALL, start, stop_gracefully, wait_for_steps
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # its timing assumes the machine to itself
 
 pytest.importorskip("ray.cluster_utils")  # every test here needs Ray (`ray_cluster`: tests/integration/conftest.py)
 

@@ -27,7 +27,7 @@ from launch import scale
 from tests.helpers.paths import REPO
 from tests.helpers.runs import SMALL, stop_gracefully
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # its timing assumes the machine to itself
 
 GEN = {"CPU": 1.0, "covrl_gen": 1.0}
 
