@@ -47,11 +47,8 @@ def cache_dir() -> str | None:
 
 
 def _sha(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _version(package: str) -> str:

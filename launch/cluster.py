@@ -205,39 +205,36 @@ def stacks_on_sigusr1() -> None:
     faulthandler.register(signal.SIGUSR1, file=fd, all_threads=True)
 
 
+def on_stop_signals(handler) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
 def supervised(args, sup: Supervisor, backend, run: RunDir, gpus: int) -> int:
     """Everything after the checks: the banner, the supervised run, the summary and plots."""
     banner(args, run, gpus)
     stacks_on_sigusr1()
     stop = threading.Event()
 
-    def request_stop(signum, frame):
-        stop.set()
-
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
     # Ctrl-C, SIGTERM, SIGHUP (the terminal closed): a stop, taken by the supervisor's loop (Supervisor.run).
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, request_stop)
+    on_stop_signals(lambda signum, frame: stop.set())
     t0 = time.monotonic()
     clear_learners_ready(run.path)
     try:
         code = sup.run(stop)
         if code is None:
             code = 130
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # again: stop at once
-                signal.signal(sig, interrupt)
-            sup.say(f"interrupted: the learners finish their step and write a checkpoint (up to "
-                    f"{run.cfg.run.stop_grace_s:.0f}s; Ctrl-C again stops at once)")
             try:
+                on_stop_signals(interrupt)  # again: stop at once
+                sup.say(f"interrupted: the learners finish their step and write a checkpoint (up to "
+                        f"{run.cfg.run.stop_grace_s:.0f}s; Ctrl-C again stops at once)")
                 sup.drain_learners(run.cfg.run.stop_grace_s)
             except KeyboardInterrupt:
                 print("second interrupt: not waiting for the checkpoint", file=sys.stderr)
             print("stopping every process this run started", file=sys.stderr)
-    except KeyboardInterrupt:  # the second signal came while the first was being said
-        code = 130
-        print("second interrupt: not waiting for the checkpoint", file=sys.stderr)
     finally:
         backend.close(GRACE_S)
     sup.progress.finish()
