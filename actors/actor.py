@@ -1,7 +1,10 @@
 """The generator process: ask the hub for work, generate groups, score them, send them back.
 
-Three threads, one job each:
-- main: the actor loop below (request -> generate -> score -> send);
+Four threads, one job each:
+- main: the actor loop below: keep the engine full (ask for the free room, submit each group, collect each one the
+  moment its samples end) and send each group once scored (`ActorLoop`, docs/DESIGN.md section 3, "a generator's
+  room");
+- scorer: decodes and scores finished groups through the reward pool (`Scorer`), so generation never waits for it;
 - weights: blocks in the weight channel's broadcast and stages each version (`actors/weight_receiver.py`:
   `WeightReceiver`); the main thread swaps staged weights in before the next forward, so new
   weights take effect mid-generation and every token records its version;
@@ -17,7 +20,7 @@ the heartbeat reports (`Heartbeat.policy_version`) and what `wait_for` waits for
 from the base model, version 0, whatever the learner is at: the learner sends it the latest version first thing,
 and work waits for the version it names.
 
-The main loop only ever waits for the hub in one place, its `recv` between requests, so a Stop reaches it there:
+The main loop only ever waits for the hub in one place, its `recv` between engine iterations, so a Stop reaches it there:
 "training finished" at the end, or "drained" when the run was scaled below this generator's id (the hub sends it
 only once every group and eval result this generator held is in), or "lost: <why>" when it asks again after the
 hub gave up on it (it was frozen or stuck; its work went to others). It exits 0 at the end of training,
@@ -27,13 +30,17 @@ a scaled-away one and restarts a lost one (if it has not stopped it already).
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
+import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import msgspec
 
 from actors.weight_receiver import WeightReceiver
 from common import messages
@@ -108,9 +115,59 @@ def _log_file(run_dir: str | None, name: str) -> str | None:
     return os.path.join(run_dir, "generators", name)
 
 
+class Scorer(threading.Thread):
+    """Decodes and scores finished groups off the main thread (the reward pool's workers do the scoring), so the
+    engine keeps generating meanwhile; the main thread sends what comes out, in the order groups finished."""
+
+    def __init__(self, tokenizer, pool: RewardPool, gen_id: int, incarnation: str):
+        super().__init__(name="scorer", daemon=True)
+        self.tokenizer, self.pool, self.gen_id, self.incarnation = tokenizer, pool, gen_id, incarnation
+        self.inbox: queue.Queue = queue.Queue()
+        self.outbox: queue.Queue = queue.Queue()
+        self.pending = 0  # groups put and not yet taken back (main thread only)
+        self.error: BaseException | None = None
+
+    def put(self, item: messages.WorkItem, comps) -> None:
+        self.pending += 1
+        self.inbox.put((item, comps))
+
+    def ready(self) -> list[messages.RolloutGroup]:
+        """The groups scored since the last call (main thread)."""
+        if self.error is not None:
+            raise RuntimeError("scoring rollouts failed") from self.error
+        out = []
+        while True:
+            try:
+                out.append(self.outbox.get_nowait())
+            except queue.Empty:
+                self.pending -= len(out)
+                return out
+
+    def run(self) -> None:
+        try:
+            while (job := self.inbox.get()) is not None:
+                self.outbox.put(score_group(*job, tokenizer=self.tokenizer, pool=self.pool, gen_id=self.gen_id,
+                                            incarnation=self.incarnation))
+        except BaseException as e:
+            log.exception("scoring failed")
+            self.error = e
+
+    def close(self) -> None:
+        self.inbox.put(None)
+
+
 @dataclass
 class ActorLoop:
-    """The main thread's loop: request -> generate -> score -> send, until the hub says stop."""
+    """The main thread's loop: keep the engine full, send each group the moment it is scored, until the hub says stop.
+
+    Room: the engine's capacity in groups (`engine.max_num_seqs` sequences // group size; `rollout.groups_per_request`
+    caps it when set). Every group received and not yet sent back counts against it, from the moment its Work
+    arrives to the moment its RolloutGroup leaves (waiting for its weights, generating, scoring). The loop asks for
+    the free room whenever it changes (and again every `transport.recv_timeout_s` while it stays free), saying how
+    many groups it has received so far, so the hub never gives more than the room (broker/hub.py). A Work whose
+    weights have not arrived waits, its groups counted, while the engine goes on with the others; it is submitted
+    once they have (`transport.weight_sync_timeout_s` at most). Evaluation chunks are generated as one batch on the
+    main thread, as before (the hub publishes nothing newer until they are back)."""
 
     cfg: Config
     sock: GeneratorSocket
@@ -123,26 +180,40 @@ class ActorLoop:
     eval_log: str | None  # what this generator actually evaluated, one line per eval chunk
     sent: int = 0  # rollout groups sent back
 
+    def capacity(self) -> int:
+        """Groups this generator keeps in flight when full."""
+        groups = max(1, self.engine.max_num_seqs // self.cfg.rollout.group_size)
+        return min(groups, self.cfg.rollout.groups_per_request or groups)
+
     def serve(self) -> int:
         """Ask for work and answer it until a Stop; returns the exit code the Stop calls for."""
-        while True:
-            self.sock.send(messages.WorkRequest(gen_id=self.gen_id, incarnation=self.incarnation,
-                                         max_groups=self.cfg.rollout.groups_per_request))
+        if self.cfg.generator.loop == "batch":
+            return self.serve_batches()
+        scorer = Scorer(self.tokenizer, self.pool, self.gen_id, self.incarnation)
+        scorer.start()
+        try:
+            return _Stream(self, scorer).run()
+        finally:
+            scorer.close()
+
+    def serve_batches(self) -> int:
+        """`generator.loop = "batch"`: one Work at a time, generated as one batch, scored, sent; then ask again."""
+        room = self.capacity()
+        while True:  # it holds nothing when it asks: one reply per request (received_groups not counted)
+            self.sock.send(messages.WorkRequest(gen_id=self.gen_id, incarnation=self.incarnation, max_groups=room,
+                                                capacity=room))
             msg = self.sock.recv(self.cfg.transport.recv_timeout_s)
             if isinstance(msg, messages.Stop):
                 return self.stopped(msg)
             if isinstance(msg, messages.Work):
-                self.train(msg)
+                for group in rollout(msg, engine=self.engine, tokenizer=self.tokenizer, pool=self.pool,
+                                     receiver=self.receiver, gen_id=self.gen_id, incarnation=self.incarnation,
+                                     wait_s=self.cfg.transport.weight_sync_timeout_s):
+                    self.sock.send(group)
+                    self.sent += 1
             elif isinstance(msg, messages.EvalWork):
                 self.evaluate(msg)
             # None: no work yet (admission control holds it back): ask again
-
-    def train(self, work: messages.Work) -> None:
-        for group in rollout(work, engine=self.engine, tokenizer=self.tokenizer, pool=self.pool,
-                             receiver=self.receiver, gen_id=self.gen_id, incarnation=self.incarnation,
-                             wait_s=self.cfg.transport.weight_sync_timeout_s):
-            self.sock.send(group)
-            self.sent += 1
 
     def evaluate(self, work: messages.EvalWork) -> None:
         results = evaluate(work, engine=self.engine, tokenizer=self.tokenizer, pool=self.pool, receiver=self.receiver,
@@ -170,31 +241,117 @@ class ActorLoop:
         return 0
 
 
+@dataclass
+class _Stream:
+    """One `ActorLoop.serve`'s state: what it holds, what it asked for, and the generator's busy clock."""
+
+    loop: ActorLoop
+    scorer: Scorer
+    held: int = 0  # groups received and not yet sent back
+    received: int = 0  # training groups received by this incarnation
+    asked: tuple[int, float] | None = None  # (room, when) of the last request
+    busy_s: float = 0.0  # seconds generating or scoring not yet attributed to a sent group
+    clock: float = 0.0
+    waiting: collections.deque = field(default_factory=collections.deque)  # (Work, arrival) awaiting weights
+
+    def run(self) -> int:
+        lp = self.loop
+        room, poll = lp.capacity(), lp.cfg.transport.recv_timeout_s
+        self.clock = time.monotonic()
+        while True:
+            self._send_scored()
+            self._ask(room, poll)
+            wait_s = 0.0 if lp.engine.in_flight else 0.02 if self._pending() else poll  # idle: up to recv_timeout_s
+            msg = lp.sock.recv(wait_s)
+            if isinstance(msg, messages.Stop):
+                return lp.stopped(msg)
+            if isinstance(msg, messages.Work):
+                self.waiting.append((msg, time.monotonic()))
+                self.received += len(msg.items)
+                self.held += len(msg.items)
+            elif isinstance(msg, messages.EvalWork):
+                lp.evaluate(msg)
+                self.asked = None  # the hub closed our room when it gave the chunk: ask again
+            self._submit_ready()
+            if lp.engine.in_flight:
+                for (item, _), comps in lp.engine.collect(0.05, lp.receiver.apply):
+                    self.scorer.put(item, comps)
+            self._tick()
+
+    def _pending(self) -> bool:
+        return bool(self.waiting or self.scorer.pending)
+
+    def _tick(self) -> None:
+        """The busy clock: time with groups generating or scoring counts."""
+        now = time.monotonic()
+        if self.loop.engine.in_flight or self.scorer.pending:
+            self.busy_s += now - self.clock
+        self.clock = now
+
+    def _ask(self, room: int, poll: float) -> None:
+        free = room - self.held
+        now = time.monotonic()
+        if free <= 0 or (self.asked is not None and self.asked[0] == free and now - self.asked[1] < poll):
+            return
+        lp = self.loop
+        lp.sock.send(messages.WorkRequest(gen_id=lp.gen_id, incarnation=lp.incarnation, max_groups=free,
+                                          received_groups=self.received, capacity=room))
+        self.asked = (free, now)
+
+    def _submit_ready(self) -> None:
+        """Submit every waiting Work whose weights have arrived (oldest first); past the deadline, fail."""
+        lp = self.loop
+        while self.waiting:
+            work, since = self.waiting[0]
+            if lp.receiver.received < work.policy_version:
+                if lp.receiver.error is not None:
+                    raise RuntimeError("weight receiver failed") from lp.receiver.error
+                if time.monotonic() - since > lp.cfg.transport.weight_sync_timeout_s:
+                    raise TimeoutError(f"weights of version {work.policy_version} did not arrive within "
+                                       f"{lp.cfg.transport.weight_sync_timeout_s:.0f}s")
+                return
+            self.waiting.popleft()
+            lp.receiver.apply()  # the newest arrived weights, before these prompts start
+            for it in work.items:
+                prompt = messages.as_array(it.prompt_ids, messages.TOKEN_DTYPE).tolist()
+                lp.engine.submit((it, id(work)), prompt, work.group_size, work.sampling, it.seed)
+
+    def _send_scored(self) -> None:
+        lp = self.loop
+        for group in self.scorer.ready():
+            self._tick()
+            lp.sock.send(msgspec.structs.replace(group, gen_time_s=self.busy_s))
+            self.busy_s = 0.0
+            self.held -= 1
+            lp.sent += 1
+
+
+def score_group(item: messages.WorkItem, comps, *, tokenizer, pool: RewardPool, gen_id: int,
+                incarnation: str) -> messages.RolloutGroup:
+    """Decode and score one group's samples: its RolloutGroup (gen_time_s set by the sender)."""
+    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps]
+    scores = pool.score_batch([(t, item.answer) for t in texts])
+    samples = [messages.Sample(token_ids=messages.to_bytes(c.token_ids, messages.TOKEN_DTYPE),
+                               logprobs=messages.to_bytes(c.logprobs, messages.LOGPROB_DTYPE),
+                               versions=messages.to_bytes(c.versions, messages.VERSION_DTYPE), reward=float(s.reward),
+                               finish_reason=c.finish_reason, score_status=s.status)
+               for c, s in zip(comps, scores)]
+    return messages.RolloutGroup(gen_id=gen_id, incarnation=incarnation, ticket=item.ticket, prompt_id=item.prompt_id,
+                                 epoch=item.epoch, prompt_ids=item.prompt_ids, samples=samples, gen_time_s=0.0)
+
+
 def rollout(work: messages.Work, *, engine, tokenizer, pool, receiver, gen_id: int, incarnation: str, wait_s: float) -> list[messages.RolloutGroup]:
-    """Generate and score one Work message: the named steps of the actor loop."""
+    """Generate and score one Work message as one batch (the synchronous reference loop's step)."""
     if receiver is not None:
         receiver.wait_for(work.policy_version, wait_s)
     t0 = time.perf_counter()
     prompts = [messages.as_array(it.prompt_ids, messages.TOKEN_DTYPE).tolist() for it in work.items]
     hook = receiver.apply if receiver is not None else None
     groups = engine.generate(prompts, work.group_size, work.sampling, [it.seed for it in work.items], before_forward=hook)
-    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
-    answers = [it.answer for it in work.items for _ in range(work.group_size)]
-    scores = pool.score_batch(list(zip(texts, answers)))
+    out = [score_group(it, comps, tokenizer=tokenizer, pool=pool, gen_id=gen_id, incarnation=incarnation)
+           for it, comps in zip(work.items, groups)]
     gen_time = (time.perf_counter() - t0) / max(len(work.items), 1)
-    out = []
-    for i, (it, comps) in enumerate(zip(work.items, groups)):
-        samples = []
-        for j, c in enumerate(comps):
-            s = scores[i * work.group_size + j]
-            samples.append(messages.Sample(
-                token_ids=messages.to_bytes(c.token_ids, messages.TOKEN_DTYPE), logprobs=messages.to_bytes(c.logprobs, messages.LOGPROB_DTYPE),
-                versions=messages.to_bytes(c.versions, messages.VERSION_DTYPE), reward=float(s.reward),
-                finish_reason=c.finish_reason, score_status=s.status,
-            ))
-        out.append(messages.RolloutGroup(gen_id=gen_id, incarnation=incarnation, ticket=it.ticket, prompt_id=it.prompt_id,
-                                  epoch=it.epoch, prompt_ids=it.prompt_ids, samples=samples, gen_time_s=gen_time))
-    return out
+    return [msgspec.structs.replace(g, gen_time_s=gen_time) for g in out]
 
 
 def evaluate(work: messages.EvalWork, *, engine, tokenizer, pool, receiver, gen_id: int, incarnation: str, wait_s: float) -> list[messages.EvalResult]:

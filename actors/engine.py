@@ -100,8 +100,40 @@ class Engine(ABC):
 
     @abstractmethod
     def load_flat(self, flat: torch.Tensor, version: int) -> None:
-        """Load a flat fp32 parameter vector (layout order) as `version`. Must not keep `flat` after returning:
-        the weight receiver reuses its memory for the next version."""
+        """Load a flat parameter vector (layout order) as `version`, in the wire dtype it arrived in (fp32, bf16 or
+        fp16: the learner's model's, `weights.wire_dtype`). Must not keep `flat` after returning: the weight receiver
+        reuses its memory for the next version."""
+
+    # ---- streaming: what a generator that keeps its engine full drives (actors/actor.py) ----
+
+    max_num_seqs: int = 256  # sequences the engine generates at once (its capacity; generator.max_num_seqs)
+
+    def submit(self, key, prompt: Sequence[int], n: int, sampling: SamplingParams, seed: int) -> None:
+        """Queue one group, a prompt's n samples; `collect` returns it under `key` once all n have finished."""
+        self.__dict__.setdefault("_batch", []).append((key, prompt, n, sampling, seed))
+
+    def collect(self, wait_s: float, before_forward: Callable[[], None]) -> list[tuple[object, list[Completion]]]:
+        """Groups that finished since the last call, as (key, completions), each once. Waits at most about
+        `wait_s` when none has (an engine that generates on the caller's thread returns after a step of work
+        instead), calling `before_forward` before every forward or between polls, as `generate` does.
+
+        This default serves an engine without a scheduler of its own in batches: every queued group with the first
+        one's sampling parameters is generated as one batch, and the whole batch is returned at its end."""
+        queued = self.__dict__.get("_batch") or []
+        if not queued:
+            return []
+        sampling = queued[0][3]
+        now = [q for q in queued if q[3] == sampling]
+        self._batch = [q for q in queued if q[3] != sampling]
+        groups = self.generate([q[1] for q in now], now[0][2], sampling, [q[4] for q in now], before_forward) \
+            if len({q[2] for q in now}) == 1 else \
+            [self.generate([q[1]], q[2], sampling, [q[4]], before_forward)[0] for q in now]
+        return [(q[0], g) for q, g in zip(now, groups)]
+
+    @property
+    def in_flight(self) -> int:
+        """Groups submitted and not yet collected."""
+        return len(self.__dict__.get("_batch") or [])
 
     def join_weights(self, weight_addr: str, prefix: str, timeout_s: float) -> weights.WeightChannel:
         """This generator's channel to learner rank 0: the generator's end of the pair channel under `prefix`
@@ -123,9 +155,10 @@ class Engine(ABC):
 
     def receive_weights(self, ch: weights.WeightChannel, lay: weights.Layout, version: int, flags: int,
                         out: torch.Tensor | None = None) -> tuple[torch.Tensor, float] | None:
-        """The buckets that follow a header of `version`: (flat fp32 host vector, checksum), for `load_flat`
-        between forwards; or None when the engine has loaded `version` itself (then `self.version == version`).
-        `out`: a free vector of the model's size to receive into."""
+        """The buckets that follow a header of `version`: (flat host vector in the wire dtype the header named,
+        checksum), for `load_flat` between forwards; or None when the engine has loaded `version` itself (then
+        `self.version == version`). `out`: a free vector of the model's size to receive into (used when it has
+        the wire dtype)."""
         weights.refuse_direct(flags, f"this generator's {type(self).__name__}")
         return ch.receive_buckets(lay, out)
 
@@ -146,8 +179,9 @@ def _hash32_(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(x >> 16)
 
 
-def gumbel_noise(row_seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
-    """[B, V] standard Gumbel noise, a pure function of (row seed, step, token id), on `row_seeds`' device.
+def gumbel_noise(row_seeds: torch.Tensor, step, vocab: int) -> torch.Tensor:
+    """[B, V] standard Gumbel noise, a pure function of (row seed, step, token id), on `row_seeds`' device; `step`
+    an int, or each row's own step ([B] int64: the continuous batch, whose rows are at different steps).
 
     Integer hashing in int64 (exact on every device), then float64 `log` twice: CPU and CUDA agree to an ulp or
     two, so logits + noise have the same argmax. The step's hash is a Python int: no host tensor
@@ -195,8 +229,9 @@ class TorchEngine(Engine):
     (e.g. cuda:0 for "cuda"), and every tensor of a generation is made there."""
 
     def __init__(self, model_path: str, eos_token_id: int | Sequence[int], pad_token_id: int, dtype=torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", max_num_seqs: int = 256):
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+        self.max_num_seqs = max_num_seqs
         self.model = model.to(device).eval().requires_grad_(False)
         self.device = next(self.model.parameters()).device
         # Every token that ends a response (a chat model's end-of-turn and its end-of-text).
@@ -206,8 +241,9 @@ class TorchEngine(Engine):
         self.version = 0
 
     def load_flat(self, flat: torch.Tensor, version: int) -> None:
-        """`flat`: the host fp32 vector of the weight receiver. Each parameter's slice is copied into the model by
-        `Tensor.copy_`, which moves it to the parameter's device and rounds it to the parameter's dtype (bf16). A
+        """`flat`: the weight receiver's host vector, in the wire dtype (fp32, bf16 or fp16). Each parameter's slice
+        is copied into the model by `Tensor.copy_`, which moves it to the parameter's device and casts it to the
+        parameter's dtype (exact when the dtypes match or widen; one rounding from fp32 to bf16 otherwise). A
         blocking copy (copy_'s default) returns only once the data has arrived, so `flat` is free to reuse on
         return; on CUDA it is also ordered after the kernels already queued on the current stream (a swap between
         forwards never races the step before it). One host-to-device copy per parameter."""

@@ -12,7 +12,8 @@ import os
 
 import torch
 
-from actors.engine import TorchEngine, stop_token_ids
+from actors.continuous import StreamingTorchEngine
+from actors.engine import stop_token_ids
 from common.runfiles import apply_memory_fraction
 
 log = logging.getLogger("covrl.engine")
@@ -65,4 +66,5 @@ def load_engine(cfg, model_path: str):
     if device == "cuda" and torch.cuda.device_count() > 1:
         log.warning("the torch engine runs on one GPU (cuda:0) of the %d this generator was given; the others stay "
                     "idle (use vLLM for tensor parallelism, or --tp 1)", torch.cuda.device_count())
-    return TorchEngine(model_path, eos_token_id=stops, pad_token_id=pad, dtype=dtype, device=device), tokenizer
+    return StreamingTorchEngine(model_path, eos_token_id=stops, pad_token_id=pad, dtype=dtype, device=device,
+                       max_num_seqs=cfg.generator.max_num_seqs), tokenizer

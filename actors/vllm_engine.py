@@ -60,6 +60,7 @@ import collections
 import concurrent.futures
 import itertools
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -194,13 +195,16 @@ def sampled_logprobs(token_ids: Sequence[int], logprobs) -> np.ndarray:
 
 
 def rpc_bytes(t: torch.Tensor, dtype: torch.dtype) -> bytes:
-    """A tensor as raw bytes for `collective_rpc`: vLLM's frontend -> engine-core channel decodes
+    """A tensor as raw bytes of `dtype` for `collective_rpc`: vLLM's frontend -> engine-core channel decodes
     untyped arguments, so a tensor would arrive as [dtype, shape, buffer index] (the contract test
-    shows it); bytes arrive as bytes."""
+    shows it); bytes arrive as bytes. `t`, in any wire dtype, is cast straight to `dtype`: no rounding when it is
+    `dtype` already (a bf16 wire's bits reach bf16 workers as they came), one rounding from fp32, never a detour
+    through another dtype."""
     return t.detach().to("cpu", dtype).contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def from_rpc_bytes(data: bytes, dtype_name: str) -> torch.Tensor:
+    """The flat tensor `rpc_bytes` encoded (a copy: `frombuffer` needs writable memory)."""
     return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype_name))
 
 
@@ -417,6 +421,8 @@ class VllmEngine(Engine):
         self.last_update_s = 0.0
         self._ids = itertools.count()
         self._inflight = 0  # covrl's requests admitted to vLLM and not yet final (owned by the loop's thread)
+        self._streams: dict[concurrent.futures.Future, tuple] = {}  # submitted groups: future -> (key, n, when)
+        self._finished: queue.Queue = queue.Queue()  # their futures, as each request ends
         self._loop = _Loop()
         try:
             self.llm = llm if llm is not None else self._loop.run(self._build(model_path), settings.timeout_s)
@@ -481,14 +487,62 @@ class VllmEngine(Engine):
             finals = self._finals(fut, len(prompts), before_forward or (lambda: None))
         finally:
             fut.cancel()  # no-op when done; otherwise vLLM aborts the requests
-        groups = []
-        for out, v_submit in finals:
-            comps = sorted(out.outputs, key=lambda c: c.index)
-            if len(comps) != n:
-                raise RuntimeError(f"vLLM returned {len(comps)} completions for a request of n={n}")
-            fallback = v_submit if v_submit == self.version or self.settings.weight_update == "finish" else None
-            groups.append([to_completion(c, fallback, self.api.version_spans) for c in comps])
-        return groups
+        return [self._completions(out, v_submit, n) for out, v_submit in finals]
+
+    def _completions(self, out, v_submit: int, n: int) -> list[Completion]:
+        """One request's final output as its n completions, each token labelled with its version."""
+        comps = sorted(out.outputs, key=lambda c: c.index)
+        if len(comps) != n:
+            raise RuntimeError(f"vLLM returned {len(comps)} completions for a request of n={n}")
+        fallback = v_submit if v_submit == self.version or self.settings.weight_update == "finish" else None
+        return [to_completion(c, fallback, self.api.version_spans) for c in comps]
+
+    # ---- streaming (actors/actor.py keeps the engine full): one request per group, each collected when final ----
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.settings.max_num_seqs
+
+    def submit(self, key, prompt, n, sampling, seed) -> None:
+        params = self.api.SamplingParams(**sampling_kwargs(n, sampling, seed, self.stop_ids, self.settings.seed_requests),
+                                         output_kind=self.api.FINAL_ONLY)
+        fut = self._loop.submit(self._one([int(t) for t in prompt], params))
+        self._streams[fut] = (key, n, time.monotonic())
+        fut.add_done_callback(self._finished.put)
+
+    def collect(self, wait_s, before_forward):
+        """The groups whose requests are final, waiting at most `wait_s` for the first, `before_forward` between
+        polls (it may apply staged weights: a pause with its drain); a request older than
+        `generator.engine_timeout_s` means the engine is wedged (`EngineTimeout`)."""
+        deadline = time.monotonic() + wait_s
+        done = []
+        while True:
+            before_forward()
+            try:
+                done.append(self._finished.get(timeout=max(0.0, min(self.settings.poll_s, deadline - time.monotonic()))))
+                break
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    break
+        while not self._finished.empty():
+            done.append(self._finished.get_nowait())
+        self._check_wedged()
+        out = []
+        for fut in done:
+            key, n, _ = self._streams.pop(fut)
+            final, v_submit = fut.result(timeout=0)  # done (it came from the queue); a failed request raises here
+            out.append((key, self._completions(final, v_submit, n)))
+        return out
+
+    def _check_wedged(self) -> None:
+        oldest = min((t for *_, t in self._streams.values()), default=None)
+        if oldest is not None and time.monotonic() - oldest > self.settings.timeout_s:
+            raise EngineTimeout(f"a vLLM request has not finished within {self.settings.timeout_s:.0f}s "
+                                "(generator.engine_timeout_s): the engine is taken to be wedged")
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
 
     def _finals(self, fut: concurrent.futures.Future, prompts: int, hook: Callable[[], None]):
         """Wait for every request's final output, running `hook` between polls (it may apply staged weights while
@@ -556,15 +610,20 @@ class VllmEngine(Engine):
             self._open.set()
 
     def load_flat(self, flat: torch.Tensor, version: int) -> None:
-        """The rpc transport: a flat fp32 vector in `layout` order (from the gloo weight channel) into the workers."""
+        """The rpc transport: a flat vector in `layout` order (from the gloo weight channel, in its wire dtype) into
+        the workers, one `weights.wire_plan` bucket per call, so no call carries more than BUCKET_NUMEL elements: the
+        pieces of a split parameter go under its one name and shape with their offset, and the workers load it with
+        its last piece (`covrl_load_weights`)."""
         if flat.numel() != self.lay.numel:
             raise ValueError(f"load_flat: {flat.numel()} elements for a model of {self.lay.numel}")
 
         async def load():
-            for first, end, start, stop in weights.bucket_plan(self.lay):
-                meta = vllm_weights.bucket_meta(self.lay, first, end, self.dtype)
+            for b in weights.wire_plan(self.lay):
+                meta = vllm_weights.bucket_meta(self.lay, b.first, b.end, self.dtype)
+                piece = () if b.whole else (b.offset,)
                 await self.llm.collective_rpc("covrl_load_weights", args=(
-                    meta["names"], meta["shapes"], meta["dtype_names"][0], rpc_bytes(flat[start:stop], self.dtype)))
+                    meta["names"], meta["shapes"], meta["dtype_names"][0], rpc_bytes(flat[b.start:b.stop], self.dtype),
+                    *piece))
             await self._label(version)
 
         self._update(version, load)
@@ -660,8 +719,26 @@ class CovrlWorkerExtension:
     def _covrl_model(self):
         return self.model_runner.get_model()
 
-    def covrl_load_weights(self, names: list[str], shapes: list[list[int]], dtype_name: str, data: bytes) -> None:
-        parts = weights.shaped(from_rpc_bytes(data, dtype_name).to(self.device), [tuple(s) for s in shapes])
+    def covrl_load_weights(self, names: list[str], shapes: list[list[int]], dtype_name: str, data: bytes,
+                           offset: int | None = None) -> None:
+        """Load whole parameters; or, with `offset`, one piece of the split parameter `names[0]` starting `offset`
+        elements into it: the pieces are put together on this worker's device and the parameter is loaded with its
+        last one (`load_weights` takes whole tensors)."""
+        flat = from_rpc_bytes(data, dtype_name).to(self.device)
+        if offset is not None:
+            held = getattr(self, "_covrl_assembling", None)
+            if offset == 0:
+                held = (names[0], torch.empty(int(np.prod(shapes[0])), dtype=flat.dtype, device=self.device))
+            elif held is None or held[0] != names[0]:
+                raise RuntimeError(f"covrl_load_weights: a piece of {names[0]} at element {offset} without its "
+                                   f"earlier pieces (holding {held and held[0]}): the pieces must come in order")
+            held[1][offset:offset + flat.numel()].copy_(flat)
+            done = offset + flat.numel() == held[1].numel()
+            self._covrl_assembling = None if done else held
+            if not done:
+                return
+            flat = held[1]
+        parts = weights.shaped(flat, [tuple(s) for s in shapes])
         self._covrl_model().load_weights(list(zip(names, parts, strict=True)))
 
     def covrl_init_nccl(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:

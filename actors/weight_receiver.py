@@ -2,9 +2,11 @@
 
 One room for what a generator does with weights: the thread here joins its pair channel through the engine
 (`actors/engine.py`: `join_weights`, `receive_weights`; a vLLM engine with the nccl transport loads each version
-itself, `actors/vllm_engine.py`), stages each received host vector for the main thread, and reports what has
-arrived. The wire it reads is `common/weights.py`; the sending end is learner rank 0's `learner/publisher.py`.
-The engine owns the version it holds (see `actors/actor.py`); this thread only labels vectors in transit.
+itself, `actors/vllm_engine.py`), stages each received host vector (in the wire dtype the learner's header names:
+the learner's model dtype, so bf16 from a bf16 learner) for the main thread, and reports what has arrived, with the
+version's `weights.Checksum`. The wire it reads is `common/weights.py`; the sending end is learner rank 0's
+`learner/publisher.py`. The engine owns the version it holds (see `actors/actor.py`); this thread only labels
+vectors in transit.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class WeightReceiver(threading.Thread):
         self.staged: tuple[int, torch.Tensor] | None = None
         self.applying: int | None = None
         # A received vector nobody uses any more (applied, or replaced by a newer one before it was): the next
-        # version is received into it instead of into fresh memory.
+        # version is received into it instead of into fresh memory (when it has that version's wire dtype).
         self.spare: torch.Tensor | None = None
         self.finished = False
         self.error: BaseException | None = None

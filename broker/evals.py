@@ -60,13 +60,15 @@ class EvalSchedule:
         return (any(v <= version for v, _, _ in self.pending)
                 or any(t.version <= version for t in self.in_flight.values()))
 
-    def serve(self, gen_id: int, incarnation: str, new_ticket: Callable[[], int]) -> messages.EvalWork | None:
-        """The next chunk of one data source's queued prompts for this generator, or None if none are queued."""
+    def serve(self, gen_id: int, incarnation: str, new_ticket: Callable[[], int],
+              capacity: int = 0) -> messages.EvalWork | None:
+        """The next chunk of one data source's queued prompts for this generator, or None if none are queued.
+        `capacity`: the training groups the generator keeps in flight (its request says; 0: unknown)."""
         if not self.pending:
             return None
         version, ds, _ = self.pending[0]
         sampling, k = eval_params(self.cfg, ds)
-        room = eval_room(self.cfg, k)
+        room = eval_room(self.cfg, k, capacity)
         items = []
         while self.pending and len(items) < room and self.pending[0][:2] == (version, ds):
             _, _, i = self.pending.popleft()

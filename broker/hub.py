@@ -118,6 +118,9 @@ class GenState:
     pid: int = 0
     policy_version: int = 0  # the newest version that has arrived there (its heartbeat)
     wanted: int = 0  # groups asked for and not yet given
+    issued: int = 0  # training groups sent to this incarnation (its requests say how many it has received)
+    counted: bool = False  # its requests count what they received: its room stays open until filled
+    capacity: int = 0  # the groups it keeps in flight when full (its requests say; 0: unknown)
     # The last sign of progress from its main loop (a request, a result) or the last time it was given work or
     # had to wait for weights: what the stuck check measures from.
     progress_at: float = 0.0
@@ -389,8 +392,11 @@ class Hub:
         if isinstance(msg, messages.WorkRequest):
             # Work goes back on the socket that asked: heartbeats come from another one.
             gen.identity = identity
-            gen.wanted = max(0, min(msg.max_groups, 1024))
-            gen.progress_at = now  # its main loop asks only once it has sent back all it held
+            gen.capacity, gen.counted = max(0, msg.capacity), msg.received_groups >= 0
+            on_wire = gen.issued - msg.received_groups if gen.counted else 0  # sent, not yet there when it asked
+            gen.wanted = max(0, min(msg.max_groups - on_wire, 1024))
+            if not self._holds(msg.gen_id):
+                gen.progress_at = now  # an idle generator's request is progress; one holding work shows it by results
         elif isinstance(msg, messages.Heartbeat):
             gen.policy_version = msg.policy_version
         elif isinstance(msg, (messages.RolloutGroup, messages.EvalResult)):
@@ -552,33 +558,49 @@ class Hub:
         self.next_ticket += 1
         return self.next_ticket - 1
 
+    def _holds(self, gen_id: int) -> bool:
+        """This generator holds training groups or eval prompts (lock held)."""
+        return any(t.gen_id == gen_id for t in self.in_flight.values()) or self.evals.holds(gen_id)
+
     def _serve_eval(self, gen_id: int, gen: GenState) -> bool:
         """Give this generator eval prompts, if any are queued: they go before training work."""
-        work = self.evals.serve(gen_id, gen.incarnation, self._new_ticket)
+        idle = not self._holds(gen_id)
+        work = self.evals.serve(gen_id, gen.incarnation, self._new_ticket, gen.capacity)
         if work is None:
             return False
-        gen.wanted = 0
-        gen.progress_at = time.monotonic()
+        gen.wanted = 0  # it asks again once it has taken the eval chunk in
+        if idle:
+            gen.progress_at = time.monotonic()
         self.sock.send(gen.identity, work)
         return True
 
     def _serve_wanted(self) -> None:
-        for gen_id, gen in self.gens.items():
-            if gen_id >= self.target or gen.wanted <= 0 or self._serve_eval(gen_id, gen):
-                continue  # a draining generator gets no new work
-            items = []
-            while len(items) < gen.wanted:
-                t = self._next_ticket(gen_id, gen.incarnation)
-                if t is None:
-                    break
-                items.append(self._work_item(t))
+        """Fill every generator's room from what admission allows, one group at a time in turn, so generators that
+        ask together share it (a draining generator gets no new work)."""
+        wanting = collections.deque(g for g, gen in self.gens.items()
+                                    if g < self.target and gen.wanted > 0 and not self._serve_eval(g, gen))
+        idle = {g: not self._holds(g) for g in wanting}
+        given: dict[int, list[messages.WorkItem]] = {g: [] for g in wanting}
+        while wanting:
+            g = wanting.popleft()
+            t = self._next_ticket(g, self.gens[g].incarnation)
+            if t is None:
+                break  # admission control: the learner must catch up first
+            given[g].append(self._work_item(t))
+            if len(given[g]) < self.gens[g].wanted:
+                wanting.append(g)
+        for g, items in given.items():
             if items:
-                gen.wanted = 0  # one reply per request; the generator asks again when done
-                gen.progress_at = time.monotonic()  # its clock starts now, not when it asked
-                self.sock.send(
-                    gen.identity,
-                    messages.Work(items=items, group_size=self.cfg.rollout.group_size, sampling=self.sampling, policy_version=self.version),
-                )
+                self._send_work(g, self.gens[g], items, idle[g])
+
+    def _send_work(self, gen_id: int, gen: GenState, items: list[messages.WorkItem], idle: bool) -> None:
+        # A counting generator's room stays open until filled; a hand-written client gets one reply per request.
+        gen.wanted = gen.wanted - len(items) if gen.counted else 0
+        gen.issued += len(items)
+        if idle:
+            gen.progress_at = time.monotonic()  # its clock starts now, not when it asked
+        self.sock.send(gen.identity, messages.Work(items=items, group_size=self.cfg.rollout.group_size,
+                                                   sampling=self.sampling, policy_version=self.version))
 
     def _next_ticket(self, gen_id: int, incarnation: str) -> Ticket | None:
         if self.reissue:

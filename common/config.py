@@ -87,8 +87,9 @@ class RolloutConfig(_Section):
     # the first forced_lag steps, whose lag climbs 0, 1, ...): slots are issued forced_lag versions ahead and the
     # publish of v + 1 waits for the generation issued at v (broker/rules.py). Within max_staleness_steps. 0: off.
     forced_lag: NonNegInt = 0
-    # Work items a generator asks for at once; it generates them as one batch.
-    groups_per_request: PosInt = 4
+    # At most this many groups in flight per generator; 0: as many as its engine holds at once
+    # (generator.max_num_seqs // group_size). A generator asks for its free room as groups finish (actors/actor.py).
+    groups_per_request: NonNegInt = 0
     # Benchmark workload, not for training: > 0 imposes every response's length, drawn per sample from a
     # lognormal with this median and forced_length_sigma (capped at max_new_tokens); the torch engine withholds
     # the stop token until then and emits it there. Logprobs stay the policy's own. 0: off.
@@ -322,7 +323,14 @@ class GeneratorConfig(_Section):
     # a GPU); nccl: learner rank 0's GPU broadcasts straight into the workers (needs GPUs of their own).
     weight_transport: Literal["rpc", "nccl"] = "rpc"
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.85  # of each generator GPU, for vLLM
-    max_num_seqs: PosInt = 256  # requests vLLM batches at once
+    # How a generator uses its engine (actors/actor.py). "stream": groups in flight up to the engine's capacity, each
+    # sent the moment it is scored, new work asked for as room frees. "batch": the loop before 2026-11-28, kept for
+    # comparison: one Work of rollout.groups_per_request groups (0: the capacity) at a time, generated as one batch,
+    # scored, sent, then the next request.
+    loop: Literal["stream", "batch"] = "stream"
+    # Sequences a generator's engine decodes at once (vLLM's scheduler; the torch engine's continuous batch): its
+    # capacity, which sizes how many groups it keeps in flight (rollout.groups_per_request caps that).
+    max_num_seqs: PosInt = 256
     enforce_eager: bool = False  # skip CUDA graphs (faster start, slower decode)
     # vLLM: every call into the engine (start-up, one batch's generation, a weight update with its drain, a label)
     # that has not returned within this raises, and the generator exits to be restarted: a wedged engine core is

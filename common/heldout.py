@@ -27,9 +27,14 @@ def eval_params(cfg: Config, data_source: str) -> tuple[messages.SamplingParams,
                             max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens), k
 
 
-def eval_room(cfg: Config, k: int) -> int:
-    """Eval prompts per EvalWork: as many sequences as one training request generates."""
-    return max(1, cfg.rollout.groups_per_request * cfg.rollout.group_size // k)
+# The training groups an EvalWork is sized for when the generator did not say its capacity (a hand-written client).
+UNKNOWN_CAPACITY_GROUPS = 4
+
+
+def eval_room(cfg: Config, k: int, capacity: int = 0) -> int:
+    """Eval prompts per EvalWork: as many sequences as the generator keeps in flight for training (`capacity`
+    groups, its request says; else UNKNOWN_CAPACITY_GROUPS)."""
+    return max(1, (capacity or UNKNOWN_CAPACITY_GROUPS) * cfg.rollout.group_size // k)
 
 
 def eval_item(cfg: Config, ticket: int, data_source: str, index: int, prompt: Prompt,

@@ -22,7 +22,7 @@ import numpy as np
 
 # The version of this wire: a generator and a hub must agree on it (`Hello` is refused otherwise). Raise it with
 # any change to a message below; the policy version travels as `policy_version` in every message that carries it.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -55,9 +55,16 @@ class Hello(_Msg, tag="hello"):
 
 
 class WorkRequest(_Msg, tag="want"):
+    """A generator's room for training work. `max_groups`: groups it can take on top of everything it has received;
+    `received_groups`: training groups it has received so far (this incarnation), so the hub subtracts what is still
+    on the wire and never gives more than the room (-1: not counted, `max_groups` is the room now: for hand-written
+    clients); `capacity`: the groups it keeps in flight when full (0: unknown), which sizes its evaluation chunks."""
+
     gen_id: int
     incarnation: str
     max_groups: int
+    received_groups: int = -1
+    capacity: int = 0
 
 
 class Heartbeat(_Msg, tag="beat"):

@@ -1,13 +1,15 @@
 """Weights from the learner into vLLM: parameter names, per-bucket metadata, the NCCL rendezvous.
 
-The weight channel's wire order (`common/weights.py`: `layout()` names, `bucket_plan` buckets) is the same
-for every engine. A vLLM generator loads each bucket through vLLM's `model.load_weights`, which takes
-Hugging Face checkpoint names and does the tensor-parallel split and the fusing itself (Qwen2: q/k/v into
-`qkv_proj`, gate/up into `gate_up_proj`). So the name map is the identity on the HF names a plain
-`named_parameters()` gives; `vllm_name` only strips the prefixes that wrappers add (DeepSpeed or DDP
-`module.`, torch.compile `_orig_mod.`, activation-checkpoint and FSDP wrappers). `vllm_target` says
-which vLLM parameter (and shard of it) a name lands in; a contract test checks it against the installed
-vLLM's own Qwen2 mapper.
+The weight channel's wire order (`common/weights.py`: `layout()` names, `wire_plan` buckets) is the same for every
+engine. A vLLM generator loads each `bucket_plan` bucket (whole parameters) through vLLM's `model.load_weights`,
+which takes whole tensors, so a parameter the wire splits into pieces is put together first: by the worker
+extension from the rpc pieces (`actors/vllm_engine.py`), by the learner before an NCCL broadcast
+(`learner/publisher.py`: `NcclPeer`). `load_weights` takes Hugging Face checkpoint names and does the
+tensor-parallel split and the fusing itself (Qwen2: q/k/v into `qkv_proj`, gate/up into `gate_up_proj`). So the
+name map is the identity on the HF names a plain `named_parameters()` gives; `vllm_name` only strips the prefixes
+that wrappers add (DeepSpeed or DDP `module.`, torch.compile `_orig_mod.`, activation-checkpoint and FSDP
+wrappers). `vllm_target` says which vLLM parameter (and shard of it) a name lands in; a contract test checks it
+against the installed vLLM's own Qwen2 mapper.
 
 Both sides derive the per-bucket metadata (`bucket_meta`) from the same layout, so the receiver knows
 every tensor's name, dtype and shape before the broadcast starts, and the learner sends each
@@ -66,7 +68,8 @@ def vllm_target(name: str) -> tuple[str, str | int | None]:
 
 
 def bucket_meta(lay: weights.Layout, first: int, end: int, dtype: torch.dtype) -> dict:
-    """`update_info` of one bucket (parameters first..end-1 of `lay`), as vLLM's NCCL receiver reads it."""
+    """`update_info` of one `bucket_plan` bucket (whole parameters first..end-1 of `lay`), as vLLM's NCCL receiver
+    reads it; the rpc path sends a split parameter's pieces under its one name and shape."""
     return {
         "names": [vllm_name(n) for n in lay.names[first:end]],
         "dtype_names": [str(dtype).removeprefix("torch.")] * (end - first),

@@ -2,11 +2,30 @@
 
 One two-member torch.distributed gloo group per generator incarnation (`pair_prefix`), built on learner
 rank 0's TCPStore: rank 0 is learner rank 0, rank 1 the generator. One publish = one header broadcast
-`[version, numel, layout_hash, flags]` then the parameters as flat fp32 buckets in the order of `layout()`,
-cut at parameter boundaries by `bucket_plan` (at most BUCKET_NUMEL elements, or one larger parameter), so a
-ZeRO-3 learner can gather, send and free one bucket at a time and never hold the whole model. Both sides derive
-the layout from the same architecture, and the header's layout hash catches a generator built from another
-model before it loads garbage.
+`[version, numel, digest, flags]` then the parameters as flat buckets in the order of `layout()`, cut by
+`wire_plan`. Both sides derive the layout from the same architecture, and the header's digest catches a generator
+built from another model before it loads garbage.
+
+The wire dtype is the model's: a learner whose parameters are bf16 (or fp16) sends bf16 (fp16) buckets, half the
+bytes of fp32, and the generator receives into a host vector of that dtype; an fp32 learner sends fp32 (any mix of
+dtypes goes as fp32, which holds each of them exactly: `wire_dtype`). The header names it (flag bits 2-3,
+`dtype_flags`), and for a 16-bit wire the digest is the layout's salted with the dtype (`wire_digest`; fp32 keeps
+the plain layout digest, as before 16-bit wires existed), so a receiver that would read the buckets as another
+dtype refuses the header as another model's instead of loading reinterpreted bits.
+
+Two plans cut the same vector. `bucket_plan` is the load plan: whole parameters, at most BUCKET_NUMEL elements, or
+one larger parameter alone; it is what a receiver that needs whole tensors loads at a time (vLLM's `load_weights`,
+the NCCL protocol's per-bucket metadata). `wire_plan` is what travels: the load plan with every parameter larger
+than BUCKET_NUMEL cut into pieces of at most BUCKET_NUMEL elements (`WireBucket`: a piece knows its offset inside
+its parameter and whether it is the last). So no bucket, scratch buffer or host staging is ever larger than
+BUCKET_NUMEL elements, even for a 7B model's 545M-element embedding, and a ZeRO-3 learner gathers, sends and
+frees one load-plan bucket at a time, never the whole model (the gather of one huge parameter is still whole:
+DeepSpeed gathers whole parameters). Consumers that need whole parameters assemble a split one and use it when
+its last piece arrives.
+
+`Checksum` fingerprints each version on both sides over the same bits (each bucket upcast to fp64, which is exact
+for every wire dtype) and sums per load-plan bucket, so its value does not depend on how a parameter was split,
+nor on whether the wire was bf16 or the same values upcast to fp32.
 
 This module is the wire and the receiving end; the sending end, the one publish path, is the learner's
 (`learner/publisher.py`: `ModelPublisher` over `WeightPublisher`). Receivers block inside the collective in a
@@ -21,6 +40,7 @@ import hashlib
 import os
 import socket
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +50,11 @@ FLAG_STOP = 1
 # generator's own NCCL group straight into its vLLM workers (common/vllm_weights.py); the header still
 # comes here, so versions, layout checks and dead-peer detection stay on one channel.
 FLAG_DIRECT = 2
-BUCKET_NUMEL = 32 << 20  # 128 MiB of fp32 per broadcast call
+# The wire dtype, flag bits 2-3: its index in WIRE_DTYPES (0, fp32, is what headers carried before 16-bit wires).
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPE_SHIFT, DTYPE_BITS = 2, 0b11
+KNOWN_FLAGS = FLAG_STOP | FLAG_DIRECT | DTYPE_BITS << DTYPE_SHIFT
+BUCKET_NUMEL = 32 << 20  # elements per bucket (128 MiB of fp32, 64 MiB of bf16): also bounds every piece of a split
 # The two members of a generator incarnation's own channel (`pair_prefix`): learner rank 0 sends, the generator
 # receives.
 LEARNER_RANK, GENERATOR_RANK, PAIR_WORLD = 0, 1, 2
@@ -66,8 +90,9 @@ def layout(model: torch.nn.Module) -> Layout:
 
 
 def bucket_plan(lay: Layout, bucket_numel: int = 0) -> list[tuple[int, int, int, int]]:
-    """(first param, end param, first element, end element) of each bucket: whole parameters, in layout order,
-    at most `bucket_numel` (default BUCKET_NUMEL) elements unless one parameter alone is larger."""
+    """The load plan: (first param, end param, first element, end element) of each bucket: whole parameters, in
+    layout order, at most `bucket_numel` (default BUCKET_NUMEL) elements unless one parameter alone is larger (then
+    it is alone). What travels is `wire_plan`, which cuts such a parameter into pieces."""
     limit = bucket_numel or BUCKET_NUMEL
     plan, first, start, offset = [], 0, 0, 0
     for i, shape in enumerate(lay.shapes):
@@ -79,6 +104,85 @@ def bucket_plan(lay: Layout, bucket_numel: int = 0) -> list[tuple[int, int, int,
     if offset > start:
         plan.append((first, len(lay.shapes), start, offset))
     return plan
+
+
+class WireBucket(NamedTuple):
+    """One bucket of `wire_plan`: parameters first..end-1, elements start..stop-1 of the flat vector. A piece of a
+    split parameter has end == first + 1 and starts `offset` elements into it; `last` marks the bucket that completes
+    a `bucket_plan` bucket (whole parameters, or the last piece of a split one)."""
+
+    first: int
+    end: int
+    start: int
+    stop: int
+    offset: int = 0
+    last: bool = True
+
+    @property
+    def whole(self) -> bool:
+        """Whole parameters (a `bucket_plan` bucket as it is), not a piece of one."""
+        return self.offset == 0 and self.last
+
+
+def wire_plan(lay: Layout, bucket_numel: int = 0) -> list[WireBucket]:
+    """What travels: `bucket_plan(lay, bucket_numel)` with each parameter larger than the bound (default
+    BUCKET_NUMEL) cut into consecutive pieces of at most that many elements, so no bucket exceeds it."""
+    limit = bucket_numel or BUCKET_NUMEL
+    plan = []
+    for first, end, start, stop in bucket_plan(lay, limit):
+        if stop - start <= limit:  # whole parameters (a larger bucket is always one parameter alone)
+            plan.append(WireBucket(first, end, start, stop))
+            continue
+        for at in range(start, stop, limit):
+            plan.append(WireBucket(first, end, at, min(at + limit, stop), at - start, at + limit >= stop))
+    return plan
+
+
+def load_groups(plan: list[WireBucket]) -> list[list[WireBucket]]:
+    """The wire buckets of each `bucket_plan` bucket, in order: one whole bucket, or every piece of a split
+    parameter (what one ZeRO-3 gather serves, and what a receiver of whole tensors loads at once)."""
+    groups, current = [], []
+    for b in plan:
+        current.append(b)
+        if b.last:
+            groups.append(current)
+            current = []
+    return groups
+
+
+def wire_dtype(params) -> torch.dtype:
+    """The dtype a model's buckets travel in: its parameters' one dtype when that is bf16, fp16 or fp32, else fp32
+    (exact for any mix of those; what every publish sent before 16-bit wires)."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) == 1 and next(iter(dtypes)) in WIRE_DTYPES:
+        return next(iter(dtypes))
+    return torch.float32
+
+
+def dtype_flags(dtype: torch.dtype) -> int:
+    """The header flag bits that name `dtype` as the wire dtype."""
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"weight channel: buckets of {dtype}; the wire carries one of {WIRE_DTYPES}")
+    return WIRE_DTYPES.index(dtype) << DTYPE_SHIFT
+
+
+def flags_dtype(flags: int) -> torch.dtype:
+    """The wire dtype a header's flags name; refuses flags this side does not know (another covrl's learner)."""
+    code = flags >> DTYPE_SHIFT & DTYPE_BITS
+    if flags & ~KNOWN_FLAGS or code >= len(WIRE_DTYPES):
+        raise RuntimeError(f"weight channel: header flags {flags:#x} name something this generator does not know "
+                           f"(known: {KNOWN_FLAGS:#x}, wire dtypes {[str(d) for d in WIRE_DTYPES]}): the learner "
+                           f"runs another covrl version; start learners and generators from the same checkout")
+    return WIRE_DTYPES[code]
+
+
+def wire_digest(lay: Layout, dtype: torch.dtype) -> int:
+    """The digest a header carries for buckets of `dtype`: the layout's own for fp32, salted with the dtype
+    otherwise, so a receiver that would take the buckets as fp32 (one from before 16-bit wires) refuses them."""
+    if dtype == torch.float32:
+        return lay.digest
+    salted = f"{lay.digest}:{str(dtype).removeprefix('torch.')}".encode()
+    return int.from_bytes(hashlib.sha256(salted).digest()[:7], "little")
 
 
 def shaped(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
@@ -112,38 +216,46 @@ class Checksum:
     """A cheap order-sensitive fingerprint of a flat parameter vector, fed bucket by bucket.
 
     At most ~1M evenly strided elements are read, so fingerprinting a 7B model every step
-    costs milliseconds; small models are read whole. Sender and receivers feed the same
-    buckets in the same order, so their float64 sums agree to the bit.
+    costs milliseconds; small models are read whole. The sampled elements are upcast to float64 on the host
+    (exact for fp32, bf16 and fp16: the same values give the same sum whatever the wire dtype, and a bucket on a
+    GPU gives what its host copy gives) and summed once per `bucket_plan` bucket: the pieces of a split parameter
+    are fed with `last=False` and summed with their last piece, so splitting does not move the total. Sender and
+    receivers feed the same buckets in the same order, so their float64 sums agree to the bit.
     """
 
     def __init__(self, numel: int):
         self.stride = max(1, numel // CHECKSUM_SAMPLES)
         self.total = 0.0
+        self.held: list[torch.Tensor] = []  # weighted samples of the pieces before the last one
 
-    def add(self, bucket: torch.Tensor, start: int) -> None:
+    def add(self, bucket: torch.Tensor, start: int, last: bool = True) -> None:
         first = -start % self.stride  # first element of this bucket on the global stride
-        sample = bucket[first :: self.stride]
+        sample = bucket[first :: self.stride].to("cpu", torch.float64)
         s0 = (start + first) // self.stride  # index of that element among all samples
         w = torch.arange(s0 + 1, s0 + 1 + sample.numel(), dtype=torch.float64).remainder_(1013.0).add_(1.0)
-        self.total += float((sample.double() * w).sum())
+        self.held.append(sample * w)
+        if last:
+            terms = self.held[0] if len(self.held) == 1 else torch.cat(self.held)
+            self.held = []
+            self.total += float(terms.sum())
 
 
 def checksum(flat: torch.Tensor, lay: Layout | None = None) -> float:
-    """The Checksum of a whole flat vector, fed by `lay`'s bucket plan (one bucket without a layout)."""
+    """The Checksum of a whole flat vector, fed by `lay`'s wire plan (one bucket without a layout)."""
     acc = Checksum(flat.numel())
-    plan = bucket_plan(lay) if lay is not None else [(0, 0, 0, flat.numel())]
-    for _, _, start, end in plan:
-        acc.add(flat[start:end], start)
+    plan = wire_plan(lay) if lay is not None else [WireBucket(0, 0, 0, flat.numel())]
+    for b in plan:
+        acc.add(flat[b.start:b.stop], b.start, b.last)
     return acc.total
 
 
-def checked_buckets(lay: Layout, buckets):
-    """(first element, bucket) for each of `buckets`, checked against `bucket_plan(lay)`: the wire order."""
-    for (_, _, start, end), bucket in zip(bucket_plan(lay), buckets, strict=True):
-        if bucket.numel() != end - start or bucket.dtype != torch.float32:
-            raise ValueError(f"weight bucket at element {start} has {bucket.numel()} {bucket.dtype} elements; "
-                             f"the plan says {end - start} float32")
-        yield start, bucket
+def checked_buckets(lay: Layout, buckets, dtype: torch.dtype = torch.float32):
+    """(WireBucket, bucket) for each of `buckets`, checked against `wire_plan(lay)` (the wire order) and `dtype`."""
+    for b, bucket in zip(wire_plan(lay), buckets, strict=True):
+        if bucket.numel() != b.stop - b.start or bucket.dtype != dtype:
+            raise ValueError(f"weight bucket at element {b.start} has {bucket.numel()} {bucket.dtype} elements; "
+                             f"the plan says {b.stop - b.start} {dtype}")
+        yield b, bucket
 
 
 def gloo_device(host: str, port: int):
@@ -194,6 +306,7 @@ class WeightChannel:
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store) if prefix else store, rank, world, opts)
         self.rank = rank
         self.world = world
+        self.dtype = torch.float32  # receiver side: the wire dtype of the last header, which its buckets travel in
 
     def _start(self, t: torch.Tensor) -> dist.Work:
         """Begin a broadcast; it fails by itself once the channel's timeout has passed (gloo's own deadline, and
@@ -209,11 +322,13 @@ class WeightChannel:
     # once and decides for each when to stop waiting (`learner/publisher.py`: `Sends`); the tensor must stay
     # untouched until the operation has completed or failed.
 
-    def start_header(self, version: int, lay: Layout, flags: int = 0) -> dist.Work:
-        return self._start(torch.tensor([version, lay.numel, lay.digest, flags], dtype=torch.int64))
+    def start_header(self, version: int, lay: Layout, flags: int = 0, dtype: torch.dtype = torch.float32) -> dist.Work:
+        """A version's header; its buckets travel in `dtype` (named in the flags and bound into the digest)."""
+        header = [version, lay.numel, wire_digest(lay, dtype), flags | dtype_flags(dtype)]
+        return self._start(torch.tensor(header, dtype=torch.int64))
 
     def start_bucket(self, bucket: torch.Tensor) -> dist.Work:
-        """After a header without FLAG_DIRECT: one fp32 host bucket of `bucket_plan`, in order."""
+        """After a header without FLAG_DIRECT: one host bucket of `wire_plan`, in order, in the header's dtype."""
         return self._start(bucket)
 
     def start_stop(self) -> dist.Work:
@@ -230,22 +345,28 @@ class WeightChannel:
         version, numel, digest, flags = header.tolist()
         if flags & FLAG_STOP:
             return None
-        if numel != lay.numel or digest != lay.digest:
+        dtype = flags_dtype(flags)
+        if numel != lay.numel or digest != wire_digest(lay, dtype):
+            name = str(dtype).removeprefix("torch.")
             raise RuntimeError(
-                f"weight channel: the learner sends a model of {numel} parameters (layout {digest:x}) but this "
-                f"generator holds {lay.numel} (layout {lay.digest:x}); start generators from the learner's model "
-                f"(model.path) so both build the same architecture"
+                f"weight channel: the learner sends a model of {numel} parameters as {name} (layout {digest:x}) but "
+                f"this generator holds {lay.numel} (layout {wire_digest(lay, dtype):x} as {name}); start generators "
+                f"from the learner's model (model.path) so both build the same architecture, and learners and "
+                f"generators from the same covrl checkout (an older generator reads every wire as float32)"
             )
+        self.dtype = dtype
         return version, flags
 
     def receive_buckets(self, lay: Layout, out: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
-        """Receiver side, after a header without FLAG_DIRECT: the buckets -> (flat, checksum).
+        """Receiver side, after a header without FLAG_DIRECT: the buckets -> (flat, checksum), `flat` in the wire
+        dtype the header named (`self.dtype`).
 
-        `out`: a free fp32 vector of the model's size to receive into. Reusing one saves a fresh
-        allocation per version, whose page faults cost as much as the copy itself."""
-        flat = out if out is not None and out.numel() == lay.numel else torch.empty(lay.numel, dtype=torch.float32)
+        `out`: a free vector of the model's size to receive into, used when it has that dtype. Reusing one saves a
+        fresh allocation per version, whose page faults cost as much as the copy itself."""
+        fits = out is not None and out.numel() == lay.numel and out.dtype == self.dtype
+        flat = out if fits else torch.empty(lay.numel, dtype=self.dtype)
         acc = Checksum(lay.numel)
-        for _, _, start, end in bucket_plan(lay):
-            self._bcast(flat[start:end])  # a 1-D slice is contiguous
-            acc.add(flat[start:end], start)
+        for b in wire_plan(lay):
+            self._bcast(flat[b.start:b.stop])  # a 1-D slice is contiguous
+            acc.add(flat[b.start:b.stop], b.start, b.last)
         return flat, acc.total

@@ -5,6 +5,11 @@ metadata, the rendezvous through the weight channel's store) stays in `common/vl
 end is `actors/vllm_engine.py` (vLLM's weight-transfer API, or covrl's worker extension on an older vLLM).
 `learner/publisher.py` builds one `NcclSender` per direct generator and sends each bucket through it.
 
+What goes through a sender is always whole parameters, one `weights.bucket_plan` bucket per `send_bucket`: the
+receiver allocates one tensor per name and shape of `bucket_meta` and hands them to vLLM's `load_weights`, which
+takes whole tensors. A parameter that `weights.wire_plan` splits (larger than BUCKET_NUMEL elements) is put together
+from its pieces by the publisher (`NcclPeer`) before it is sent here.
+
 Nothing here imports vLLM or touches CUDA at import time; the learner needs vLLM installed only to build a sender.
 """
 
@@ -67,7 +72,8 @@ class NcclSender:
 
     def send_bucket(self, lay: weights.Layout, first: int, end: int, bucket: torch.Tensor, dtype: torch.dtype,
                     cancelled=None) -> int:
-        """Broadcast one bucket (parameters first..end-1, flat, on any device) parameter by parameter in `dtype`,
+        """Broadcast one `bucket_plan` bucket (whole parameters first..end-1, flat, on any device, in any wire dtype;
+        cast here when it is not the generator's) parameter by parameter in `dtype`,
         and wait until it has landed (at most `timeout_s`, or until `cancelled()`: the hub declared the generator
         lost); returns bytes. The receiver reads the same parameters from `bucket_meta(lay, first, end, dtype)`. On
         return the caller may overwrite `bucket`."""

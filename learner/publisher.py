@@ -2,11 +2,10 @@
 
 A generator joins when the hub welcomes it (first start or restart): a join thread builds the pair
 channel (a rendezvous under the store prefix `weights.pair_prefix(gen_id, incarnation)`), sends it the
-latest published version at once, and adds it to the broadcast list. So a restarted generator catches
-up before it generates, and it never trusts a version number it has not received (it starts from the
+latest published version at once (from the host copy, below), and adds it to the broadcast list. So a restarted
+generator catches up before it generates, and it never trusts a version number it has not received (it starts from the
 base model, version 0, and waits for the version its work names). `publish` sends each bucket to every
-live channel at once and keeps a CPU copy of the latest version for late joiners (the model's size in host
-memory on rank 0).
+live channel at once, in the wire dtype (the model's: bf16 buckets from a bf16 learner, `weights.wire_dtype`).
 
 Nothing here waits on a generator without a deadline (`Sends`): the rendezvous, every header and every gloo
 bucket get `transport.weight_send_timeout_s` (a healthy generator's weight thread takes them at once), an NCCL
@@ -24,9 +23,25 @@ Each admitted channel is a peer, its kind chosen once when it is admitted: a `Gl
 pair channel, all peers at once) or an `NcclPeer` (below); the publisher calls their `start_header`, `send_bucket`,
 `release` and `close` and never asks which kind it holds.
 
-Every bucket is copied into `latest` (a `HostCopy`: a host vector, pinned on a CUDA learner) and the gloo channels send
-that copy, never the caller's tensor: a CUDA learner's buckets are on its GPU, and the caller reuses one
-bucket buffer for the next bucket as soon as it is asked for.
+The host copy (`latest`, a `HostCopy`: the model's size in the wire dtype, pinned on a CUDA learner) is the latest
+version for late joiners and the staging of every gloo send (the gloo channels send that copy, never the caller's
+tensor: a CUDA learner's buckets are on its GPU, and the caller reuses one bucket buffer for the next bucket as soon
+as it is asked for). It exists only while it can be needed, decided at each publish (`_host_copy`):
+
+- A gloo peer has ever been admitted: keep it. A gloo peer joins (and rejoins, after a restart) on a join thread,
+  which must send it the latest version at once, and that thread can rebuild nothing from the live parameters:
+  under ZeRO-3 reading them is a collective of every learner rank, and even without ZeRO-3 it would race the
+  optimizer step and label half-updated bits. So once a run has gloo generators, every publish refreshes the copy.
+- No peer has been admitted yet (a resumed learner's first publish, before any generator joined): keep it; whoever
+  joins next must be caught up, and its kind is not known yet.
+- Otherwise (every peer so far an NCCL peer): none, and a copy kept before is freed. An NCCL peer needs no
+  catch-up: it is admitted by the trainer thread at the start of a publish (`_connect_nccl`), which sends it that
+  very version right after. A first gloo peer that joins such a run is admitted without a catch-up and receives
+  the next publish (as an NCCL joiner does); from that publish on the copy is kept.
+
+So a learner whose every generator is an NCCL peer holds no model-sized host memory (30 GB pinned for a 7B model in
+fp32 before), and one with gloo peers holds half of it when the model is bf16. A publish that fails midway drops
+the copy rather than leave a late joiner half-written bits under an old label.
 
 A vLLM generator with the nccl transport announces its NCCL receiver in the pair channel's store before the
 rendezvous (`common/vllm_weights.py`). Its join thread only records that; the NCCL group itself (this rank's GPU
@@ -34,7 +49,9 @@ rendezvous (`common/vllm_weights.py`). Its join thread only records that; the NC
 learner's device and between train steps, so it never races DeepSpeed's own collectives. Headers still go over
 gloo, flagged `weights.FLAG_DIRECT`, and each bucket is broadcast over NCCL in the generator's dtype straight into its
 workers, on the sender's own stream and with a deadline (`NcclSender`), cut short when the hub declares the
-generator lost (`learner/nccl.py`).
+generator lost (`learner/nccl.py`). The NCCL protocol moves whole tensors, so the wire pieces of a split parameter
+are put together on the learner's device (`NcclPeer.assembling`, the one parameter in the generator's dtype) and the
+parameter goes with its last piece: one `weights.bucket_plan` bucket per broadcast, as the receiver expects.
 
 `ModelPublisher` (below) is the one publish path of every learner rank: it walks the module's buckets (a
 collective under ZeRO-3) and, on rank 0, hands them to this class.
@@ -44,6 +61,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import itertools
 import logging
 import threading
 import time
@@ -146,12 +164,15 @@ class GlooPeer:
     blocking = False  # a bucket send returns at once: all such sends are waited for together (`Sends`)
     flags = 0  # of each header: the buckets follow over this gloo channel
 
-    def start_header(self, sends: "Sends", version: int, lay: weights.Layout) -> str | None:
-        return sends.add(self.gen_id, self.channel, lambda: self.channel.start_header(version, lay, self.flags))
+    def start_header(self, sends: "Sends", version: int, lay: weights.Layout, dtype: torch.dtype) -> str | None:
+        return sends.add(self.gen_id, self.channel, lambda: self.channel.start_header(version, lay, self.flags, dtype))
 
-    def send_bucket(self, sends: "Sends", lay: weights.Layout, first: int, end: int, host: torch.Tensor,
+    def send_bucket(self, sends: "Sends", lay: weights.Layout, b: weights.WireBucket, host: torch.Tensor | None,
                     bucket: torch.Tensor, cancelled: Callable[[], bool]) -> str | None:
-        """Begin sending one bucket's host copy; the failure's description if it could not even begin."""
+        """Begin sending one wire bucket's host copy; the failure's description if it could not even begin."""
+        if host is None:
+            raise RuntimeError("weight publisher: a gloo peer is live but this publish kept no host copy to send from "
+                               "(a bug in WeightPublisher._host_copy: a gloo peer must make it keep one)")
         return sends.add(self.gen_id, self.channel, lambda: self.channel.start_bucket(host))
 
     def release(self) -> None:
@@ -170,19 +191,33 @@ class NcclPeer(GlooPeer):
 
     sender: nccl.NcclSender
     dtype: torch.dtype  # the generator's: each bucket is sent in it
+    # A split parameter being put together from its wire pieces (the generator's dtype, on the bucket's device): the
+    # NCCL protocol sends whole tensors (`vllm_weights.bucket_meta` names one per parameter of a `bucket_plan` bucket).
+    assembling: torch.Tensor | None = None
     blocking = True  # a bucket send waits for its broadcast to land (with its own deadline)
     flags = weights.FLAG_DIRECT  # the buckets go over NCCL, straight into its vLLM workers
 
-    def send_bucket(self, sends: "Sends", lay: weights.Layout, first: int, end: int, host: torch.Tensor,
+    def send_bucket(self, sends: "Sends", lay: weights.Layout, b: weights.WireBucket, host: torch.Tensor | None,
                     bucket: torch.Tensor, cancelled: Callable[[], bool]) -> str | None:
+        """Broadcast a `bucket_plan` bucket once it is whole: a wire bucket of whole parameters at once; the pieces of
+        a split parameter are copied into `assembling` (on the caller's stream, so before it reuses its buffer) and
+        the whole parameter goes with its last piece."""
+        if not b.whole:
+            if b.offset == 0:
+                self.assembling = torch.empty(_numel(lay.shapes[b.first]), dtype=self.dtype, device=bucket.device)
+            self.assembling[b.offset:b.offset + bucket.numel()].copy_(bucket)
+            if not b.last:
+                return None
+            bucket, self.assembling = self.assembling, None
         try:
-            self.sender.send_bucket(lay, first, end, bucket, self.dtype, cancelled=cancelled)
+            self.sender.send_bucket(lay, b.first, b.end, bucket, self.dtype, cancelled=cancelled)
             return None
         except RuntimeError as e:  # nccl.NcclTimeout, or the hub's verdict
             return LOST if cancelled() else str(e)[:300]
 
     def release(self) -> None:
-        """Its NCCL communicator (vLLM's destroy aborts it)."""
+        """Its NCCL communicator (vLLM's destroy aborts it) and any half-assembled parameter."""
+        self.assembling = None
         _try(self.sender.close)
 
 
@@ -205,15 +240,16 @@ class Rendezvoused:
 @dataclass
 class HostCopy:
     """The latest published version on learner rank 0's host, for late joiners: its bits and the version they are.
-    Written only by `publish`, under the publisher's lock, so a catch-up never labels half-written bits."""
+    Written only by `publish`, under the publisher's lock, so a catch-up never labels half-written bits. Kept only
+    while a late joiner can need it (module docstring)."""
 
-    flat: torch.Tensor  # fp32, the model's size; pinned on a CUDA learner
+    flat: torch.Tensor  # the wire dtype, the model's size; pinned on a CUDA learner
     layout: weights.Layout
     version: int = 0
 
     def buckets(self):
-        """(host, host) bucket pairs of the plan: a catch-up sends the host copy to gloo and NCCL peers alike."""
-        return ((self.flat[start:stop], self.flat[start:stop]) for *_, start, stop in weights.bucket_plan(self.layout))
+        """(host, host) pairs of the wire plan: what a catch-up sends."""
+        return ((self.flat[b.start:b.stop],) * 2 for b in weights.wire_plan(self.layout))
 
 
 class WeightPublisher:
@@ -229,7 +265,10 @@ class WeightPublisher:
         self.lock = threading.Lock()  # channels, the host copy, and every send
         self.channels: dict[int, GlooPeer] = {}  # gen_id -> its admitted peer
         self.pending_direct: list[Rendezvoused] = []
-        self.latest: HostCopy | None = None
+        self.latest: HostCopy | None = None  # only while a late joiner can need it (`_host_copy`)
+        self.version = 0  # the latest version published
+        self.gloo_seen = False  # a gloo peer has been admitted: from the next publish on, the host copy is kept
+        self.admitted = False  # any peer has been admitted
         self.counters: collections.Counter[str] = collections.Counter()
         self._stopped = False
         # (gen_id, incarnation) -> LEFT or LOST: incarnations gone for good (`leave`, `drop`). Their own lock, never
@@ -264,7 +303,7 @@ class WeightPublisher:
                 log.info("generator %d (%s) announced an NCCL receiver: its group is built at the next publish",
                          gen_id, incarnation)
                 return
-            self._admit(joined.as_gloo())
+            self._admit(joined.as_gloo(), catch_up=True)
 
     def _rendezvous(self, gen_id: int, incarnation: str) -> Rendezvoused:
         """The learner's end of this incarnation's pair channel, once the generator has joined it too."""
@@ -339,18 +378,31 @@ class WeightPublisher:
         if self.report is not None and self._gone(gen_id, incarnation) is None:
             self.report(gen_id, incarnation, why)
 
-    def _admit(self, peer: GlooPeer) -> None:
-        """Catch a new channel up on the latest version and add it to the broadcast list (lock held)."""
-        if self.latest is not None:  # catch up: the version everyone else holds
-            failed = self._send([peer], self.latest.version, self.latest.layout, self.latest.buckets())
+    def _admit(self, peer: GlooPeer, catch_up: bool) -> None:
+        """Add a new channel to the broadcast list (lock held), first catching it up on the latest version when
+        `catch_up` (a gloo peer, on its join thread; an NCCL peer is admitted by the publish that sends it the next
+        version at once) and a host copy of it is kept (`_host_copy`)."""
+        latest = self.latest if catch_up else None
+        if latest is not None:  # catch up: the version everyone else holds
+            failed = self._send([peer], latest.version, latest.layout, latest.flat.dtype, latest.buckets())
             if failed:
                 self._fail(peer, failed[peer.gen_id], "during its catch-up")
                 return
         self.channels[peer.gen_id] = peer
+        self.admitted = True
+        self.gloo_seen |= peer.flags != weights.FLAG_DIRECT
         self.counters["weights/direct_channels"] += peer.flags == weights.FLAG_DIRECT
         self.counters["weights/joins"] += 1
-        log.info("generator %d (%s) joined the weight channels at version %d", peer.gen_id, peer.incarnation,
-                 0 if self.latest is None else self.latest.version)
+        if not catch_up:
+            log.info("generator %d (%s) joined the weight channels over NCCL: the publish under way sends it its first "
+                     "version", peer.gen_id, peer.incarnation)
+        elif latest is None and self.version:
+            log.info("generator %d (%s) joined the weight channels; no host copy was kept (every peer so far was an "
+                     "NCCL peer): it gets the next published version, and the copy is kept from then on",
+                     peer.gen_id, peer.incarnation)
+        else:
+            log.info("generator %d (%s) joined the weight channels at version %d", peer.gen_id, peer.incarnation,
+                     0 if latest is None else latest.version)
 
     def _connect_nccl(self) -> None:
         """Build the NCCL group of every generator that announced one (trainer thread, lock held)."""
@@ -369,55 +421,80 @@ class WeightPublisher:
                 self.counters["weights/join_failures"] += 1
                 self._report(joined.gen_id, joined.incarnation, f"its NCCL rendezvous failed: {str(e)[:200]}")
                 continue
-            self._admit(NcclPeer(joined.gen_id, joined.incarnation, joined.channel, sender, dtype))
+            self._admit(NcclPeer(joined.gen_id, joined.incarnation, joined.channel, sender, dtype), catch_up=False)
 
     # ---- called from the trainer (main) thread ------------------------------------------
 
     def publish(self, version: int, lay: weights.Layout, buckets) -> tuple[float, int, float]:
-        """Send a version to every live channel. Returns (seconds, bytes sent to each, checksum)."""
+        """Send a version to every live channel: `buckets` in `weights.wire_plan(lay)` order, all of one wire dtype
+        (the first bucket's, named in every header). Returns (seconds, bytes sent to each, checksum)."""
         t0 = time.perf_counter()
         acc = weights.Checksum(lay.numel)
         with self.lock:
-            self._connect_nccl()  # before the host copy exists on the first publish: nothing to catch up on yet
-            if self.latest is None:  # pinned on a CUDA learner: device-to-host copies run at full speed
-                flat = torch.empty(lay.numel, dtype=torch.float32, pin_memory=self.device.type == "cuda")
-                self.latest = HostCopy(flat, lay)
+            self._connect_nccl()  # an NCCL joiner is admitted here and gets this version below: no catch-up
+            buckets = iter(buckets)
+            head = next(buckets, None)  # its dtype goes in the headers, which leave before any bucket
+            dtype = torch.float32 if head is None else head.dtype
+            host = self._host_copy(lay, dtype)
             live = [p for p in self.channels.values() if self._gone(p.gen_id, p.incarnation) is None]
 
             def copies():
-                for start, bucket in weights.checked_buckets(lay, buckets):
-                    host = self.latest.flat[start:start + bucket.numel()]
-                    host.copy_(bucket)  # from the learner's device; gloo sends this host copy
-                    acc.add(host, start)
-                    yield host, bucket  # NCCL sends straight from the learner's GPU
+                for b, bucket in weights.checked_buckets(lay, itertools.chain([head], buckets), dtype):
+                    staged = None if host is None else host.flat[b.start:b.stop].copy_(bucket)  # gloo sends this
+                    acc.add(bucket if staged is None else staged, b.start, b.last)
+                    yield staged, bucket  # NCCL sends straight from the learner's GPU
 
-            failed = self._send(live, version, lay, copies())
-            by_id = {p.gen_id: p for p in live}
-            for gen_id, why in failed.items():
-                if self.channels.get(gen_id) is by_id[gen_id]:
-                    del self.channels[gen_id]
-                self._fail(by_id[gen_id], why, f"at version {version}")
-            self.latest.version = version
-        return time.perf_counter() - t0, lay.numel * 4, acc.total
+            try:
+                failed = self._send(live, version, lay, dtype, copies() if head is not None else iter(()))
+            except BaseException:
+                self.latest = None  # maybe half-written: never a catch-up's source
+                raise
+            self._fail_all(live, failed, version)
+            self.version = version
+            if host is not None:
+                host.version = version
+        return time.perf_counter() - t0, lay.numel * dtype.itemsize, acc.total
 
-    def _send(self, live: list[GlooPeer], version: int, lay: weights.Layout, buckets) -> dict[int, str]:
-        """One version to every peer in `live`, at once: the headers, then each (host, device) bucket pair of the
-        plan. Returns {gen_id: why} for the peers that failed (lock held)."""
+    def _host_copy(self, lay: weights.Layout, dtype: torch.dtype) -> HostCopy | None:
+        """The host copy this publish writes, or None (lock held): kept once a gloo peer has been admitted, or while
+        no peer has been (module docstring); else freed. In the wire dtype; pinned on a CUDA learner, so
+        device-to-host copies run at full speed."""
+        if self.admitted and not self.gloo_seen:
+            self.latest = None
+            return None
+        if self.latest is None or self.latest.layout != lay or self.latest.flat.dtype != dtype:
+            self.latest = None  # the old one goes before the new one is allocated
+            flat = torch.empty(lay.numel, dtype=dtype, pin_memory=self.device.type == "cuda")
+            self.latest = HostCopy(flat, lay, self.version)
+        return self.latest
+
+    def _fail_all(self, live: list[GlooPeer], failed: dict[int, str], version: int) -> None:
+        """Retire (and report) the peers a publish failed to reach (lock held)."""
+        by_id = {p.gen_id: p for p in live}
+        for gen_id, why in failed.items():
+            if self.channels.get(gen_id) is by_id[gen_id]:
+                del self.channels[gen_id]
+            self._fail(by_id[gen_id], why, f"at version {version}")
+
+    def _send(self, live: list[GlooPeer], version: int, lay: weights.Layout, dtype: torch.dtype,
+              buckets) -> dict[int, str]:
+        """One version to every peer in `live`, at once: the headers, then each (host, device) pair of the wire
+        plan, in `dtype`. Returns {gen_id: why} for the peers that failed (lock held)."""
         incarnation = {p.gen_id: p.incarnation for p in live}
 
         def gone(gen_id: int) -> bool:
             return self._gone(gen_id, incarnation[gen_id]) is not None
 
         sends = Sends(self.send_timeout_s, gone)
-        failed = {p.gen_id: why for p in live if (why := p.start_header(sends, version, lay))}
+        failed = {p.gen_id: why for p in live if (why := p.start_header(sends, version, lay, dtype))}
         failed.update(sends.wait())  # headers first, so a dead peer is found before the buckets
         # Buckets that only start go first, so they travel while the blocking (NCCL) sends run one at a time.
         ordered = sorted(live, key=lambda p: p.blocking)
-        for (first, end, _, _), (host, bucket) in zip(weights.bucket_plan(lay), buckets, strict=True):
+        for b, (host, bucket) in zip(weights.wire_plan(lay), buckets, strict=True):
             sends = Sends(self.send_timeout_s, gone)
             for peer in ordered:
                 if peer.gen_id not in failed and (why := peer.send_bucket(
-                        sends, lay, first, end, host, bucket, lambda g=peer.gen_id: gone(g))):
+                        sends, lay, b, host, bucket, lambda g=peer.gen_id: gone(g))):
                     failed[peer.gen_id] = why
             failed.update(sends.wait())
         return failed
@@ -453,6 +530,13 @@ class WeightPublisher:
             return dict(self.counters)
 
 
+def _numel(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
 def _try(op) -> bool:
     try:
         op()
@@ -467,7 +551,7 @@ class ModelPublisher:
     Every rank builds one and calls `publish(version)` at the same point of each step: under ZeRO-3 the
     parameters are shards and each bucket's gather is a collective, so every rank walks the buckets; only
     rank 0 has a `channel` (`WeightPublisher`) and sends them. One scratch bucket on the parameters' device
-    is reused by every publish.
+    (at most `weights.BUCKET_NUMEL` elements, in the wire dtype) is reused by every publish.
     """
 
     def __init__(self, module: torch.nn.Module, *, zero3: bool, channel: WeightPublisher | None):

@@ -3,58 +3,12 @@ publisher on loopback: scaled away while it runs, its groups are trained, it exi
 drained, and its weight channel is closed as a leave, not a failure; declared lost while it runs, it is told to stop
 and exits EXIT_LOST, its channel dropped."""
 
-import contextlib
 import logging
-import threading
 
-from actors.actor import run_actor
-from actors.engine import TorchEngine
-from broker.hub import Hub
 from common.runfiles import EXIT_DRAINED
-from common.config import load_config
-from common.data import PromptSource
-from common.transport import free_port
 from learner.nccl import wait_until
-from learner.publisher import WeightPublisher
+from tests.helpers.actor_hub import generator_and_hub as _generator_and_hub
 from tests.helpers.hooks import Hooks
-
-KEY = b"d" * 32
-
-
-def _config():
-    return load_config(None, ["data.train_size=64", "rollout.groups_per_step=2", "rollout.group_size=2",
-                              "rollout.max_new_tokens=8", "rollout.max_staleness_steps=0", "eval.every_steps=0",
-                              "learner.filter.dynamic_sampling=false", "transport.recv_timeout_s=1",
-                              "transport.heartbeat_s=0.5", "transport.weight_sync_timeout_s=30"])
-
-
-@contextlib.contextmanager
-def _generator_and_hub(tiny_model_dir, generators, wiring):
-    """A real hub and weight publisher on loopback, and generator 1 (`run_actor`, torch engine, real reward pool) in
-    a thread. `wiring(pub)`: the hub's hooks into the publisher. Yields (hub, pub, the generator's exit codes,
-    its thread)."""
-    from transformers import AutoTokenizer
-
-    # Staleness 0: version 0 issues exactly one step's groups.
-    cfg = _config()
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    wport = free_port()
-    pub = WeightPublisher("127.0.0.1", wport, 30)
-    hub = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, source=PromptSource(cfg, tok),
-              weight_addr=f"127.0.0.1:{wport}", generators=generators, target_poll_s=0.05, hooks=wiring(pub))
-    hub.start()
-    engine = TorchEngine(tiny_model_dir, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    exit_code = []
-    gen = threading.Thread(target=lambda: exit_code.append(run_actor(
-        cfg, engine=engine, tokenizer=tok, hub_addr=hub.sock.address, key=KEY, run_id="run1", gen_id=1,
-        run_dir=None)))
-    try:
-        gen.start()
-        yield hub, pub, exit_code, gen
-    finally:
-        hub.stop()
-        pub.stop()
-        gen.join(10)
 
 
 def test_a_generator_scaled_away_delivers_its_groups_then_exits_0(tiny_model_dir, caplog):

@@ -169,6 +169,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "local: WeightReceiver.cv is never held across a wait (receive_weights and load_flat run outside it)",
     ("actors/actor.py", "*", "sock.send(..."):
         "timeout: GeneratorSocket sets SNDTIMEO 30 s (common/transport.py): a send that cannot queue raises zmq.Again",
+    ("actors/actor.py", "*", "lp.sock.send(..."):
+        "timeout: GeneratorSocket sets SNDTIMEO 30 s (common/transport.py): a send that cannot queue raises zmq.Again",
     ("actors/actor.py", "*", "self.sock.send(..."):
         "timeout: GeneratorSocket sets SNDTIMEO 30 s (common/transport.py): a send that cannot queue raises zmq.Again",
     ("actors/weight_receiver.py", "WeightReceiver.run", "ch.receive_header(self.lay)"): GLOO_PAIR,

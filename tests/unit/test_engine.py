@@ -272,7 +272,7 @@ def test_load_engine_picks_cuda_when_visible_and_caps_memory_before_loading(tiny
     events = []  # a GPU process (faked): device "cuda", the allocator capped before the model is built
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(factory, "apply_memory_fraction", lambda device: events.append(("cap", device)) or 0.35)
-    monkeypatch.setattr(factory, "TorchEngine", lambda path, **kw: events.append(("engine", kw["device"], kw["dtype"])))
+    monkeypatch.setattr(factory, "StreamingTorchEngine", lambda path, **kw: events.append(("engine", kw["device"], kw["dtype"])))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="covrl.engine"):
         factory.load_engine(cfg, tiny_model_dir)

@@ -82,7 +82,7 @@ def test_publisher_broadcasts_to_two_generators_then_stops(monkeypatch):
                 p.add_(0.5)
         flat = weights.flatten(src)
         sent.append(flat.clone())
-        buckets = [flat[s:e] for _, _, s, e in weights.bucket_plan(lay)]
+        buckets = [flat[b.start:b.stop] for b in weights.wire_plan(lay)]
         assert len(buckets) > 2
         seconds, nbytes, total = pub.publish(v, lay, iter(buckets))
         assert nbytes == lay.numel * 4 and 0 < seconds < 30  # timed, and not stuck on a receiver
@@ -120,12 +120,12 @@ def test_leave_closes_a_drained_generators_channel_without_counting_a_failure():
         pub.join(g, incarnations[g])
     assert wait_until(lambda: len(pub.channels) == 2, 30, 0.01)
     flat = weights.flatten(src)
-    pub.publish(1, lay, iter([flat[s:e] for _, _, s, e in weights.bucket_plan(lay)]))
+    pub.publish(1, lay, iter([flat[b.start:b.stop] for b in weights.wire_plan(lay)]))
     pub.leave(1, "y")
     threads[1].join(10)
     assert not threads[1].is_alive()  # its receiver got the stop header: it ends cleanly, as a drained generator does
     assert wait_until(lambda: 1 not in pub.channels, 10, 0.01)
-    pub.publish(2, lay, iter([flat[s:e] for _, _, s, e in weights.bucket_plan(lay)]))
+    pub.publish(2, lay, iter([flat[b.start:b.stop] for b in weights.wire_plan(lay)]))
     pub.leave(0, "stale")  # another incarnation of generator 0 than the one connected: nothing to close
     pub.stop()
     threads[0].join(10)
@@ -215,7 +215,7 @@ def test_buckets_are_assembled_on_the_parameters_device(monkeypatch):
     model = _model(3).to("meta")
     lay = weights.layout(model)
     scratch = scratch_for(model, lay)
-    assert scratch.device.type == "meta" and scratch.numel() == max(e - s for _, _, s, e in weights.bucket_plan(lay))
+    assert scratch.device.type == "meta" and scratch.numel() == max(b.stop - b.start for b in weights.wire_plan(lay))
     buckets = list(param_buckets(model, lay, False, scratch))
     assert len(buckets) > 2 and all(b.device.type == "meta" and b.dtype == torch.float32 for b in buckets)
 
@@ -243,9 +243,9 @@ def test_publisher_sends_its_own_host_copy_of_each_bucket():
     scratch = torch.empty(flat.numel())
 
     def reused():  # one buffer for every bucket, poisoned as soon as the publisher moves on
-        for _, _, start, end in weights.bucket_plan(lay):
-            scratch[: end - start].copy_(flat[start:end])
-            yield scratch[: end - start]
+        for b in weights.wire_plan(lay):
+            scratch[: b.stop - b.start].copy_(flat[b.start:b.stop])
+            yield scratch[: b.stop - b.start]
             scratch.fill_(float("nan"))
 
     _, _, total = pub.publish(1, lay, reused())
@@ -315,14 +315,14 @@ def test_nccl_groups_are_built_by_the_publishing_thread_on_the_learners_device(m
     assert wait_until(lambda: pub.pending_direct, 30, 0.01)
     assert not pub.channels and not _RecordingSender.built  # nothing NCCL in the join thread
     flat = weights.flatten(model)
-    pub.publish(1, lay, (flat[s:e] for _, _, s, e in weights.bucket_plan(lay)))
+    pub.publish(1, lay, (flat[b.start:b.stop] for b in weights.wire_plan(lay)))
     (sender,) = _RecordingSender.built
     assert sender.thread == threading.current_thread().name and sender.device == torch.device("meta")
     assert torch.equal(torch.cat([b for _, _, b, _ in sender.sent]), flat)
     assert {d for _, _, _, d in sender.sent} == {torch.bfloat16}  # sent in the dtype the generator announced
     _RecordingSender.fail = True
     try:
-        pub.publish(2, lay, (flat[s:e] for _, _, s, e in weights.bucket_plan(lay)))
+        pub.publish(2, lay, (flat[b.start:b.stop] for b in weights.wire_plan(lay)))
     finally:
         _RecordingSender.fail = False
     assert not pub.channels and pub.counter_values()["weights/dropped_channels"] == 1
@@ -349,7 +349,7 @@ def test_model_publisher_on_rank_0_sends_the_module_through_its_channel(monkeypa
     port = free_port()
     pub = ModelPublisher(model, zero3=False, channel=WeightPublisher("127.0.0.1", port, 30))
     lay = weights.layout(model)
-    assert pub.layout == lay and pub.scratch.numel() == max(e - s for _, _, s, e in weights.bucket_plan(lay))
+    assert pub.layout == lay and pub.scratch.numel() == max(b.stop - b.start for b in weights.wire_plan(lay))
     got = []
 
     def generator():
@@ -370,7 +370,7 @@ def test_model_publisher_on_rank_0_sends_the_module_through_its_channel(monkeypa
     assert version == 3 and torch.equal(flat, weights.flatten(model)) and received_sum == total
 
 
-@pytest.mark.parametrize("zero3, walked", [(False, 0), (True, 4)])
+@pytest.mark.parametrize("zero3, walked", [(False, 0), (True, 6)])
 def test_model_publisher_elsewhere_sends_nothing_and_gathers_only_under_zero3(monkeypatch, zero3, walked):
     """A rank without a channel returns None; under ZeRO-3 it still walks every bucket (each gather is a collective
     rank 0 waits in), and without ZeRO-3 it reads no parameter at all."""
@@ -378,14 +378,15 @@ def test_model_publisher_elsewhere_sends_nothing_and_gathers_only_under_zero3(mo
 
     monkeypatch.setattr(weights, "BUCKET_NUMEL", 16)
     model = _model(9)
-    assert len(weights.bucket_plan(weights.layout(model))) == 4  # 32, 8, 24, 3 elements: no two neighbours fit in 16
+    # 32, 8, 24, 3 elements: no two neighbours fit in 16, and the 32 and the 24 are split in two pieces each
+    assert len(weights.wire_plan(weights.layout(model))) == 6
     seen = []
 
     def recording(module, lay, zero3_arg, scratch):
         assert module is model and zero3_arg == zero3 and scratch is pub.scratch
-        for _, _, start, end in weights.bucket_plan(lay):
-            seen.append(start)
-            yield scratch[: end - start]
+        for b in weights.wire_plan(lay):
+            seen.append(b.start)
+            yield scratch[: b.stop - b.start]
 
     monkeypatch.setattr(publisher, "param_buckets", recording)
     pub = publisher.ModelPublisher(model, zero3=zero3, channel=None)
