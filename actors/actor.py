@@ -46,7 +46,8 @@ from actors.weight_receiver import WeightReceiver
 from common import messages
 from common import weights
 from common.runfiles import EXIT_DRAINED, EXIT_LOST
-from common.config import Config
+from common.config import Config, generator_loop
+from common.heldout import batch_groups
 from common.rewards import RewardPool
 from common.transport import GeneratorSocket
 
@@ -187,7 +188,7 @@ class ActorLoop:
 
     def serve(self) -> int:
         """Ask for work and answer it until a Stop; returns the exit code the Stop calls for."""
-        if self.cfg.generator.loop == "batch":
+        if generator_loop(self.cfg) == "batch":
             return self.serve_batches()
         scorer = Scorer(self.tokenizer, self.pool, self.gen_id, self.incarnation)
         scorer.start()
@@ -197,8 +198,9 @@ class ActorLoop:
             scorer.close()
 
     def serve_batches(self) -> int:
-        """`generator.loop = "batch"`: one Work at a time, generated as one batch, scored, sent; then ask again."""
-        room = self.capacity()
+        """`generator.loop = "batch"`: one Work at a time (`batch_groups`: a step's groups unless
+        rollout.groups_per_request says otherwise), generated as one static batch, scored, sent; then ask again."""
+        room = batch_groups(self.cfg, self.capacity())
         while True:  # it holds nothing when it asks: one reply per request (received_groups not counted)
             self.sock.send(messages.WorkRequest(gen_id=self.gen_id, incarnation=self.incarnation, max_groups=room,
                                                 capacity=room))
@@ -249,7 +251,7 @@ class _Stream:
     scorer: Scorer
     held: int = 0  # groups received and not yet sent back
     received: int = 0  # training groups received by this incarnation
-    asked: tuple[int, float] | None = None  # (room, when) of the last request
+    asked: tuple[int, int, float] | None = None  # (free room, groups received, when) of the last request
     busy_s: float = 0.0  # seconds generating or scoring not yet attributed to a sent group
     clock: float = 0.0
     waiting: collections.deque = field(default_factory=collections.deque)  # (Work, arrival) awaiting weights
@@ -289,14 +291,21 @@ class _Stream:
         self.clock = now
 
     def _ask(self, room: int, poll: float) -> None:
+        """Ask for the free room when it is more than the hub still holds open for us (what we last asked for, less
+        what has arrived since), and again every `poll` seconds while any is free."""
         free = room - self.held
         now = time.monotonic()
-        if free <= 0 or (self.asked is not None and self.asked[0] == free and now - self.asked[1] < poll):
+        if free <= 0:
             return
+        if self.asked is not None:
+            asked_free, asked_received, at = self.asked
+            still_open = asked_free - (self.received - asked_received)
+            if free <= still_open and now - at < poll:
+                return
         lp = self.loop
         lp.sock.send(messages.WorkRequest(gen_id=lp.gen_id, incarnation=lp.incarnation, max_groups=free,
                                           received_groups=self.received, capacity=room))
-        self.asked = (free, now)
+        self.asked = (free, self.received, now)
 
     def _submit_ready(self) -> None:
         """Submit every waiting Work whose weights have arrived (oldest first); past the deadline, fail."""

@@ -26,7 +26,7 @@ from common.cli import USER_ERRORS, fail
 from common.config import load_config
 from common.data import check_model_dir, eval_sets, resolve_model
 from common.datasets import DatasetError
-from common.heldout import eval_item, eval_metrics, eval_params, eval_room
+from common.heldout import batch_groups, eval_item, eval_metrics, eval_params, eval_room
 
 
 def run(cfg, model: str, sets: dict) -> dict[str, float]:
@@ -37,7 +37,8 @@ def run(cfg, model: str, sets: dict) -> dict[str, float]:
     with make_reward_pool(cfg) as pool:
         for ds, prompts in sets.items():
             sampling, k = eval_params(cfg, ds)
-            room = eval_room(cfg, k)
+            # Chunks as a deterministic run's generator evaluates them (its batch loop's room).
+            room = eval_room(cfg, k, batch_groups(cfg, max(1, engine.max_num_seqs // cfg.rollout.group_size)))
             for start in range(0, len(prompts), room):
                 indices = range(start, min(start + room, len(prompts)))
                 items = [eval_item(cfg, ticket + j, ds, i, prompts[i], messages.to_bytes(prompts[i].ids, messages.TOKEN_DTYPE))

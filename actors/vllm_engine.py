@@ -41,14 +41,21 @@ A weight update (chosen once, at setup) pauses generation, loads, stamps the ver
   under the new weights. That departs from the CPU sampler (which keeps the KV of earlier tokens),
   because vLLM's prefix cache would otherwise hand old-weight KV to new requests.
 Transports:
-- `rpc`: the flat fp32 vector arrives in this process over the gloo weight channel (the `Engine` interface's
-  default, as for the torch engine) and `load_flat` hands it to the workers bucket by bucket through
-  `collective_rpc` into `CovrlWorkerExtension`. Needed when learner and generator share one GPU.
+- `rpc`: the flat vector (in the wire dtype) arrives in this process over the gloo weight channel (the `Engine`
+  interface's default, as for the torch engine) and `load_flat` hands it to the workers bucket by bucket through
+  `collective_rpc` into `CovrlWorkerExtension`. Works wherever the roles are; the fallback when they share a GPU.
 - `nccl`: learner rank 0 broadcasts each bucket into the vLLM workers (`learner/nccl.NcclSender`); this
   engine's `receive_weights` loads each version flagged `FLAG_DIRECT` from the actor's weight thread.
   The receiving end is vLLM's weight-transfer API (`WeightTransferConfig(backend="nccl")`,
   init_weight_transfer_engine / start_weight_update / update_weights / finish_weight_update) where the
-  installed vLLM has it, else the worker extension's own NCCL group (`covrl_init_nccl`).
+  installed vLLM has it, else the worker extension's own NCCL group (`covrl_init_nccl`). Needs GPUs of its own.
+- `ipc`: learner rank 0 and this generator (tp 1) share one GPU. Before the rendezvous the worker's GPU, pid and
+  dtype are announced (`covrl_ipc_identity`); after it the worker maps the learner's two staging slots once
+  (`covrl_map_ipc`); each version flagged `FLAG_DIRECT | FLAG_IPC` is loaded under the same pause as nccl:
+  `ipc_weights.IpcReceiver` takes each bucket's signal on the pair channel, the worker hands views of its slot to
+  `load_weights` and waits for that copy (`covrl_load_ipc`), and the bucket is acknowledged. No byte crosses the
+  host. This layer is thin on purpose: the protocol is `common/ipc_weights.py` and `learner/ipc.py`, tested on
+  the CPU between two processes over shared-memory slots; only the CUDA backend and vLLM's own load need a GPU.
 
 Importing this module imports neither vLLM nor CUDA; `VllmEngine` does, when built.
 """
@@ -59,6 +66,7 @@ import asyncio
 import collections
 import concurrent.futures
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -71,15 +79,21 @@ import numpy as np
 import torch
 
 from actors.engine import Completion, Engine, hash32
+from common import ipc_weights
 from common import vllm_weights
 from common import weights
 from common.config import GeneratorConfig, RunConfig
 from common.messages import SamplingParams
 
+log = logging.getLogger("covrl.engine")
+
 PAUSE_MODE = {"finish": "wait", "keep": "keep"}  # our weight_update -> vLLM's pause mode
-TRANSPORTS = ("rpc", "nccl")
+TRANSPORTS = ("rpc", "nccl", "ipc")
 EXTENSION = "actors.vllm_engine.CovrlWorkerExtension"
 MAX_N = 1 << 16  # samples per prompt: request seeds leave this much room for vLLM's seed + j
+# ipc: the most an unmap waits for the worker (at close, or before a new channel's mapping). Past it the learner still
+# frees its slots, once the worker's process is gone (vLLM's shutdown ends it).
+UNMAP_TIMEOUT_S = 30.0
 
 
 # ---- pure helpers (unit-tested without vLLM) ---------------------------------------------------
@@ -240,7 +254,7 @@ class VllmSettings:
     """What VllmEngine needs from the run config (`from_config`); defaults are the config's own."""
 
     weight_update: str = _GEN.weight_update  # "finish" | "keep": see the module docstring
-    transport: str = _GEN.weight_transport  # "rpc" | "nccl"
+    transport: str = _GEN.weight_transport  # "rpc" | "nccl" | "ipc"
     tensor_parallel_size: int = 0  # 0: every visible CUDA device (the launcher's --tp)
     # vLLM's attention kernels are for 16-bit dtypes: an fp32 model (model.dtype's default) is served in bf16.
     dtype: str = "bfloat16"
@@ -259,7 +273,8 @@ class VllmSettings:
                              "old weights) or \"keep\" (they continue on the new ones, tokens stamped per version)")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"weight transport {self.transport!r}: \"rpc\" (gloo to this process, then into the "
-                             "workers) or \"nccl\" (learner GPU straight into the workers; needs separate GPUs)")
+                             "workers), \"nccl\" (learner GPU straight into the workers; needs separate GPUs) or "
+                             "\"ipc\" (the learner's GPU slots mapped into the worker; one shared GPU, tp 1)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} is a fraction in (0, 1]")
         vllm_weights.torch_dtype(self.dtype)
@@ -398,7 +413,9 @@ class VllmEngine(Engine):
 
     Weights: with the rpc transport, the interface's default (gloo into this process, then `load_flat` into the
     workers); with nccl, the rendezvous hooks announce the receiver and join the learner's NCCL group, and
-    `receive_weights` loads each FLAG_DIRECT version straight into the workers (`receive_nccl`)."""
+    `receive_weights` loads each FLAG_DIRECT version straight into the workers (`receive_nccl`); with ipc, the hooks
+    announce the worker's GPU and map the learner's staging slots, and `receive_weights` loads each FLAG_IPC
+    version out of them (`receive_ipc`)."""
 
     def __init__(self, model_path: str, *, stop_ids: Sequence[int], settings: VllmSettings = VllmSettings(),
                  llm=None, api=None):
@@ -416,7 +433,14 @@ class VllmEngine(Engine):
         self.drain = not self.api.version_spans
         self.version = 0
         self.tp = settings.tensor_parallel_size or (1 if llm is not None else visible_device_count())
+        self._check_ipc()  # before vLLM takes the GPU
         self.nccl = None  # "native" | "extension" once joined
+        # ipc: the learner's slot offer and the pair channel's store once the worker mapped them, the channel's
+        # deadline, and the signals' end (built at the first version, on the channel it arrives on).
+        self._ipc_handles: bytes | None = None
+        self._ipc_store = None
+        self._ipc_timeout_s = 0.0
+        self._ipc_receiver: ipc_weights.IpcReceiver | None = None
         self.counters: collections.Counter[str] = collections.Counter()
         self.last_update_s = 0.0
         self._ids = itertools.count()
@@ -643,23 +667,36 @@ class VllmEngine(Engine):
 
     @property
     def receives_weights_directly(self) -> bool:
-        """True with the nccl transport: buckets go from the learner's GPU into the workers, not through
-        this process (`receive_weights` then calls `receive_nccl` on each header)."""
-        return self.settings.transport == "nccl"
+        """True with the nccl and ipc transports: buckets go from the learner's GPU into the workers, not through
+        this process (`receive_weights` then calls `receive_nccl` or `receive_ipc` on each header)."""
+        return self.settings.transport in ("nccl", "ipc")
 
     # ---- the Engine's weight interface ----
 
     def _before_weight_rendezvous(self, store) -> None:
-        if self.receives_weights_directly:  # before the rendezvous, so the learner's join thread sees it
+        # before the rendezvous, so the learner's join thread sees it
+        if self.settings.transport == "nccl":
             self.announce_receiver(store)
+        elif self.settings.transport == "ipc":
+            self.announce_ipc(store)
 
     def _after_weight_rendezvous(self, store, timeout_s: float) -> None:
-        if self.receives_weights_directly:
+        if self.settings.transport == "nccl":
             self.join_via_store(store, timeout_s)
+        elif self.settings.transport == "ipc":
+            self.map_ipc(store, timeout_s)
 
     def receive_weights(self, ch, lay, version: int, flags: int, out=None):
         if flags & weights.FLAG_DIRECT and self.receives_weights_directly:
-            self.receive_nccl(version)  # pauses generation, loads, stamps the version, resumes
+            sent = "ipc" if flags & weights.FLAG_IPC else "nccl"
+            if sent != self.settings.transport:
+                raise RuntimeError(f"weight channel: the learner sent version {version} over {sent}, but this "
+                                   f"generator announced an {self.settings.transport} receiver (a learner bug: it "
+                                   "must decide per channel from the generator's announcement)")
+            if sent == "ipc":
+                self.receive_ipc(ch, version)  # pauses generation, loads, stamps the version, resumes
+            else:
+                self.receive_nccl(version)  # the same
             return None
         return super().receive_weights(ch, lay, version, flags, out)
 
@@ -696,15 +733,89 @@ class VllmEngine(Engine):
 
         self._update(version, native if self.nccl == "native" else extension)
 
+    # ---- the ipc transport: a thin layer over common/ipc_weights.py (tested on the CPU there) ----
+
+    def _check_ipc(self) -> None:
+        if self.settings.transport == "ipc" and self.tp != 1:
+            raise ValueError(f"generator.weight_transport = \"ipc\" maps learner rank 0's GPU slots into one vLLM "
+                             f"worker on that GPU, but this generator runs {self.tp} tensor-parallel workers: use "
+                             "--tp 1 (one GPU shared with learner rank 0), or weight_transport = \"rpc\" (or "
+                             "\"nccl\" on GPUs of its own)")
+
+    def announce_ipc(self, store) -> None:
+        """Before the pair channel's rendezvous: the worker's GPU, pid and start time, and this engine's dtype (the
+        slots'), so the learner refuses another GPU before it allocates anything."""
+        self._check_ipc()
+        (ident,) = self._loop.run(self.llm.collective_rpc("covrl_ipc_identity"), self.settings.timeout_s)
+        ipc_weights.announce_ipc(store, ident["uuid"], self.dtype, pid=ident["pid"], started=ident["started"],
+                                 backend=ident["backend"])
+
+    def map_ipc(self, store, timeout_s: float) -> None:
+        """After the rendezvous: wait for the learner's slots (it offers them at its next publish), have the worker
+        map them once for this channel's life, and say so (or why not: then the learner frees them at once)."""
+        self.unmap_ipc()  # a mapping of an earlier channel (a bench reuses the engine): let go of it first
+        handles = ipc_weights.read_slots(store, timeout_s)
+        try:
+            self._loop.run(self.llm.collective_rpc("covrl_map_ipc", args=(handles,)), timeout_s)
+        except BaseException as e:
+            _best_effort(lambda: ipc_weights.say_mapped(store, error=f"{type(e).__name__}: {str(e)[:300]}"))
+            raise
+        ipc_weights.say_mapped(store)
+        self._ipc_handles, self._ipc_store, self._ipc_timeout_s = handles, store, timeout_s
+        self._ipc_receiver = None  # the signals of this channel start at its bucket 0
+
+    def receive_ipc(self, ch: weights.WeightChannel, version: int) -> None:
+        """The ipc transport, per version: under the update's pause, take every bucket's signal, load it out of its
+        slot in the worker, acknowledge (`IpcReceiver.receive_version`, on a thread of the loop's executor, so the
+        loop keeps serving the per-bucket loads); each signal within the channel's deadline, each load within
+        generator.engine_timeout_s."""
+        if self._ipc_handles is None:
+            raise RuntimeError("receive_ipc before map_ipc: this generator's worker holds no mapping of the learner's "
+                               "ipc slots")
+        if self._ipc_receiver is None:
+            self._ipc_receiver = ipc_weights.IpcReceiver(ch, self.lay, self._ipc_handles)
+        receiver, timeout_s = self._ipc_receiver, self._ipc_timeout_s
+
+        def load(b: ipc_weights.StagedBucket) -> None:
+            self._loop.run(self.llm.collective_rpc("covrl_load_ipc", args=(b.slot, b.names, b.shapes)),
+                           self.settings.timeout_s)
+
+        async def receive():
+            await asyncio.get_running_loop().run_in_executor(None, lambda: receiver.receive_version(load, timeout_s))
+            await self._label(version)
+
+        self._update(version, receive)
+
+    def unmap_ipc(self) -> None:
+        """Best effort: the worker drops its mapping, then the learner is told it may free its slots. If the worker
+        could not be asked, nothing is said: the learner frees them once the worker's process is gone."""
+        store, self._ipc_store, self._ipc_handles, self._ipc_receiver = self._ipc_store, None, None, None
+        if store is None:
+            return
+        timeout_s = min(self.settings.timeout_s, UNMAP_TIMEOUT_S)
+        if _best_effort(lambda: self._loop.run(self.llm.collective_rpc("covrl_unmap_ipc"), timeout_s)):
+            _best_effort(lambda: ipc_weights.say_unmapped(store))
+
     def fingerprint(self, name: str = vllm_weights.FINGERPRINT_PARAM) -> list[float]:
         """`vllm_weights.fingerprint` of one (unfused, unsplit) parameter in every worker."""
         return list(self._loop.run(self.llm.collective_rpc("covrl_fingerprint", args=(name,)), self.settings.timeout_s))
 
     def close(self) -> None:
+        self.unmap_ipc()
         shutdown = getattr(self.llm, "shutdown", None)
         if shutdown is not None:
             shutdown()
         self._loop.close()
+
+
+def _best_effort(op) -> bool:
+    """Run `op`; False if it raised (a store whose learner is gone, an engine past its deadline): said in the log."""
+    try:
+        op()
+        return True
+    except (RuntimeError, ValueError, OSError) as e:  # DistStoreError and EngineTimeout are RuntimeErrors
+        log.warning("ipc weights: %s", str(e)[:300])
+        return False
 
 
 class CovrlWorkerExtension:
@@ -755,6 +866,29 @@ class CovrlWorkerExtension:
             t = torch.empty(shape, dtype=getattr(torch, dtype_name), device=self.device)
             self._covrl_nccl.broadcast(t, src=0, stream=stream)
             model.load_weights([(name, t)])
+
+    # The ipc transport (common/ipc_weights.py): this worker's end of the learner's staging slots.
+
+    def covrl_ipc_identity(self) -> dict:
+        """This worker's GPU, pid and start time, for the learner's placement check and its slots' lifetime."""
+        return ipc_weights.worker_identity(self.device)
+
+    def covrl_map_ipc(self, handles: bytes) -> None:
+        """Map the learner's slots once per channel (plain JSON fields, never a pickle)."""
+        self._covrl_ipc = ipc_weights.map_slots(handles, self.device)
+
+    def covrl_load_ipc(self, slot: int, names: list[str], shapes: list[list[int]]) -> int:
+        """One bucket out of `slot` into vLLM's parameters; returns once the copies are done on the GPU, so the slot
+        may be acknowledged and overwritten."""
+        mapped = getattr(self, "_covrl_ipc", None)
+        if mapped is None:
+            raise RuntimeError("covrl_load_ipc before covrl_map_ipc: this worker maps no ipc slots")
+        return ipc_weights.load_slot(mapped, slot, names, shapes, self._covrl_model().load_weights)
+
+    def covrl_unmap_ipc(self) -> None:
+        """Drop the mapping (torch drops its importer count with the last reference)."""
+        ipc_weights.unmap_slots(getattr(self, "_covrl_ipc", None))
+        self._covrl_ipc = None
 
     def covrl_fingerprint(self, name: str) -> float:
         params = dict(self._covrl_model().named_parameters())

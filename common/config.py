@@ -88,7 +88,8 @@ class RolloutConfig(_Section):
     # publish of v + 1 waits for the generation issued at v (broker/rules.py). Within max_staleness_steps. 0: off.
     forced_lag: NonNegInt = 0
     # At most this many groups in flight per generator; 0: as many as its engine holds at once
-    # (generator.max_num_seqs // group_size). A generator asks for its free room as groups finish (actors/actor.py).
+    # (generator.max_num_seqs // group_size) when it streams, one step's groups per Work in the batch loop of a
+    # deterministic run (generator.loop). A streaming generator asks for its free room as groups finish.
     groups_per_request: NonNegInt = 0
     # Benchmark workload, not for training: > 0 imposes every response's length, drawn per sample from a
     # lognormal with this median and forced_length_sigma (capped at max_new_tokens); the torch engine withholds
@@ -319,15 +320,19 @@ class GeneratorConfig(_Section):
     # them and continue on the new weights (every token stamped with its version). vLLM only; the torch
     # sampler always swaps between decode steps.
     weight_update: Literal["finish", "keep"] = "finish"
-    # rpc: over the CPU weight channel, then into the vLLM workers by RPC (learner and generator may share
-    # a GPU); nccl: learner rank 0's GPU broadcasts straight into the workers (needs GPUs of their own).
-    weight_transport: Literal["rpc", "nccl"] = "rpc"
+    # rpc: over the CPU weight channel, then into the vLLM workers by RPC (works anywhere; the fallback when
+    # learner and generator share a GPU); nccl: learner rank 0's GPU broadcasts straight into the workers (needs GPUs
+    # of their own); ipc: learner rank 0 and one vLLM generator (tp 1) share a GPU, and the worker loads each bucket
+    # from staging slots in the learner's GPU memory (CUDA IPC; common/runfiles.py checks the placement).
+    weight_transport: Literal["rpc", "nccl", "ipc"] = "rpc"
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.85  # of each generator GPU, for vLLM
     # How a generator uses its engine (actors/actor.py). "stream": groups in flight up to the engine's capacity, each
-    # sent the moment it is scored, new work asked for as room frees. "batch": the loop before 2026-11-28, kept for
-    # comparison: one Work of rollout.groups_per_request groups (0: the capacity) at a time, generated as one batch,
-    # scored, sent, then the next request.
-    loop: Literal["stream", "batch"] = "stream"
+    # sent the moment it is scored, new work asked for as room frees. "batch": one Work of rollout.groups_per_request
+    # groups (0: one step's, rollout.groups_per_step) at a time, generated as one static batch, scored, sent, then
+    # the next request. "auto": batch when the run is deterministic (run.deterministic or rollout.forced_lag), because a
+    # continuous batch's samples depend in their last bits on what they were batched with, which depends on timing;
+    # stream otherwise.
+    loop: Literal["auto", "stream", "batch"] = "auto"
     # Sequences a generator's engine decodes at once (vLLM's scheduler; the torch engine's continuous batch): its
     # capacity, which sizes how many groups it keeps in flight (rollout.groups_per_request caps that).
     max_num_seqs: PosInt = 256
@@ -562,14 +567,7 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"rollout.forced_lag = {cfg.rollout.forced_lag} exceeds rollout.max_staleness_steps = "
                           f"{cfg.rollout.max_staleness_steps}: a forced lag lies within the staleness bound; set "
                           f"rollout.max_staleness_steps = {cfg.rollout.forced_lag} or more")
-    if g.weight_transport == "nccl" and g.weight_update == "finish" and not publish_waits_for_generation(cfg):
-        raise ConfigError(
-            "generator.weight_transport = \"nccl\" with weight_update = \"finish\" and run.deterministic = false: a vLLM "
-            "generator can take NCCL weights only after its in-flight requests finish, so learner rank 0 would wait for "
-            "the longest response in flight at every publish. Use weight_update = \"keep\" (requests continue on the new "
-            "weights, every token stamped with its version), weight_transport = \"rpc\" (weights staged in the "
-            "generator's host memory; the learner never waits), or run.deterministic = true or a rollout.forced_lag "
-            "(nothing is in flight when a version is published)")
+    check_weight_transport(cfg)
     check_autoscale(cfg.cluster.autoscale)
     loss = cfg.learner.loss
     if isinstance(loss, PPOLoss) and 0 < loss.dual_clip_c <= 1:
@@ -595,6 +593,31 @@ def check(cfg: Config) -> None:
             f"learner.mini_batches={cfg.learner.mini_batches} must divide rollout.groups_per_step="
             f"{cfg.rollout.groups_per_step} so every optimizer step sees whole groups; change one of them"
         )
+
+
+def check_weight_transport(cfg: Config) -> None:
+    """What generator.weight_transport needs of the rest of the config (its placement is checked by the launcher:
+    common/runfiles.py, check_colocation)."""
+    g = cfg.generator
+    direct = g.weight_transport in ("nccl", "ipc")
+    if direct and g.weight_update == "finish" and not publish_waits_for_generation(cfg):
+        raise ConfigError(
+            f"generator.weight_transport = \"{g.weight_transport}\" with weight_update = \"finish\" and "
+            f"run.deterministic = false: a vLLM generator can take {g.weight_transport} weights only after its "
+            "in-flight requests finish, so learner rank 0 would wait for the longest response in flight at every "
+            "publish. Use weight_update = \"keep\" (requests continue on the new weights, every token stamped with its "
+            "version), weight_transport = \"rpc\" (weights staged in the generator's host memory; the learner never "
+            "waits), or run.deterministic = true or a rollout.forced_lag (nothing is in flight when a version is "
+            "published)")
+    if g.weight_transport == "ipc" and g.engine == "torch":
+        raise ConfigError("generator.weight_transport = \"ipc\" maps learner rank 0's GPU slots into a vLLM worker, "
+                          "but generator.engine = \"torch\" has no such worker (it would take every version over the "
+                          "gloo channel, as with \"rpc\"): set generator.engine = \"vllm\" (or \"auto\") or "
+                          "weight_transport = \"rpc\"")
+    if g.weight_transport == "ipc" and cfg.cluster.autoscale.max > 1:
+        raise ConfigError(f"generator.weight_transport = \"ipc\" serves the one generator on learner rank 0's GPU, "
+                          f"but cluster.autoscale.max = {cfg.cluster.autoscale.max} would start more: set "
+                          "cluster.autoscale.max = 0 (off), or weight_transport = \"rpc\"")
 
 
 def check_autoscale(a: AutoscaleConfig) -> None:
@@ -628,6 +651,13 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 def is_hub_id(path: str) -> bool:
     """`org/name` or `org/name@revision`: a Hugging Face Hub model id (where no local path of that name exists)."""
     return bool(_HUB_ID.match(path))
+
+
+def generator_loop(cfg: Config) -> str:
+    """"stream" or "batch": `generator.loop`, with "auto" resolved (batch for a deterministic run)."""
+    if cfg.generator.loop != "auto":
+        return cfg.generator.loop
+    return "batch" if publish_waits_for_generation(cfg) else "stream"
 
 
 def publish_waits_for_generation(cfg: Config) -> bool:

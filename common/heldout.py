@@ -31,6 +31,14 @@ def eval_params(cfg: Config, data_source: str) -> tuple[messages.SamplingParams,
 UNKNOWN_CAPACITY_GROUPS = 4
 
 
+def batch_groups(cfg: Config, capacity: int) -> int:
+    """Groups per Work of the batch loop (`generator.loop`, a deterministic run's): rollout.groups_per_request when
+    set, else one step's groups (rollout.groups_per_step), at most the engine's `capacity` in groups. The same
+    number sizes its evaluation chunks (`eval_room`), so a standalone evaluation (actors/eval_model.py) batches
+    the held-out prompts as the run did."""
+    return max(1, min(cfg.rollout.groups_per_request or cfg.rollout.groups_per_step, capacity))
+
+
 def eval_room(cfg: Config, k: int, capacity: int = 0) -> int:
     """Eval prompts per EvalWork: as many sequences as the generator keeps in flight for training (`capacity`
     groups, its request says; else UNKNOWN_CAPACITY_GROUPS)."""

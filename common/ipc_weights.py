@@ -219,9 +219,11 @@ def _pid_exists(pid: int) -> bool:
 
 
 def worker_identity(device) -> dict:
-    """What a vLLM worker reports for `announce_ipc` (through collective_rpc): its GPU, its pid and start time."""
+    """What a vLLM worker reports for `announce_ipc` (through collective_rpc): its GPU, its pid and start time, and
+    the backend its device maps slots with ("cuda"; "shm" for a CPU device, as in the tests)."""
     pid = os.getpid()
-    return {"uuid": device_uuid(device), "pid": pid, "started": process_start(pid)}
+    backend = "cuda" if torch.device(device).type == "cuda" else "shm"
+    return {"uuid": device_uuid(device), "pid": pid, "started": process_start(pid), "backend": backend}
 
 
 # ---- backends: exported on the learner, mapped in the generator's worker ----------------------------------------
@@ -466,6 +468,8 @@ def settle(work: dist.Work, timeout_s: float, cancelled: Callable[[], bool] | No
     try:
         work.wait(_td(timeout_s))  # returns at once after _poll; else blocks until done or failed at its deadline
     except RuntimeError as e:  # gloo: the peer closed the connection, or the operation's own deadline passed
+        if "timed out" in str(e).lower():  # gloo's timer is this deadline too, and may fire before _poll looks
+            raise IpcError(f"{what} did not complete within {timeout_s:.1f}s ({str(e)[:200]})") from None
         raise IpcError(f"{what} failed: {str(e)[:200]}") from None
 
 

@@ -76,19 +76,47 @@ def colocated_memory_fractions(generator_share: float) -> tuple[float, float]:
 
 
 def check_colocation(placement: Placement, gen_cfg) -> None:
-    """The rules a colocated run must meet (`gen_cfg`: the config's `generator` section); ValueError naming the fix."""
+    """The rules a colocated run must meet, and the ipc transport's placement (`gen_cfg`: the config's `generator`
+    section); ValueError naming the fix."""
+    if gen_cfg.weight_transport == "ipc" and (refusal := ipc_placement_refusal(placement)):
+        raise PlacementError(refusal)
     if not placement.colocated:
         return
     if gen_cfg.weight_transport == "nccl":
         raise PlacementError("learner and generator share GPUs here (colocated), and NCCL cannot put two ranks of one "
-                             "group on one GPU: set generator.weight_transport = \"rpc\", or give every role GPUs of its "
-                             "own (more --gpus, fewer --gens)")
+                             "group on one GPU: set generator.weight_transport = \"rpc\" (or \"ipc\" with one "
+                             "generator, --tp 1, on learner rank 0's GPU), or give every role GPUs of its own (more "
+                             "--gpus, fewer --gens)")
     share = gen_cfg.gpu_memory_utilization
     if share > MAX_COLOCATED_GENERATOR_SHARE:
         raise PlacementError(f"learner and generator share GPUs here (colocated) and generator.gpu_memory_utilization="
                              f"{share} leaves the learner {1 - share - COLOCATION_MARGIN:.0%} of its GPU; set it to at most "
                              f"{MAX_COLOCATED_GENERATOR_SHARE} (e.g. 0.35 for a 1.5B model on 80 GB), or give every role "
                              f"GPUs of its own")
+
+
+def ipc_placement_refusal(placement: Placement) -> str | None:
+    """None when every generator runs on exactly learner rank 0's GPU (colocated; in practice --gens 1 --tp 1), which
+    the ipc transport needs (CUDA IPC maps memory only within one GPU, and learner rank 0 alone publishes); else the
+    one-line refusal with the fix. Checked before anything starts; the learner checks the GPUs' UUIDs again at the
+    channel's set-up (`common/ipc_weights.same_gpu`)."""
+    lead = placement.learners[0] if placement.learners else []
+    fix = ("run one generator with --tp 1 on learner rank 0's GPU (e.g. --gpus 1 --gens 1 --tp 1), or set "
+           "generator.weight_transport = \"rpc\"")
+    head = "generator.weight_transport = \"ipc\" maps learner rank 0's GPU memory into a vLLM generator on that GPU"
+    if not lead:
+        return (f"{head}, but here no role has a GPU (--gpus 0, or Ray, which places every role itself, maybe on "
+                f"other GPUs or hosts): {fix}")
+    if not placement.colocated:
+        return (f"{head}, but here learner rank 0 is on GPU {lead} and the generators on GPUs of their own "
+                f"{placement.generators}: {fix}")
+    elsewhere = [(g, gpus) for g, gpus in enumerate(placement.generators) if gpus != lead]
+    if elsewhere:
+        g, gpus = elsewhere[0]
+        where = (f"spans {len(gpus)} GPUs {gpus} (--tp {len(gpus)}; ipc maps the slots into one worker)"
+                 if len(gpus) > 1 else f"is on GPU {gpus}, not learner rank 0's {lead}")
+        return f"{head}, but here generator {g} {where}: {fix}"
+    return None
 
 
 def apply_memory_fraction(device, environ=os.environ) -> float | None:

@@ -53,7 +53,11 @@ FLAG_DIRECT = 2
 # The wire dtype, flag bits 2-3: its index in WIRE_DTYPES (0, fp32, is what headers carried before 16-bit wires).
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_SHIFT, DTYPE_BITS = 2, 0b11
-KNOWN_FLAGS = FLAG_STOP | FLAG_DIRECT | DTYPE_BITS << DTYPE_SHIFT
+# With FLAG_DIRECT: the buckets go through GPU staging slots that the generator's vLLM worker maps (CUDA IPC, one
+# GPU shared by learner rank 0 and the generator; common/ipc_weights.py), signalled over this very channel, not over
+# NCCL. A receiver that handles neither refuses it as any FLAG_DIRECT header (`refuse_direct`).
+FLAG_IPC = 16
+KNOWN_FLAGS = FLAG_STOP | FLAG_DIRECT | DTYPE_BITS << DTYPE_SHIFT | FLAG_IPC
 BUCKET_NUMEL = 32 << 20  # elements per bucket (128 MiB of fp32, 64 MiB of bf16): also bounds every piece of a split
 # The two members of a generator incarnation's own channel (`pair_prefix`): learner rank 0 sends, the generator
 # receives.
@@ -275,11 +279,13 @@ def pair_prefix(gen_id: int, incarnation: str) -> str:
 
 
 def refuse_direct(flags: int, receiver: str) -> None:
-    """A receiver without an NCCL group (`receiver` names it) refuses a header flagged FLAG_DIRECT."""
+    """A receiver without a direct path (`receiver` names it) refuses a header flagged FLAG_DIRECT (NCCL, or with
+    FLAG_IPC CUDA IPC)."""
     if flags & FLAG_DIRECT:
-        raise RuntimeError(f"weight channel: the learner flagged this version as sent over NCCL into vLLM workers, but "
-                           f"{receiver} announced no NCCL receiver (a learner bug: it must decide per channel from the "
-                           f"generator's announcement, common/vllm_weights.py)")
+        how, kind = ("through CUDA IPC slots", "ipc") if flags & FLAG_IPC else ("over NCCL", "NCCL")
+        raise RuntimeError(f"weight channel: the learner flagged this version as sent {how} into vLLM workers, but "
+                           f"{receiver} announced no {kind} receiver (a learner bug: it must decide per channel from "
+                           f"the generator's announcement, common/vllm_weights.py, common/ipc_weights.py)")
 
 
 class WeightChannel:

@@ -11,8 +11,9 @@ current directory on sys.path); with covrl installed, `covrl gpu-proof` is the s
 
 Everything a stage needs is checked first (CUDA, the packages, the colocated placement, the engine's device
 argument); a missing piece is one line on stderr and exit 2, before anything runs. Then the stages, in the
-order given (default: the order of value, learner, vllm-kit, vllm-tests, vllm-run, tests, z1, throughput, z3,
-vllm-z3, so a time limit cuts the ZeRO-3 repeats first), each timed, each with its log in `--out` (`<stage>.log`):
+order given (default: the order of value, learner, vllm-kit, generation, vllm-tests, vllm-run, tests, z1,
+throughput, z3, vllm-z3, so a time limit cuts the ZeRO-3 repeats first), each timed, each with its log in `--out`
+(`<stage>.log`):
 
   learner     Today's learner path and the new one side by side, in one command (workers: hardware/learner_bench.py,
               one process per shape). Variants (`--learner-variants`, ATTN-HEAD[-compile][-gc]; default
@@ -41,6 +42,27 @@ vllm-z3, so a time limit cuts the ZeRO-3 repeats first), each timed, each with i
               pause(keep) / collective_rpc / resume, then generation again. If `_C` does not load, the proof stops
               within a minute with exit 3 and says to carry the fallback kit (PTX kept) instead; if vLLM does not
               import at all, the vLLM stages are not run and the torch stages go on.
+  generation  covrl's generator loop beside bare vLLM, in one command (worker: hardware/gen_bench.py, one process) on
+              a random-init model of Qwen2.5-0.5B's shape (built as for throughput). ONE AsyncLLM (covrl's
+              VllmEngine, eager) serves every variant, its prefix cache reset before each run: tokens/s of `bare`
+              (AsyncLLM alone, every group submitted at once, the fewest parameters: the bound), `bare-covrl-params`
+              (the same with covrl's exact sampling parameters: logprobs=0 processed, seeds, stop ids, FINAL_ONLY,
+              detokenize off; the goal's reference), `engine` (covrl's engine submit / collect as ActorLoop drives it,
+              no hub, no scoring) and `loop` (the real run_actor against a real Hub and WeightPublisher in the
+              worker, scoring included; timed from the hub's first Work to the last group back), each on a
+              heavy-tailed workload (lognormal lengths, longest >= 5x the mean: a check) and a fixed-length one, the
+              same prompts and seeds (the hub's) in every variant; vLLM gets each group's drawn length as max_tokens =
+              min_tokens (it cannot draw one per sample; the torch engine does). Then one publish of the model's
+              weights per transport, timed by phase (learner assembly, the learner's publish, the generator's
+              receive and load, end to end; checksums and the loaded fingerprint compared): rpc; ipc where this
+              checkout accepts it (else recorded as not built); nccl recorded as not run (two GPUs). Then the same
+              variants on a second engine with CUDA graphs, built last. Every run, build and publish is recorded as
+              it ends; `--gen-budget-s` (480) bounds the stage (what would not fit is recorded as not run). Goals
+              recorded beside the figures, not checks: loop >= 0.9 x bare-covrl-params on the heavy workload; a
+              publish <= 0.2 s, per transport. Checks: the engines built, no run failed, every variant of a workload
+              did the same work, the loop's groups all back, the publish's checksums and fingerprint equal. Rehearsal:
+              the torch engine (StreamingTorchEngine) stands in for vLLM; the bare variants and the CUDA-graph engine
+              are recorded as skipped, with the reason, and the torch engine driven alone is the loop's reference.
   vllm-tests  `pytest -m gpu tests/gpu/test_vllm_engine.py`: covrl's VllmEngine on the GPU (stops, logprobs of the
               tempered distribution, seeds, an rpc update, a finish-mode update with 64 sequences in flight whose
               every token scores under the version it is labelled with, keep mode or its refusal on 0.26, and
@@ -130,8 +152,8 @@ from dataclasses import dataclass, replace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-STAGES = ("learner", "vllm-kit", "vllm-tests", "vllm-run", "tests", "z1", "throughput", "z3", "vllm-z3")
-VLLM_STAGES = ("vllm-kit", "vllm-tests", "vllm-run", "vllm-z3")
+STAGES = ("learner", "vllm-kit", "generation", "vllm-tests", "vllm-run", "tests", "z1", "throughput", "z3", "vllm-z3")
+VLLM_STAGES = ("vllm-kit", "generation", "vllm-tests", "vllm-run", "vllm-z3")
 STAMP_KEYS = ("date", "git_commit", "git_dirty", "source_digest")  # each stage's provenance in gpu_proof.json
 VLLM_TESTS = "tests/gpu/test_vllm_engine.py"
 KIT_FAILED_EXIT = 3  # the kit's compiled ops did not load: rerun with the fallback kit (README "GPU proof")
@@ -198,6 +220,29 @@ LEARNER_EXTRAS = {"compile": "learner.compile_layers", "gc": "learner.gradient_c
 LEARNER_AGREE_REL = {"bfloat16": 0.03, "float32": 1e-3}
 LEARNER_HIDDEN_REL = {"bfloat16": 0.05, "float32": 1e-3}
 LEARNER_GRACE_S = 150  # past a shape's share, the variant under way may finish (a compile one takes longest)
+# The generation stage (worker: hardware/gen_bench.py): the workloads, the same prompts in every variant (the
+# arithmetic task's, in the hub's order). heavy: lognormal lengths, median 32, sigma 0.7, capped at 1024 (drawn per
+# group on vLLM: mean 42.1, longest 302 = 7.2x the mean, 172,576 tokens); fixed: 64 tokens each (131,072). Time on an
+# H200, estimated from the throughput stage's eager vLLM (18,074 tokens/s at 256 sequences, ~14 ms a decode step):
+# ~10 s (heavy) and ~7 s (fixed) a run eagerly, about half that with CUDA graphs; the eager engine ~40 s to build,
+# the CUDA-graph one ~60-150 s (compile and capture, never run on a lent machine so far); with the model (~20 s),
+# the warm-ups and two publishes per transport (~30 s) about 4.5-6 minutes in all, inside `budget_s` (no run, build
+# or publish starts that would not fit; they are recorded as not run).
+GEN_BENCH = dict(group_size=8, max_num_seqs=256, gpu_memory_utilization=0.5, publishes=2, budget_s=480,
+                 workloads={"heavy": dict(groups=512, median=32, sigma=0.7, max_new_tokens=1024),
+                            "fixed": dict(groups=256, median=64, sigma=0.0, max_new_tokens=64)},
+                 warmup=dict(groups=16, median=16, sigma=0.0, max_new_tokens=16),
+                 first_run_s=40, build_estimate_s={"eager": 60, "graphs": 150}, publish_estimate_s=40)
+# The rehearsal's: drawn per sample by the torch engine (heavy: mean 6.4, longest 59 = 9.2x the mean).
+GEN_BENCH_CPU = dict(group_size=4, max_num_seqs=16, gpu_memory_utilization=None, publishes=2, budget_s=300,
+                     workloads={"heavy": dict(groups=16, median=4, sigma=1.0, max_new_tokens=64),
+                                "fixed": dict(groups=8, median=8, sigma=0.0, max_new_tokens=8)},
+                     warmup=dict(groups=2, median=4, sigma=0.0, max_new_tokens=4),
+                     first_run_s=20, build_estimate_s={"eager": 30, "graphs": 60}, publish_estimate_s=20)
+GEN_WORKER = "hardware.gen_bench"
+GEN_GOAL_RATIO = 0.9  # covrl's loop over bare AsyncLLM, heavy workload, the same sampling parameters
+GEN_GOAL_PUBLISH_S = 0.2  # one colocated publish of the 0.5B shape, end to end
+GEN_MIN_TAIL = 5.0  # the heavy workload's longest response over its mean, at least
 # Imported by the roles of a run or by the throughput workers; checked up front (import name, why).
 NEEDS = {
     "torch": "everything", "numpy": "everything", "transformers": "models", "tokenizers": "tokenizers",
@@ -234,6 +279,7 @@ class Scale:
     learner_warmup: int  # learner stage: warm-up steps per budget (the first one is the agreement's first step)
     learner_timed: int  # learner stage: timed steps per budget
     learner_budget_s: float  # learner stage: the time its workers may start variants in
+    gen_bench: dict  # generation stage: workloads, engine size, budget (GEN_BENCH)
 
 
 GPU = Scale(gpus=1, dtype="bfloat16", steps=24, ckpt_every=12, resume_first=12, resume_ckpt_every=6, model=QWEN25_05B,
@@ -241,12 +287,12 @@ GPU = Scale(gpus=1, dtype="bfloat16", steps=24, ckpt_every=12, resume_first=12, 
             timed=5,
             gen_prompts=32, gen_samples=8, gen_tokens=256, gen_prompt_tokens=64, run_timeout_s=360,
             worker_timeout_s=360, vllm_steps=12, learner_shapes=LEARNER_SHAPES, learner_warmup=1, learner_timed=2,
-            learner_budget_s=300)
+            learner_budget_s=300, gen_bench=GEN_BENCH)
 CPU = Scale(gpus=0, dtype="float32", steps=4, ckpt_every=2, resume_first=2, resume_ckpt_every=1, model=TINY,
             samples=8, prompt_tokens=16, response_tokens=32, micro_batch_tokens=(64, 512), warmup=1, timed=2,
             gen_prompts=4, gen_samples=2, gen_tokens=16, gen_prompt_tokens=16, run_timeout_s=900,
             worker_timeout_s=600, vllm_steps=4, learner_shapes=LEARNER_SHAPES_CPU, learner_warmup=1,
-            learner_timed=1, learner_budget_s=600)
+            learner_timed=1, learner_budget_s=600, gen_bench=GEN_BENCH_CPU)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -479,7 +525,8 @@ def preflight(args, scale: Scale) -> tuple[dict, list[str]]:
     for d in {args.out, args.work}:
         if (why := unwritable(d)) is not None:
             refuse(f"{d} is not writable ({why}); pass a writable --out / --work")
-    need_gib = 1 if args.rehearse_cpu else 8 if "learner" in args.stages else 6 if "throughput" in args.stages else 1
+    need_gib = (1 if args.rehearse_cpu else 8 if "learner" in args.stages else
+                6 if {"throughput", "generation"} & set(args.stages) else 1)
     free_gib = shutil.disk_usage(args.work).free / 2**30
     if free_gib < need_gib:
         refuse(f"{args.work} has {free_gib:.1f} GiB free; the stages need about {need_gib} GiB (checkpoints, the 0.5B "
@@ -1092,6 +1139,213 @@ def tput_gen(ctx, common: dict, worker: str = "gen") -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# stage: generation
+
+
+def stage_generation(ctx) -> dict:
+    """covrl's generator loop beside bare vLLM on one shared engine, then one weight publish per transport
+    (hardware/gen_bench.py): tokens/s per engine, workload and variant, recorded as each run ends, with the goals."""
+    log, chk, s, args = ctx.log, ctx.checks, ctx.scale, ctx.args
+    gb = s.gen_bench
+    budget = args.gen_budget_s if args.gen_budget_s is not None else gb["budget_s"]
+    device, engine = ("cpu", "torch") if args.rehearse_cpu else ("cuda", "vllm")
+    model_dir = os.path.join(args.work, "gen-model")
+    fresh_dir(model_dir)
+    figures: dict = {
+        "engine": engine, "model": "tiny random Qwen2 (rehearsal)" if args.rehearse_cpu else
+        "Qwen2.5-0.5B shape, random init", "model_config": s.model, "dtype": s.dtype,
+        "group_size": gb["group_size"], "max_num_seqs": gb["max_num_seqs"],
+        "gpu_memory_utilization": gb["gpu_memory_utilization"], "budget_s": budget, "goals": gen_goals(),
+        "engines": {}, "runs": {}, "ratios": {}, "publish": {},
+    }
+    try:
+        code, secs, lines = run_worker(ctx, "build-model", {"model": model_dir, "dtype": s.dtype, "device": device,
+                                                            "config": s.model})
+        built = result_of(lines)
+        if not chk("model built and saved", code == 0 and built is not None, f"exit {code} after {secs:.0f}s"):
+            return figures
+        figures["n_params"] = built["n_params"]
+        log.say(f"model: {built['n_params'] / 1e6:.1f} M parameters -> {model_dir} ({secs:.0f}s); {budget:.0f}s for "
+                f"the runs", key=True)
+        stage_s = ctx.timeout(budget)  # the worker starts nothing it cannot finish 30 s before this
+        spec = {"model": model_dir, "dtype": s.dtype, "device": device, "engine": engine,
+                "deadline_unix": time.time() + max(0.0, stage_s - 30),
+                **{k: v for k, v in gb.items() if k != "budget_s"}}
+        code, _, _ = run_worker(ctx, None, spec, timeout_s=stage_s, on_line=gen_line_handler(ctx, figures),
+                                module=GEN_WORKER)
+        figures["worker_exit_code"] = code
+        gen_checks(ctx, figures, code)
+    finally:
+        if not args.keep_model:
+            shutil.rmtree(model_dir, ignore_errors=True)
+    return figures
+
+
+def gen_goals() -> dict:
+    return {
+        "loop": {"goal": f"covrl's loop >= {GEN_GOAL_RATIO} x bare AsyncLLM with every group in flight on the "
+                         f"heavy-tailed workload, with the same sampling parameters (variant bare-covrl-params)",
+                 "threshold": GEN_GOAL_RATIO, "by_engine": {}},
+        "publish": {"goal": f"one colocated publish of the 0.5B shape <= {GEN_GOAL_PUBLISH_S} s end to end (the "
+                            f"last publish of the stage's: the first also allocates the host copies)",
+                    "threshold_s": GEN_GOAL_PUBLISH_S, "by_transport": {}},
+    }
+
+
+def gen_line_handler(ctx, figures: dict):
+    """The worker's result lines as they come, each recorded and saved at once (`ctx.save_partial`)."""
+
+    def on_line(line: str) -> None:
+        if line.startswith(RESULT_TAG):
+            gen_record(ctx, figures, json.loads(line[len(RESULT_TAG):]))
+            if ctx.save_partial is not None:
+                ctx.save_partial(figures)
+
+    return on_line
+
+
+def gen_record(ctx, figures: dict, r: dict) -> None:
+    """One event of the worker into the figures, with its key line."""
+    log, event = ctx.log, r.pop("event")
+    if event == "plan":
+        figures.update(variants=r["variants"], order=r["order"], workloads=r["workloads"])
+        for name, w in r["workloads"].items():
+            d = w["drawn"]
+            log.say(f"workload {name}: {w['groups']} groups x {w['group_size']}, lengths per {w['lengths_per']} "
+                    f"lognormal(median {w['median']}, sigma {w['sigma']}) <= {w['max_new_tokens']}: mean "
+                    f"{d['length_mean']}, longest {d['length_max']} ({d['longest_over_mean']}x), {d['tokens']} tokens",
+                    key=True)
+    elif event == "engine":
+        name = r.pop("engine")
+        figures["engines"][name] = r
+        log.say(f"engine {name}: {r['status']}" + (f" in {r['build_s']}s: {r['what']}" if "build_s" in r else
+                                                   f": {r.get('reason') or r.get('error')}"), key=True)
+    elif event == "warmup":
+        figures["engines"].setdefault(r["engine"], {}).update(warmup_s=r["seconds"], warmup_error=r["error"])
+    elif event == "run":
+        gen_run(ctx, figures, r)
+    elif event == "publish":
+        gen_publish(ctx, figures, r)
+    elif event == "done":
+        figures["worker_done"] = True
+
+
+def gen_run(ctx, figures: dict, r: dict) -> None:
+    eng, wl, variant = r.pop("engine"), r.pop("workload"), r.pop("variant")
+    figures["runs"].setdefault(eng, {}).setdefault(wl, {})[variant] = r
+    tag = f"{eng} {wl} {variant}"
+    if r["status"] != "measured":
+        ctx.log.say(f"{tag}: {r['status']}: {r.get('reason') or r.get('error')}", key=True)
+        return
+    extra = (f"; start-up {r['startup_s']:.2f}s, {r['groups_back']} groups back" if variant == "loop" else "")
+    ctx.log.say(f"{tag}: {r['tokens_per_s']:.0f} tokens/s ({r['tokens']} tokens in {r['seconds']:.2f}s; lengths mean "
+                f"{r['length_mean']}, longest {r['length_max']}){extra}", key=True)
+    gen_ratios(ctx, figures, eng, wl)
+
+
+def gen_ratios(ctx, figures: dict, eng: str, wl: str) -> None:
+    """Each measured variant's tokens/s over the reference's (bare-covrl-params; in the rehearsal, which has no
+    bare vLLM, covrl's engine driven alone stands in), and the loop goal on the heavy workload."""
+    runs = {v: x for v, x in figures["runs"][eng][wl].items() if x.get("status") == "measured"}
+    ref = "bare-covrl-params" if "bare-covrl-params" in runs else "engine" if ctx.args.rehearse_cpu else None
+    if ref not in runs:
+        return
+    over = {v: round(x["tokens_per_s"] / runs[ref]["tokens_per_s"], 4) for v, x in runs.items()}
+    out = {"reference": ref, "over_reference": over}
+    if "bare" in runs and "bare-covrl-params" in runs:  # what covrl's sampling parameters cost vLLM itself
+        out["covrl_params_over_bare"] = round(runs["bare-covrl-params"]["tokens_per_s"] /
+                                              runs["bare"]["tokens_per_s"], 4)
+    figures["ratios"].setdefault(eng, {})[wl] = out
+    if wl == "heavy" and "loop" in over:
+        rehearsal = ref != "bare-covrl-params"
+        figures["goals"]["loop"]["by_engine"][eng] = {
+            "ratio": over["loop"], "reference": ref,
+            "met": None if rehearsal else over["loop"] >= GEN_GOAL_RATIO,
+            **({"note": "CPU rehearsal: the torch engine driven alone as the reference, not the goal's"} if rehearsal
+               else {})}
+
+
+def gen_publish(ctx, figures: dict, r: dict) -> None:
+    t = r.pop("transport")
+    figures["publish"][t] = r
+    if r["status"] != "measured":
+        ctx.log.say(f"publish {t}: {r['status']}: {r.get('reason') or r.get('error')}", key=True)
+        return
+    last = r["versions"][-1]
+    rehearsal = ctx.args.rehearse_cpu
+    figures["goals"]["publish"]["by_transport"][t] = {
+        "end_to_end_s": last["end_to_end_s"], "met": None if rehearsal else last["end_to_end_s"] <= GEN_GOAL_PUBLISH_S,
+        **({"note": "CPU rehearsal: a tiny model, not the goal's"} if rehearsal else {})}
+    phases = "; ".join(f"v{v['version']}: {v['end_to_end_s']:.3f}s end to end (learner publish {v['publish_s']:.3f}, "
+                       f"generator receive {v['receive_s']:.3f}, load {v['load_s']})" for v in r["versions"])
+    ctx.log.say(f"publish {t}: {r['bytes'] / 1e6:.1f} MB, assembly {r['assembly_s']:.3f}s; {phases}", key=True)
+
+
+def gen_checks(ctx, figures: dict, code: int) -> None:
+    chk = ctx.checks
+    chk("the worker finished (exit 0, every result written)", code == 0 and figures.get("worker_done") is True,
+        f"exit {code}")
+    engines = figures["engines"]
+    chk("the eager engine built", engines.get("eager", {}).get("status") == "built",
+        str(engines.get("eager", {}).get("error") or ""))
+    graphs = engines.get("graphs", {})
+    chk("the CUDA-graph engine built (or was skipped / not run, with why)",
+        graphs.get("status") in ("built", "skipped", "not_run"), str(graphs.get("error") or graphs.get("status")))
+    for eng, wls in figures["runs"].items():
+        for wl, runs in wls.items():
+            gen_run_checks(ctx, figures, eng, wl, runs)
+    heavy = figures["runs"].get("eager", {}).get("heavy", {})
+    ref = figures["ratios"].get("eager", {}).get("heavy", {}).get("reference")
+    chk("eager heavy: the goal's pair measured (loop and its reference)",
+        heavy.get("loop", {}).get("status") == "measured" and ref is not None, f"reference {ref}")
+    gen_publish_checks(ctx, figures)
+    for goal in figures["goals"].values():
+        for key, g in {**goal.get("by_engine", {}), **goal.get("by_transport", {})}.items():
+            verdict = "n/a (rehearsal)" if g["met"] is None else "MET" if g["met"] else "NOT MET"
+            ctx.log.say(f"goal {goal['goal']}: {key}: {g.get('ratio', g.get('end_to_end_s'))} -> {verdict}", key=True)
+
+
+def gen_run_checks(ctx, figures: dict, eng: str, wl: str, runs: dict) -> None:
+    """A workload's runs on one engine: none failed, all did the same work, the heavy one's tail, the loop's
+    groups all back."""
+    chk, tag = ctx.checks, f"{eng} {wl}"
+    for variant, r in runs.items():
+        if r["status"] == "error":
+            chk(f"{tag} {variant}: measured", False, r["error"])
+    done = {v: r for v, r in runs.items() if r["status"] == "measured"}
+    if not done:
+        return
+    work = {v: (r["tokens"], r["samples"], r["length_max"]) for v, r in done.items()}
+    chk(f"{tag}: every variant generated the same work (tokens, samples, longest)", len(set(work.values())) == 1,
+        str(work))
+    first = next(iter(done.values()))
+    if wl == "heavy":
+        chk(f"{tag}: the longest response >= {GEN_MIN_TAIL:g}x the mean", first["longest_over_mean"] >= GEN_MIN_TAIL,
+            f"longest {first['length_max']}, mean {first['length_mean']}")
+    loop = done.get("loop")
+    if loop is not None:
+        want = figures["workloads"][wl]["groups"]
+        chk(f"{tag} loop: every group back at the hub, none rejected, run_actor exited 0",
+            loop["groups_back"] == want and not loop["rejected"] and loop["exit_code"] == 0,
+            f"{loop['groups_back']} of {want}, rejected {loop['rejected']}, exit {loop['exit_code']}")
+
+
+def gen_publish_checks(ctx, figures: dict) -> None:
+    chk = ctx.checks
+    for t, r in figures["publish"].items():
+        if r["status"] == "error":
+            chk(f"publish {t}: measured", False, r["error"])
+        if r["status"] != "measured":
+            continue
+        sums = [v["checksums_equal"] for v in r["versions"]]
+        chk(f"publish {t}: every version's checksum equal on both sides", all(x is not False for x in sums), str(sums))
+        chk(f"publish {t}: the loaded weights' fingerprint equals the learner's", r["fingerprint_equal"],
+            f"{r['fingerprint_generator']} vs {r['fingerprint_learner']}")
+    chk("publish rpc: measured", figures["publish"].get("rpc", {}).get("status") == "measured",
+        str(figures["publish"].get("rpc", {}).get("reason") or figures["publish"].get("rpc", {}).get("error") or ""))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # stage: learner
 
 
@@ -1390,6 +1644,8 @@ def short(stage: str, res: dict) -> str:
         return text
     if stage == "learner":
         return "; ".join(learner_short(f, shape, sh) for shape, sh in f.get("shapes", {}).items()) or "no figures"
+    if stage == "generation":
+        return gen_short(f)
     if stage == "throughput":
         parts = []
         if (lr := f.get("learner")) and "tokens_per_s" in lr:
@@ -1401,6 +1657,19 @@ def short(stage: str, res: dict) -> str:
             parts.append(f"vLLM gen {g['tokens_per_s']:.0f} tok/s")
         return "; ".join(parts) or "no figures"
     return ""
+
+
+def gen_short(f: dict) -> str:
+    """The generation stage in the table: the loop against its reference on the heavy workload, per engine, and
+    the rpc publish."""
+    parts = []
+    for eng, g in f.get("goals", {}).get("loop", {}).get("by_engine", {}).items():
+        loop = f["runs"][eng]["heavy"]["loop"]
+        parts.append(f"{eng} heavy: loop {loop['tokens_per_s']:.0f} tok/s, {g['ratio']:.2f}x {g['reference']}")
+    rpc = f.get("goals", {}).get("publish", {}).get("by_transport", {}).get("rpc")
+    if rpc:
+        parts.append(f"rpc publish {rpc['end_to_end_s']:.3f}s")
+    return "; ".join(parts) or "no figures"
 
 
 def learner_short(f: dict, shape: str, sh: dict) -> str:
@@ -1618,6 +1887,8 @@ def run_stage(ctx, name: str) -> dict:
         return stage_learner(ctx)
     if name == "vllm-kit":
         return stage_vllm_kit(ctx)
+    if name == "generation":
+        return stage_generation(ctx)
     if name == "vllm-tests":
         return stage_vllm_tests(ctx)
     if name == "vllm-run":
@@ -1744,6 +2015,9 @@ def parse_args(argv=None):
                     "(default 300; rehearsal 600)")
     ap.add_argument("--learner-profile", action=argparse.BooleanOptionalAction, default=True,
                     help="learner stage: one profiled step per variant (default; --no-learner-profile saves ~5 s each)")
+    ap.add_argument("--gen-budget-s", type=float, help="generation stage: the seconds its worker may start runs, "
+                    "engine builds and publishes in; what would not fit is recorded as not run (default 480; "
+                    "rehearsal 300)")
     ap.add_argument("--gen-prompts", type=int, help="generation throughput: prompts (default 32)")
     ap.add_argument("--gen-samples", type=int, help="generation throughput: samples per prompt (default 8)")
     ap.add_argument("--gen-tokens", type=int, help="generation throughput: new tokens (default 256)")

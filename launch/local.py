@@ -168,5 +168,6 @@ def placement_line(placement: Placement, cfg) -> str:
     if placement.colocated:
         learner_share, gen_share = colocated_memory_fractions(cfg.generator.gpu_memory_utilization)
         line += (f" (colocated: each generator takes {gen_share:.0%} of its GPUs' memory, "
-                 f"generator.gpu_memory_utilization; a learner rank at most {learner_share:.0%}; weights over rpc)")
+                 f"generator.gpu_memory_utilization; a learner rank at most {learner_share:.0%}; weights over "
+                 f"{cfg.generator.weight_transport})")
     return line

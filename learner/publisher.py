@@ -8,8 +8,8 @@ base model, version 0, and waits for the version its work names). `publish` send
 live channel at once, in the wire dtype (the model's: bf16 buckets from a bf16 learner, `weights.wire_dtype`).
 
 Nothing here waits on a generator without a deadline (`Sends`): the rendezvous, every header and every gloo
-bucket get `transport.weight_send_timeout_s` (a healthy generator's weight thread takes them at once), an NCCL
-bucket `transport.weight_sync_timeout_s` (its vLLM workers drain first). A channel that fails or misses its
+bucket get `transport.weight_send_timeout_s` (a healthy generator's weight thread takes them at once), an NCCL or
+ipc bucket `transport.weight_sync_timeout_s` (its vLLM workers drain first). A channel that fails or misses its
 deadline is dropped (`weights/dropped_channels`) and reported to the hub (`report`, wired to `Hub.lose`), the one
 owner of the decision that a generator is gone: the hub re-issues its work and tells the launcher to stop and
 restart its process. The hub's own verdicts (a generator silent or stuck) come back through `drop`, which takes
@@ -20,8 +20,8 @@ its incarnation at once and a leave thread sends it the stop header and drops it
 rendezvous) counts it as left, never as a failure.
 
 Each admitted channel is a peer, its kind chosen once when it is admitted: a `GlooPeer` (buckets over the gloo
-pair channel, all peers at once) or an `NcclPeer` (below); the publisher calls their `start_header`, `send_bucket`,
-`release` and `close` and never asks which kind it holds.
+pair channel, all peers at once), an `NcclPeer` or an `IpcPeer` (below, the direct peers); the publisher calls their
+`start_header`, `send_bucket`, `release` and `close` and never asks which kind it holds.
 
 The host copy (`latest`, a `HostCopy`: the model's size in the wire dtype, pinned on a CUDA learner) is the latest
 version for late joiners and the staging of every gloo send (the gloo channels send that copy, never the caller's
@@ -34,12 +34,12 @@ as it is asked for). It exists only while it can be needed, decided at each publ
   optimizer step and label half-updated bits. So once a run has gloo generators, every publish refreshes the copy.
 - No peer has been admitted yet (a resumed learner's first publish, before any generator joined): keep it; whoever
   joins next must be caught up, and its kind is not known yet.
-- Otherwise (every peer so far an NCCL peer): none, and a copy kept before is freed. An NCCL peer needs no
-  catch-up: it is admitted by the trainer thread at the start of a publish (`_connect_nccl`), which sends it that
-  very version right after. A first gloo peer that joins such a run is admitted without a catch-up and receives
-  the next publish (as an NCCL joiner does); from that publish on the copy is kept.
+- Otherwise (every peer so far a direct peer, NCCL or ipc): none, and a copy kept before is freed. A direct peer
+  needs no catch-up: it is admitted by the trainer thread at the start of a publish (`_connect_direct`), which sends
+  it that very version right after. A first gloo peer that joins such a run is admitted without a catch-up and
+  receives the next publish (as a direct joiner does); from that publish on the copy is kept.
 
-So a learner whose every generator is an NCCL peer holds no model-sized host memory (30 GB pinned for a 7B model in
+So a learner whose every generator is a direct peer holds no model-sized host memory (30 GB pinned for a 7B model in
 fp32 before), and one with gloo peers holds half of it when the model is bf16. A publish that fails midway drops
 the copy rather than leave a late joiner half-written bits under an old label.
 
@@ -52,6 +52,18 @@ workers, on the sender's own stream and with a deadline (`NcclSender`), cut shor
 generator lost (`learner/nccl.py`). The NCCL protocol moves whole tensors, so the wire pieces of a split parameter
 are put together on the learner's device (`NcclPeer.assembling`, the one parameter in the generator's dtype) and the
 parameter goes with its last piece: one `weights.bucket_plan` bucket per broadcast, as the receiver expects.
+
+A vLLM generator with the ipc transport shares learner rank 0's GPU (colocated, tp 1; `common/runfiles.py` refuses
+anything else before the run starts). It announces its worker's GPU, pid and dtype before the rendezvous
+(`common/ipc_weights.py`); the trainer thread, at the next publish, allocates two staging slots on this rank's
+device (each the size of the largest `bucket_plan` bucket, in the generator's dtype), exports them once and waits
+until the generator's worker has mapped them (`learner/ipc.IpcSender`, set-up within
+`transport.weight_send_timeout_s`). Headers go over gloo flagged `FLAG_DIRECT | FLAG_IPC`; each wire bucket is
+copied into the next free slot (a split parameter's pieces at their offsets, so the slot is its assembly buffer),
+signalled over the same gloo channel and acknowledged once vLLM has copied it out, every wait within
+`transport.weight_sync_timeout_s` or cut short by the hub's verdict (`IpcPeer`). No byte of it crosses the host, and
+no host copy is kept for it. Its slots are freed only once the generator says it unmapped them or its worker process
+is gone (`IpcSender.close`, which never blocks).
 
 `ModelPublisher` (below) is the one publish path of every learner rank: it walks the module's buckets (a
 collective under ZeRO-3) and, on rank 0, hands them to this class.
@@ -71,9 +83,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from common import ipc_weights
 from common import vllm_weights
 from common import weights
 from common.transport import free_port
+from learner import ipc
 from learner import nccl
 from learner.params import param_buckets, scratch_for
 
@@ -155,8 +169,8 @@ def _abandon(ch: weights.WeightChannel, work: dist.Work) -> None:
 class GlooPeer:
     """One generator incarnation's weight channel on learner rank 0, its buckets over the gloo pair channel.
 
-    The kind of peer is chosen once, when the channel is admitted (`NcclPeer` for a generator that announced an
-    NCCL receiver); the publisher only calls these methods."""
+    The kind of peer is chosen once, when the channel is admitted (`NcclPeer` or `IpcPeer` for a generator that
+    announced an NCCL or ipc receiver); the publisher only calls these methods."""
 
     gen_id: int
     incarnation: str
@@ -221,16 +235,48 @@ class NcclPeer(GlooPeer):
         _try(self.sender.close)
 
 
+@dataclass(eq=False)
+class IpcPeer(GlooPeer):
+    """A vLLM generator on learner rank 0's own GPU with the ipc transport: headers over gloo flagged FLAG_DIRECT |
+    FLAG_IPC, each wire bucket staged in a GPU slot its worker maps and signalled over this gloo channel
+    (`learner/ipc.IpcSender`), in the dtype it announced.
+
+    Unlike `NcclPeer` it assembles nothing: the sender takes the pieces of a split parameter itself (`offset`,
+    `last`), staging each at its place in the slot and signalling the whole `bucket_plan` bucket with the last, so
+    the slot is the assembly buffer and the learner holds no copy of the parameter."""
+
+    sender: ipc.IpcSender
+    blocking = True  # a bucket send waits for its slot, its copy and its signal (the version's last: every ack)
+    flags = weights.FLAG_DIRECT | weights.FLAG_IPC  # the buckets go through the slots, straight into its vLLM worker
+
+    def send_bucket(self, sends: "Sends", lay: weights.Layout, b: weights.WireBucket, host: torch.Tensor | None,
+                    bucket: torch.Tensor, cancelled: Callable[[], bool]) -> str | None:
+        """Stage one wire bucket (a piece of a split parameter at its offset) and signal it; the failure's
+        description, or LOST when the hub gave up on the generator."""
+        try:
+            self.sender.send_bucket(lay, b.first, b.end, bucket, self.sender.dtype, cancelled, offset=b.offset,
+                                    last=b.last)
+            return None
+        except RuntimeError as e:  # IpcError: a signal, acknowledgement or copy failed, missed its deadline or was cut
+            return LOST if cancelled() else str(e)[:300]
+
+    def release(self) -> None:
+        """Its staging slots: freed now if the generator's worker unmapped them or is gone, else by a thread once it
+        has (`IpcSender.close`, which never blocks)."""
+        self.sender.close()
+
+
 @dataclass
 class Rendezvoused:
-    """A channel whose gloo rendezvous is done: admitted at once as a `GlooPeer`, or, when its generator announced an
-    NCCL receiver, held until the trainer thread builds its NCCL group at the next publish (`_connect_nccl`)."""
+    """A channel whose gloo rendezvous is done: admitted at once as a `GlooPeer`, or, when its generator announced a
+    direct receiver, held until the trainer thread builds its NCCL group or its ipc slots at the next publish
+    (`_connect_direct`)."""
 
     gen_id: int
     incarnation: str
     channel: weights.WeightChannel
     store: dist.Store
-    announced: bool  # the generator announced an NCCL receiver in the pair channel's store
+    announced: str | None  # the direct receiver announced in the pair channel's store: "nccl", "ipc", or None (gloo)
 
     def as_gloo(self) -> GlooPeer:
         """What is retired if it goes before its NCCL group exists: its gloo channel alone."""
@@ -257,7 +303,8 @@ class WeightPublisher:
                  send_timeout_s: float | None = None):
         """`timeout_s`: transport.weight_sync_timeout_s (the store, NCCL buckets); `send_timeout_s`:
         transport.weight_send_timeout_s (each generator's rendezvous, headers and gloo buckets; default
-        `timeout_s`). `device`: the learner's (rank 0's) device; NCCL senders to vLLM generators are built on it."""
+        `timeout_s`). `device`: the learner's (rank 0's) device; NCCL senders to vLLM generators, and the ipc
+        staging slots, are built on it."""
         self.host, self.port, self.timeout_s, self.device = host, port, timeout_s, torch.device(device)
         self.send_timeout_s = timeout_s if send_timeout_s is None else send_timeout_s
         self.store = dist.TCPStore(host, port, None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
@@ -300,8 +347,9 @@ class WeightPublisher:
                 return
             if joined.announced:
                 self.pending_direct.append(joined)
-                log.info("generator %d (%s) announced an NCCL receiver: its group is built at the next publish",
-                         gen_id, incarnation)
+                log.info("generator %d (%s) announced an %s receiver: its %s built at the next publish", gen_id,
+                         incarnation, joined.announced, "NCCL group is" if joined.announced == "nccl" else
+                         "staging slots are")
                 return
             self._admit(joined.as_gloo(), catch_up=True)
 
@@ -315,7 +363,7 @@ class WeightPublisher:
                                    prefix=prefix, store=client)
         store = dist.PrefixStore(prefix, client)
         # The announcement precedes the gloo rendezvous that just completed, so `check` cannot miss it.
-        return Rendezvoused(gen_id, incarnation, ch, store, store.check([vllm_weights.ANNOUNCE_KEY]))
+        return Rendezvoused(gen_id, incarnation, ch, store, _announced(store))
 
     def _join_failed(self, gen_id: int, incarnation: str, e: Exception) -> None:
         if self._gone(gen_id, incarnation) == LEFT:
@@ -380,8 +428,8 @@ class WeightPublisher:
 
     def _admit(self, peer: GlooPeer, catch_up: bool) -> None:
         """Add a new channel to the broadcast list (lock held), first catching it up on the latest version when
-        `catch_up` (a gloo peer, on its join thread; an NCCL peer is admitted by the publish that sends it the next
-        version at once) and a host copy of it is kept (`_host_copy`)."""
+        `catch_up` (a gloo peer, on its join thread; a direct peer, NCCL or ipc, is admitted by the publish that sends
+        it the next version at once) and a host copy of it is kept (`_host_copy`)."""
         latest = self.latest if catch_up else None
         if latest is not None:  # catch up: the version everyone else holds
             failed = self._send([peer], latest.version, latest.layout, latest.flat.dtype, latest.buckets())
@@ -390,38 +438,51 @@ class WeightPublisher:
                 return
         self.channels[peer.gen_id] = peer
         self.admitted = True
-        self.gloo_seen |= peer.flags != weights.FLAG_DIRECT
-        self.counters["weights/direct_channels"] += peer.flags == weights.FLAG_DIRECT
+        direct = bool(peer.flags & weights.FLAG_DIRECT)  # NCCL or ipc: never sent from the host copy
+        self.gloo_seen |= not direct
+        self.counters["weights/direct_channels"] += direct
         self.counters["weights/joins"] += 1
         if not catch_up:
-            log.info("generator %d (%s) joined the weight channels over NCCL: the publish under way sends it its first "
-                     "version", peer.gen_id, peer.incarnation)
+            log.info("generator %d (%s) joined the weight channels over %s: the publish under way sends it its first "
+                     "version", peer.gen_id, peer.incarnation, "CUDA IPC" if peer.flags & weights.FLAG_IPC else "NCCL")
         elif latest is None and self.version:
-            log.info("generator %d (%s) joined the weight channels; no host copy was kept (every peer so far was an "
-                     "NCCL peer): it gets the next published version, and the copy is kept from then on",
+            log.info("generator %d (%s) joined the weight channels; no host copy was kept (every peer so far was a "
+                     "direct peer): it gets the next published version, and the copy is kept from then on",
                      peer.gen_id, peer.incarnation)
         else:
             log.info("generator %d (%s) joined the weight channels at version %d", peer.gen_id, peer.incarnation,
                      0 if latest is None else latest.version)
 
-    def _connect_nccl(self) -> None:
-        """Build the NCCL group of every generator that announced one (trainer thread, lock held)."""
+    def _connect_direct(self, lay: weights.Layout) -> None:
+        """Build the direct path of every generator that announced one (trainer thread, lock held): its NCCL group,
+        or its ipc staging slots for `lay`, on this rank's device."""
         pending, self.pending_direct = self.pending_direct, []
         for joined in pending:
-            if (why := self._gone(joined.gen_id, joined.incarnation)) is not None:  # gone before its group was built
+            if (why := self._gone(joined.gen_id, joined.incarnation)) is not None:  # gone before its path was built
                 self._retire(joined.as_gloo(), why)
                 continue
             try:
-                port = free_port(self.host)
-                world, dtype = vllm_weights.offer_address(joined.store, self.host, port, self.send_timeout_s)
-                sender = nccl.NcclSender(self.host, port, world, self.device, self.send_timeout_s)  # waits for workers
-            except Exception as e:  # noqa: BLE001 - a generator that died before its NCCL rendezvous: count, report
-                log.exception("generator %d (%s) never completed its NCCL rendezvous", joined.gen_id,
-                              joined.incarnation)
+                peer = self._direct_peer(joined, lay)
+            except Exception as e:  # noqa: BLE001 - a generator that died before its rendezvous, or another GPU
+                log.exception("generator %d (%s) never completed its %s rendezvous", joined.gen_id,
+                              joined.incarnation, joined.announced)
                 self.counters["weights/join_failures"] += 1
-                self._report(joined.gen_id, joined.incarnation, f"its NCCL rendezvous failed: {str(e)[:200]}")
+                self._report(joined.gen_id, joined.incarnation,
+                             f"its {joined.announced} rendezvous failed: {str(e)[:500]}")
                 continue
-            self._admit(NcclPeer(joined.gen_id, joined.incarnation, joined.channel, sender, dtype), catch_up=False)
+            self._admit(peer, catch_up=False)
+
+    def _direct_peer(self, joined: Rendezvoused, lay: weights.Layout) -> GlooPeer:
+        """The NCCL group or the ipc slots of one announced generator; each wait within weight_send_timeout_s."""
+        if joined.announced == "ipc":
+            # Each bucket within weight_sync_timeout_s: a version's first acknowledgements wait for the drain.
+            sender = ipc.IpcSender(joined.store, joined.channel, lay, self.device, self.timeout_s,
+                                   setup_timeout_s=self.send_timeout_s)
+            return IpcPeer(joined.gen_id, joined.incarnation, joined.channel, sender)
+        port = free_port(self.host)
+        world, dtype = vllm_weights.offer_address(joined.store, self.host, port, self.send_timeout_s)
+        sender = nccl.NcclSender(self.host, port, world, self.device, self.send_timeout_s)  # waits for workers
+        return NcclPeer(joined.gen_id, joined.incarnation, joined.channel, sender, dtype)
 
     # ---- called from the trainer (main) thread ------------------------------------------
 
@@ -431,7 +492,7 @@ class WeightPublisher:
         t0 = time.perf_counter()
         acc = weights.Checksum(lay.numel)
         with self.lock:
-            self._connect_nccl()  # an NCCL joiner is admitted here and gets this version below: no catch-up
+            self._connect_direct(lay)  # a direct joiner is admitted here and gets this version below: no catch-up
             buckets = iter(buckets)
             head = next(buckets, None)  # its dtype goes in the headers, which leave before any bucket
             dtype = torch.float32 if head is None else head.dtype
@@ -442,7 +503,7 @@ class WeightPublisher:
                 for b, bucket in weights.checked_buckets(lay, itertools.chain([head], buckets), dtype):
                     staged = None if host is None else host.flat[b.start:b.stop].copy_(bucket)  # gloo sends this
                     acc.add(bucket if staged is None else staged, b.start, b.last)
-                    yield staged, bucket  # NCCL sends straight from the learner's GPU
+                    yield staged, bucket  # NCCL and ipc send straight from the learner's GPU
 
             try:
                 failed = self._send(live, version, lay, dtype, copies() if head is not None else iter(()))
@@ -488,7 +549,7 @@ class WeightPublisher:
         sends = Sends(self.send_timeout_s, gone)
         failed = {p.gen_id: why for p in live if (why := p.start_header(sends, version, lay, dtype))}
         failed.update(sends.wait())  # headers first, so a dead peer is found before the buckets
-        # Buckets that only start go first, so they travel while the blocking (NCCL) sends run one at a time.
+        # Buckets that only start go first, so they travel while the blocking (NCCL, ipc) sends run one at a time.
         ordered = sorted(live, key=lambda p: p.blocking)
         for b, (host, bucket) in zip(weights.wire_plan(lay), buckets, strict=True):
             sends = Sends(self.send_timeout_s, gone)
@@ -528,6 +589,15 @@ class WeightPublisher:
         """A copy of the counters (the join threads update them)."""
         with self.lock:
             return dict(self.counters)
+
+
+def _announced(store: dist.Store) -> str | None:
+    """The direct receiver a generator announced before its rendezvous (`Rendezvoused.announced`)."""
+    if store.check([vllm_weights.ANNOUNCE_KEY]):
+        return "nccl"
+    if store.check([ipc_weights.ANNOUNCE_KEY]):
+        return "ipc"
+    return None
 
 
 def _numel(shape) -> int:

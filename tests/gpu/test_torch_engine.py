@@ -180,3 +180,26 @@ def test_memory_fraction_caps_the_allocator():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         torch.cuda.empty_cache()
+
+
+def test_the_continuous_batch_on_cuda_draws_the_static_batchs_samples():
+    """`StreamingTorchEngine` (actors/continuous.py) on the GPU: 8 groups of 4 through 12 rows, so groups join as
+    others leave; each equals `generate`'s static batch on the same device (same tokens, logprobs to fp32 rounding)."""
+    from transformers import AutoTokenizer
+
+    from actors.continuous import StreamingTorchEngine
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    eng = StreamingTorchEngine(MODEL, eos_token_id=stop_token_ids(tok, MODEL), pad_token_id=tok.pad_token_id,
+                               device="cuda", max_num_seqs=12)
+    prompts = [list(tok(f"What is {i} + {2 * i + 3}?")["input_ids"]) for i in range(8)]
+    ref = eng.generate(prompts, 4, T1, SEEDS)
+    for i, p in enumerate(prompts):
+        eng.submit(i, p, 4, T1, SEEDS[i])
+    got = {}
+    while eng.in_flight:
+        got.update(eng.collect(0.05, lambda: None))
+    for i in range(8):
+        for a, b in zip(ref[i], got[i], strict=True):
+            np.testing.assert_array_equal(a.token_ids, b.token_ids)
+            assert_close(torch.from_numpy(b.logprobs), torch.from_numpy(a.logprobs), rtol=0, atol=MAX_DLOGP)

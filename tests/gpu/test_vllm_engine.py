@@ -175,6 +175,42 @@ def test_finish_mode_update_mid_generation_every_token_scores_under_its_labelled
     assert wrong / n > 3 * right / n, "the two versions are too close for this test to tell them apart"
 
 
+def test_streamed_groups_come_back_one_by_one_and_a_mid_stream_update_labels_every_token(engine):
+    """The streaming interface the actor loop drives (`submit` / `collect`): 16 groups in flight, an update once the
+    first group is back, 8 more groups submitted after it; each group returns on its own, the late ones wholly on the
+    new version, and every response scores best under the version it is labelled with."""
+    old, new = _hf_copy(None), _hf_copy(0.5)
+    engine.load_flat(weights.flatten(old).cpu(), 20)
+    prompts = _prompts(24)
+    sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=150)
+    for i in range(16):
+        engine.submit(i, prompts[i], 4, sp, i)
+    got, order, updated = {}, [], []
+
+    def hook():
+        if order and not updated:
+            updated.append(1)
+            engine.load_flat(weights.flatten(new).cpu(), 21)
+            for i in range(16, 24):
+                engine.submit(i, prompts[i], 4, sp, i)
+
+    while engine.in_flight:
+        for key, comps in engine.collect(0.5, hook):
+            got[key] = comps
+            order.append(key)
+    assert sorted(order) == list(range(24)) and engine.version == 21
+    models = {20: old, 21: new}
+    for i, comps in got.items():
+        for c in comps:
+            (label,) = set(c.versions.tolist())  # finish mode: one version per response
+            assert i < 16 or label == 21, f"group {i} was submitted after the update but labelled {label}"
+            toks = [c.token_ids.tolist()]
+            got_lp = torch.from_numpy(c.logprobs)
+            r = float((got_lp - learner_lp(models[label], prompts[i], toks)).abs().mean())
+            w = float((got_lp - learner_lp(models[41 - label], prompts[i], toks)).abs().mean())
+            assert r < w, f"group {i}: its tokens score better under the version it is not labelled with"
+
+
 def learner_lp(model, prompt, tokens):
     from hardware.check import learner_logprobs
 

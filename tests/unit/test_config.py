@@ -82,3 +82,23 @@ def test_forced_lengths_need_the_torch_engine():
     with pytest.raises(ConfigError, match="implemented by the torch engine only"):
         load_config(None, ["rollout.forced_length_median=128", 'generator.engine="vllm"'])
     assert load_config(None, ["rollout.forced_length_median=128", 'generator.engine="torch"']).rollout.forced_length_median == 128
+
+
+def test_ipc_is_refused_where_it_cannot_serve_in_one_line():
+    """ipc waits for the generator's drain as nccl does (the same rule); the torch engine has no vLLM worker to map
+    the slots into; and it serves the one generator on learner rank 0's GPU, so autoscaling past one is refused."""
+    ipc = ["generator.weight_transport=ipc"]
+    cases = [
+        (["run.deterministic=false"], "generator.weight_transport = \"ipc\" with weight_update = \"finish\" and "
+                                      "run.deterministic = false"),
+        (['generator.engine="torch"'], "generator.engine = \"torch\" has no such worker"),
+        (["cluster.autoscale.min=1", "cluster.autoscale.max=2"], "cluster.autoscale.max = 2 would start more"),
+    ]
+    for extra, needle in cases:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [*ipc, *extra])
+        assert needle in str(e.value) and "\n" not in str(e.value)
+        assert "weight_transport = \"rpc\"" in str(e.value)  # the fallback, named
+    assert load_config(None, ipc).generator.weight_transport == "ipc"  # deterministic by default: nothing in flight
+    keep = load_config(None, [*ipc, "run.deterministic=false", "generator.weight_update=keep"])
+    assert keep.generator.weight_update == "keep"

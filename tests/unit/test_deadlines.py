@@ -22,7 +22,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("learner", "broker", "actors")
 HELPERS = ("common/weights.py", "common/transport.py", "common/rewards.py", "common/vllm_weights.py",
-           "hardware/check_learner.py")
+           "common/ipc_weights.py", "hardware/check_learner.py")
 
 # Calls that wait on another process whatever their receiver -> index of the positional argument the API documents
 # as its timeout, or None when only a keyword (a name containing "timeout") can carry one.
@@ -46,7 +46,10 @@ BLOCKING: dict[str, int | None] = {
     "offer_address": 3, "read_address": 1, "receive_header": None, "receive_buckets": None,
     "receive_weights": None, "receive_nccl": None, "send_bucket": None, "score_batch": None,
     "WeightChannel": 4, "NcclSender": 4, "VllmEngine": None, "_send_latest": None, "_send_bucket": None,
-    "_connect_nccl": None,
+    "_connect_direct": None, "_direct_peer": None,
+    # the ipc transport (common/ipc_weights.py, learner/ipc.py, VllmEngine's ipc layer)
+    "settle": 1, "receive_version": 1, "read_announcement": 1, "read_slots": 1, "wait_mapped": 1, "IpcSender": 4,
+    "map_ipc": 1, "receive_ipc": None,
 }
 # Named like a wait but never block the host: stream ordering on the GPU.
 NOT_WAITING = {"wait_stream", "wait_event"}
@@ -139,8 +142,16 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "the hub's verdict",
     ("learner/publisher.py", "WeightPublisher._send", "peer.send_bucket(..."):
         "timeout: a gloo peer only starts the send (waited for in sends.wait()); an NCCL peer's is NcclPeer.send_bucket's",
-    ("learner/publisher.py", "WeightPublisher.publish", "self._connect_nccl()"):
-        "timeout: offer_address and NcclSender's set-up each wait at most weight_send_timeout_s",
+    ("learner/publisher.py", "WeightPublisher.publish", "self._connect_direct(lay)"):
+        "timeout: offer_address, NcclSender's and IpcSender's set-up each wait at most weight_send_timeout_s",
+    ("learner/publisher.py", "WeightPublisher._connect_direct", "self._direct_peer(joined, lay)"):
+        "timeout: offer_address, NcclSender's and IpcSender's set-up each wait at most weight_send_timeout_s",
+    ("learner/publisher.py", "IpcPeer.send_bucket", "self.sender.send_bucket(..."):
+        "timeout: IpcSender.send_bucket: every wait (slot free, copy, signal, acknowledgements) within its timeout_s "
+        "(weight_sync_timeout_s), polled, and given up at once at the hub's verdict (cancelled)",
+    ("learner/publisher.py", "IpcPeer.release", "self.sender.close()"):
+        "non-blocking: IpcSender.close frees the slots now if it may, else leaves that to a daemon thread; it never "
+        "waits",
     ("learner/publisher.py", "WeightPublisher._retire", "peer.close()"):
         "timeout: GlooPeer.close: the stop header within the pair channel's gloo _timeout, then release (below)",
     ("learner/publisher.py", "GlooPeer.close", "self.release()"):
@@ -186,6 +197,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         GLOO_PAIR + ", per bucket (Engine.receive_weights)",
     ("actors/vllm_engine.py", "VllmEngine.receive_weights", "self.receive_nccl(version)"):
         "timeout: receive_nccl runs under _update: _Loop.run(..., settings.timeout_s)",
+    ("actors/vllm_engine.py", "VllmEngine.receive_weights", "self.receive_ipc(ch, version)"):
+        "timeout: receive_ipc runs under _update: _Loop.run(..., settings.timeout_s); inside it each signal waits at "
+        "most the pair channel's timeout_s and each load settings.timeout_s",
     ("actors/vllm_engine.py", "VllmEngine._build", "self.api.AsyncLLM.from_engine_args(..."): IN_LOOP_RUN,
     ("actors/vllm_engine.py", "VllmEngine._label", "self.llm.update_weight_version(str(version))"): IN_LOOP_RUN,
     ("actors/vllm_engine.py", "VllmEngine._generate_all", "asyncio.gather(..."):
@@ -233,6 +247,14 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "non-blocking: follows store.wait([ANNOUNCE_KEY], timeout) for the same key",
     ("common/vllm_weights.py", "read_address", "store.get(ADDR_KEY)"):
         "non-blocking: follows store.wait([ADDR_KEY], timeout) for the same key",
+    ("common/ipc_weights.py", "read_announcement", "store.get(ANNOUNCE_KEY)"):
+        "non-blocking: follows store.wait([ANNOUNCE_KEY], timeout) for the same key",
+    ("common/ipc_weights.py", "read_slots", "store.get(SLOTS_KEY)"):
+        "non-blocking: follows store.wait([SLOTS_KEY], timeout) for the same key",
+    ("common/ipc_weights.py", "wait_mapped", "store.get(MAPPED_KEY)"):
+        "non-blocking: follows store.wait([MAPPED_KEY], timeout) for the same key",
+    ("common/ipc_weights.py", "load_slot", "torch.cuda.synchronize(mapped.device)"):
+        "local: this worker's own copy out of the slot (GPU work it enqueued itself; no other process is waited for)",
 }
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -22,6 +23,7 @@ from common import weights
 from common.ipc_weights import IpcError
 from common.transport import free_port
 from learner.ipc import IpcPlacementError, IpcSender
+from learner.nccl import wait_until
 from tests.helpers.ipc_generator import digest
 from tests.helpers.paths import REPO
 
@@ -188,6 +190,28 @@ def test_a_frozen_generator_fails_the_send_at_its_deadline_or_at_the_hubs_verdic
     assert learner.sender.released.wait(10) and not any(os.path.exists(f) for f in files)
 
 
+def test_gloos_own_timeout_reads_as_the_deadline_it_is_and_a_closed_peer_as_a_failure():
+    """A signal's gloo deadline and the poll's are one deadline; gloo's timer may fire first (seen on a loaded 2-core
+    machine: the frozen-generator test then read "failed: ... Timed out"). Either way the caller is told the
+    deadline passed; a peer that closed its connection is a failure."""
+
+    class Work:
+        def __init__(self, why):
+            self.why = why
+
+        def is_completed(self):
+            return True
+
+        def wait(self, timeout=None):
+            raise RuntimeError(self.why)
+
+    timed_out = Work("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 1999ms for recv operation to complete")
+    with pytest.raises(IpcError, match=r"^the signal of bucket 1 did not complete within 2.0s \(.*Timed out waiting"):
+        ipc_weights.settle(timed_out, 2.0, lambda: False, what="the signal of bucket 1")
+    with pytest.raises(IpcError, match=r"^the signal of bucket 1 failed: Connection closed by peer"):
+        ipc_weights.settle(Work("Connection closed by peer [127.0.0.1]:4242"), 2.0, what="the signal of bucket 1")
+
+
 def test_another_gpu_is_refused_before_anything_is_allocated():
     """The generator announces a GPU other than the learner's: the sender refuses with both UUIDs and the fix, and
     never offers slots."""
@@ -238,6 +262,223 @@ def test_a_slot_is_staged_in_the_generators_dtype_and_never_pickled(tmp_path):
     assert not any(os.path.exists(h["path"]) for h in info["slots"])
     with pytest.raises(ValueError, match="learner rank 0 is on cpu"):
         ipc_weights.exporter("cpu", "cuda", 2, 10, torch.bfloat16)
+
+
+# ---- wired in: the publisher's IpcPeer, and the vLLM engine's ipc layer over a stand-in AsyncLLM ------------------
+
+
+def test_an_ipc_header_is_flagged_direct_and_ipc_and_a_receiver_without_it_refuses_one():
+    """FLAG_IPC (16) sits above the dtype bits; an ipc header carries FLAG_DIRECT too, so every receiver without a
+    direct path refuses it as before (`refuse_direct`), and says which kind it got."""
+    flags = weights.FLAG_DIRECT | weights.FLAG_IPC | weights.dtype_flags(torch.bfloat16)
+    assert weights.FLAG_IPC == 16 and weights.KNOWN_FLAGS & weights.FLAG_IPC
+    assert weights.flags_dtype(flags) == torch.bfloat16
+    with pytest.raises(RuntimeError, match="sent through CUDA IPC slots into vLLM workers, but the torch engine "
+                                           "announced no ipc receiver"):
+        weights.refuse_direct(flags, "the torch engine")
+    with pytest.raises(RuntimeError, match="header flags 0x20"):
+        weights.flags_dtype(32)  # still refused: a bit this side does not know
+
+
+def _generator_process(tmp_path, port: int, prefix: str, dtype: str, **behaviour) -> subprocess.Popen:
+    """tests/helpers/ipc_generator.py as a generator of a real `WeightPublisher` (learner rank 0 in this process)."""
+    job = {"port": port, "prefix": prefix, "names": list(LAYOUT.names), "shapes": [list(s) for s in LAYOUT.shapes],
+           "dtype": dtype, "timeout_s": 30, "out": str(tmp_path / "generator.pt"), "device": "cpu", **behaviour}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    return subprocess.Popen([sys.executable, "-m", "tests.helpers.ipc_generator", str(tmp_path / "job.json")],
+                            cwd=REPO, stdout=subprocess.PIPE, text=True)
+
+
+def _wire(flat: torch.Tensor, lay: weights.Layout = LAYOUT):
+    return (flat[b.start:b.stop] for b in weights.wire_plan(lay))
+
+
+def test_a_publisher_with_an_ipc_peer_delivers_bit_identical_weights_and_keeps_no_host_copy(tmp_path, monkeypatch):
+    """Learner rank 0's real publish path (`WeightPublisher`: join thread, `_connect_direct`, `IpcPeer`) to the
+    generator process of tests/helpers/ipc_generator.py over the shm backend, the bound cut to 1,200 elements so
+    the plan has five buckets and two parameters go in pieces: every version arrives bit-identical, cast once from
+    the fp32 wire to the generator's bf16; the run never allocates the host copy (its only peer is direct); and
+    after the stop header the slots stay until the generator says it unmapped them."""
+    from learner import publisher
+
+    monkeypatch.setattr(weights, "BUCKET_NUMEL", BOUND)
+    made = []
+
+    class Recorded(publisher.HostCopy):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self.flat.numel())
+
+    monkeypatch.setattr(publisher, "HostCopy", Recorded)
+    port = free_port()
+    pub = publisher.WeightPublisher(HOST, port, 30, send_timeout_s=30)
+    proc = _generator_process(tmp_path, port, weights.pair_prefix(0, "ipc"), "bfloat16", hold_s=3.0, linger_s=30)
+    try:
+        pub.join(0, "ipc")
+        assert wait_until(lambda: pub.pending_direct, 30, 0.01)
+        assert pub.pending_direct[0].announced == "ipc" and not pub.channels  # built by the next publish
+        sent = {v: _version(v) for v in (1, 2, 3)}
+        for v, flat in sent.items():
+            _, nbytes, _ = pub.publish(v, LAYOUT, _wire(flat))
+            assert pub.latest is None and nbytes == LAYOUT.numel * 4
+        (peer,) = pub.channels.values()
+        assert isinstance(peer, publisher.IpcPeer) and peer.flags == weights.FLAG_DIRECT | weights.FLAG_IPC
+        assert peer.sender.acked == peer.sender.seq == 3 * len(PLAN)  # each publish returned with every bucket loaded
+        counters = pub.counter_values()
+        assert counters["weights/direct_channels"] == counters["weights/joins"] == 1
+        files = [h["path"] for h in json.loads(ipc_weights.read_slots(peer.sender.store, 5))["slots"]]
+        pub.stop()
+        assert proc.stdout.readline().strip() == "stopped"
+        got = torch.load(tmp_path / "generator.pt")
+        for v, flat in sent.items():
+            assert torch.equal(_bits(got["versions"][v]), _bits(flat.to(torch.bfloat16))), f"version {v} differs"
+        assert made == []  # an ipc-only run never allocates the model-sized host copy
+        assert all(os.path.exists(f) for f in files) and not peer.sender.released.is_set()  # still mapped: kept
+        assert proc.stdout.readline().strip() == "unmapped"
+        assert peer.sender.released.wait(10) and not any(os.path.exists(f) for f in files)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_generator_on_another_gpu_is_refused_at_the_publish_and_reported(tmp_path):
+    """A generator that announces another GPU: the publish that would build its slots refuses it before allocating
+    anything, counts a join failure and reports it to the hub with both GPUs and the fix; the publish goes on."""
+    from learner import publisher
+
+    port = free_port()
+    pub = publisher.WeightPublisher(HOST, port, 30, send_timeout_s=30)
+    reports = []
+    pub.report = lambda *a: reports.append(a)
+    proc = _generator_process(tmp_path, port, weights.pair_prefix(0, "far"), "bfloat16", uuid="GPU-0000-elsewhere")
+    try:
+        pub.join(0, "far")
+        assert wait_until(lambda: pub.pending_direct, 30, 0.01)
+        pub.publish(1, LAYOUT, _wire(_version(1)))
+        assert not pub.channels and pub.counter_values()["weights/join_failures"] == 1
+        ((gen_id, incarnation, why),) = reports
+        assert (gen_id, incarnation) == (0, "far") and why.startswith("its ipc rendezvous failed: ")
+        assert "GPU-0000-elsewhere" in why and "weight_transport = \"rpc\" or \"nccl\"" in why
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+class _Worker:
+    """What `CovrlWorkerExtension` sees of a vLLM worker on the CPU: its device and the model's load_weights."""
+
+    def __init__(self):
+        from actors.vllm_engine import CovrlWorkerExtension
+
+        self.ext = type("Worker", (CovrlWorkerExtension,), {})()
+        self.ext.device, self.ext.rank, self.loaded = torch.device("cpu"), 0, {}
+        self.ext.model_runner = type("Runner", (), {"get_model": staticmethod(
+            lambda: type("Model", (), {"load_weights": staticmethod(self._load)})())})()
+
+    def _load(self, pairs):
+        for name, t in pairs:
+            self.loaded[name] = t.clone()  # vLLM copies out of the slot the same way
+
+
+class _LLM:
+    """vLLM's AsyncLLM as the ipc path uses it: collective_rpc into one worker, pause, resume, the version label."""
+
+    def __init__(self, worker: _Worker):
+        self.worker, self.calls = worker, []
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append(method)
+        return [getattr(self.worker.ext, method)(*args, **(kwargs or {}))]
+
+    async def pause_generation(self, *, mode, clear_cache):
+        self.calls.append("pause")
+
+    async def resume_generation(self):
+        self.calls.append("resume")
+
+    async def update_weight_version(self, version):
+        self.calls.append(f"label {version}")
+
+
+_API = type("Api", (), {"version_spans": True, "engine_versions": True, "native_nccl": False, "version": "fake"})
+
+
+def test_the_vllm_engines_ipc_layer_loads_every_version_from_the_slots_and_unmaps_on_close(tiny_model_dir,
+                                                                                         monkeypatch):
+    """`VllmEngine` with weight_transport = "ipc" over a stand-in AsyncLLM whose one worker is on the CPU (shm
+    slots), against a real `WeightPublisher`, all in this process: the rendezvous hooks announce the worker and map
+    the slots once; each version flagged FLAG_IPC is loaded under a pause, bucket by bucket out of the slots, a
+    split parameter whole (bf16 bits as the learner sent them), and labelled; close() unmaps, says so, and the
+    learner frees its slots. What this cannot show: CUDA IPC itself and vLLM's own load_weights (GPU only)."""
+    from actors.vllm_engine import VllmEngine, VllmSettings
+    from common.vllm_weights import vllm_name
+    from learner.publisher import IpcPeer, WeightPublisher
+
+    monkeypatch.setattr(weights, "BUCKET_NUMEL", 4096)  # the tiny model's 10,240-element embedding in 3 pieces
+    worker = _Worker()
+    llm = _LLM(worker)
+    eng = VllmEngine(tiny_model_dir, stop_ids=[0], llm=llm, api=_API(), settings=VllmSettings(transport="ipc"))
+    lay = eng.lay
+    assert eng.receives_weights_directly and any(b.offset for b in weights.wire_plan(lay))
+    port = free_port()
+    pub = WeightPublisher(HOST, port, 30, send_timeout_s=30)
+    received, errors = [], []
+
+    def weight_thread():  # as actors/weight_receiver.py drives the engine
+        try:
+            ch = eng.join_weights(f"{HOST}:{port}", weights.pair_prefix(0, "vllm"), 30)
+            while (got := ch.receive_header(lay)) is not None:
+                received.append((got, eng.receive_weights(ch, lay, *got), eng.version))
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    t = threading.Thread(target=weight_thread, daemon=True)
+    t.start()
+    try:
+        pub.join(0, "vllm")
+        assert wait_until(lambda: pub.pending_direct, 30, 0.01)
+        assert llm.calls == ["label 0", "covrl_ipc_identity"]  # announced before the rendezvous
+        versions = {v: torch.randn(lay.numel, generator=torch.Generator().manual_seed(v)).to(torch.bfloat16)
+                    for v in (1, 2)}
+        for v, flat in versions.items():
+            pub.publish(v, lay, _wire(flat, lay))
+            assert wait_until(lambda: len(received) == v or errors, 30, 0.01) and not errors, errors
+            assert eng.version == v
+            for name, view in weights.bucket_views(lay, 0, len(lay.names), flat):
+                got = worker.loaded[vllm_name(name)]
+                assert got.shape == view.shape and torch.equal(_bits(got), _bits(view)), f"{name} at version {v}"
+        flags = weights.FLAG_DIRECT | weights.FLAG_IPC | weights.dtype_flags(torch.bfloat16)
+        assert [r[0] for r in received] == [(1, flags), (2, flags)] and [r[1:] for r in received] == [(None, 1),
+                                                                                                       (None, 2)]
+        loads = len(weights.bucket_plan(lay))
+        assert llm.calls.count("covrl_map_ipc") == 1 and llm.calls.count("covrl_load_ipc") == 2 * loads
+        assert llm.calls[-3:] == ["covrl_load_ipc", "label 2", "resume"]  # loaded and labelled while paused
+        (peer,) = pub.channels.values()
+        assert isinstance(peer, IpcPeer)
+        pub.stop()
+        t.join(30)
+        assert not errors and not peer.sender.released.is_set()  # the worker still maps the slots
+        eng.close()
+        assert "covrl_unmap_ipc" in llm.calls and peer.sender.released.wait(10)
+    finally:
+        pub.stop()
+        eng.close()
+    assert not errors
+
+
+def test_the_vllm_engine_refuses_ipc_with_tensor_parallel_workers_and_a_mismatched_header(tiny_model_dir):
+    from actors.vllm_engine import VllmEngine, VllmSettings
+
+    with pytest.raises(ValueError, match=r"runs 2 tensor-parallel workers: use --tp 1 .*weight_transport = \"rpc\""):
+        VllmEngine(tiny_model_dir, stop_ids=[0], llm=_LLM(_Worker()), api=_API(),
+                   settings=VllmSettings(transport="ipc", tensor_parallel_size=2))
+    eng = VllmEngine(tiny_model_dir, stop_ids=[0], llm=_LLM(_Worker()), api=_API(),
+                     settings=VllmSettings(transport="nccl"))
+    try:
+        with pytest.raises(RuntimeError, match="sent version 3 over ipc, but this generator announced an nccl"):
+            eng.receive_weights(None, eng.lay, 3, weights.FLAG_DIRECT | weights.FLAG_IPC)
+    finally:
+        eng.close()
 
 
 @pytest.mark.gpu

@@ -47,6 +47,28 @@ def test_colocation_rules_name_the_fix():
     assert colocated_memory_fractions(0.35) == (0.6, 0.35)
 
 
+def test_ipc_needs_every_generator_on_learner_rank_0s_gpu_and_says_so_in_one_line():
+    """CUDA IPC maps memory within one GPU and learner rank 0 alone publishes: ipc is accepted colocated with every
+    generator on exactly its GPU (--gpus 1 --gens 1 --tp 1, or more learner ranks beside it), and refused before
+    anything starts otherwise, each time in one line with the fix."""
+    ipc = GeneratorConfig(weight_transport="ipc", gpu_memory_utilization=0.35)
+    check_colocation(place_gpus(1, 1, 1, 1), ipc)
+    check_colocation(place_gpus(2, 2, 1, 1), ipc)  # learner rank 1 on GPU 1; the one generator on rank 0's GPU 0
+    fix = r"run one generator with --tp 1 on learner rank 0's GPU \(e.g. --gpus 1 --gens 1 --tp 1\), or set " \
+          r"generator.weight_transport = \"rpc\"$"
+    for placement, why in [
+        (place_gpus(2, 1, 1, 1), r"learner rank 0 is on GPU \[0\] and the generators on GPUs of their own \[\[1\]\]"),
+        (place_gpus(2, 1, 1, 2), r"generator 0 spans 2 GPUs \[0, 1\] \(--tp 2; ipc maps the slots into one worker\)"),
+        (place_gpus(2, 2, 2, 1), r"generator 1 is on GPU \[1\], not learner rank 0's \[0\]"),
+        (place_gpus(0, 1, 1, 1), r"no role has a GPU \(--gpus 0, or Ray, which places every role itself, maybe "
+                                    r"on other GPUs or hosts\)"),
+    ]:
+        head = r"^generator.weight_transport = \"ipc\" maps learner rank 0's GPU memory into a vLLM generator on"
+        with pytest.raises(PlacementError, match=rf"{head} that GPU, but here {why}: {fix}") as e:
+            check_colocation(placement, ipc)
+        assert "\n" not in str(e.value)
+
+
 def test_memory_fraction_is_read_checked_and_skipped_on_cpu(monkeypatch):
     import torch
 

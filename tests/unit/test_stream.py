@@ -258,3 +258,40 @@ def test_a_real_generator_takes_work_of_new_versions_while_it_holds_older_and_la
         c = hub.stats().counters
         assert c["hub/lost_prompts"] == 0 and c.get("hub/duplicate_trained_prompts", 0) == 0
         assert c.get("hub/rejected/unknown_ticket", 0) == 0
+
+
+def test_a_generator_whose_whole_room_came_back_at_once_asks_again_at_once(tiny_model_dir):
+    """Room 2 (rollout.groups_per_request), filled by one Work and emptied in one turn: the hub closed that room
+    when it filled it, so the generator must ask again as soon as its groups are out, not after
+    transport.recv_timeout_s (30 s here)."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.publisher import ModelPublisher
+    from tests.helpers.actor_hub import generator_and_hub
+    from tests.helpers.hooks import Hooks
+
+    settings = ("rollout.groups_per_request=2", "transport.recv_timeout_s=30", "run.deterministic=false")
+    with generator_and_hub(tiny_model_dir, lambda: 2, lambda pub: Hooks(join=pub.join), settings) as (hub, pub, _, _):
+        publisher = ModelPublisher(AutoModelForCausalLM.from_pretrained(tiny_model_dir), zero3=False, channel=pub)
+        hub.take_batch(0, timeout_s=60)
+        for v in (1, 2):
+            hub.set_version(v)
+            publisher.publish(v)
+            t0 = time.monotonic()
+            assert [r.slot for r in hub.take_batch(v, timeout_s=60)] == [2 * v, 2 * v + 1]
+            assert time.monotonic() - t0 < 15, "the generator waited for its poll instead of asking"
+
+
+def test_a_deterministic_run_keeps_one_static_batch_per_work_sized_to_a_step():
+    """generator.loop "auto": a continuous batch's last bits depend on timing, so a deterministic run (the default,
+    or a forced lag) takes the batch loop, one step's groups per Work unless groups_per_request says otherwise."""
+    from common.config import generator_loop, load_config
+    from common.heldout import batch_groups
+
+    assert generator_loop(load_config(None, [])) == "batch"
+    assert generator_loop(load_config(None, ["run.deterministic=false"])) == "stream"
+    assert generator_loop(load_config(None, ["run.deterministic=false", "rollout.forced_lag=1"])) == "batch"
+    assert generator_loop(load_config(None, ["generator.loop=\"stream\""])) == "stream"
+    cfg = load_config(None, ["rollout.groups_per_step=16"])
+    assert batch_groups(cfg, 32) == 16 and batch_groups(cfg, 8) == 8
+    assert batch_groups(load_config(None, ["rollout.groups_per_request=4"]), 32) == 4
