@@ -120,11 +120,15 @@ class Workload:
 
     def settings(self, torch_lengths: bool) -> list[str]:
         """The run config of the loop variant's hub (and of the prompts every variant uses): exactly `groups` groups
-        at version 0 (one step of them, on-policy), no evaluation, no group dropped for its rewards."""
+        at version 0 (one step of them, on-policy), no evaluation, no group dropped for its rewards, the streaming
+        loop."""
         out = [f"data.train_size={min(4096, max(256, 8 * self.groups))}", f"rollout.groups_per_step={self.groups}",
                f"rollout.group_size={self.group_size}", f"rollout.max_new_tokens={self.max_new_tokens}",
                "rollout.max_staleness_steps=0", "rollout.temperature=1.0", "rollout.top_p=1.0", "run.steps=1",
-               "eval.every_steps=0", "learner.filter.dynamic_sampling=false"]
+               "eval.every_steps=0", "learner.filter.dynamic_sampling=false",
+               # The streaming loop (generator.loop "auto" streams a run that is not deterministic; no update happens
+               # here, so nothing else changes).
+               "run.deterministic=false"]
         if torch_lengths:  # the torch engine draws each sample's length itself; vLLM gets them from ImposedLengths
             out += [f"rollout.forced_length_median={self.median}", f"rollout.forced_length_sigma={self.sigma}"]
         return out

@@ -24,6 +24,7 @@ from common.ipc_weights import IpcError
 from common.transport import free_port
 from learner.ipc import IpcPlacementError, IpcSender
 from learner.nccl import wait_until
+from tests.helpers.host_copies import record_host_copies
 from tests.helpers.ipc_generator import digest
 from tests.helpers.paths import REPO
 
@@ -302,14 +303,7 @@ def test_a_publisher_with_an_ipc_peer_delivers_bit_identical_weights_and_keeps_n
     from learner import publisher
 
     monkeypatch.setattr(weights, "BUCKET_NUMEL", BOUND)
-    made = []
-
-    class Recorded(publisher.HostCopy):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self.flat.numel())
-
-    monkeypatch.setattr(publisher, "HostCopy", Recorded)
+    made = record_host_copies(monkeypatch)
     port = free_port()
     pub = publisher.WeightPublisher(HOST, port, 30, send_timeout_s=30)
     proc = _generator_process(tmp_path, port, weights.pair_prefix(0, "ipc"), "bfloat16", hold_s=3.0, linger_s=30)

@@ -18,6 +18,7 @@ from common import vllm_weights
 from common import weights
 from common.transport import free_port
 from learner.nccl import wait_until
+from tests.helpers.host_copies import record_host_copies
 from tests.helpers.weight_channel import receive
 
 BOUND = 16  # elements per bucket in these tests (weights.BUCKET_NUMEL is 32M)
@@ -353,14 +354,7 @@ def test_a_learner_whose_every_peer_is_nccl_never_allocates_a_host_copy(monkeypa
     from learner import publisher
 
     monkeypatch.setattr(nccl, "NcclSender", _Sender)
-    made = []
-
-    class Recorded(publisher.HostCopy):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self.flat.numel())
-
-    monkeypatch.setattr(publisher, "HostCopy", Recorded)
+    made = record_host_copies(monkeypatch)
     model = _model(torch.bfloat16)
     lay = weights.layout(model)
     port = free_port()
