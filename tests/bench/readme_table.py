@@ -92,17 +92,26 @@ def rows(res: dict) -> list[str]:
             f"{r['reward_diff_covrl_minus_trl_per_step']['standard_error']:.3f}", r))
     if r := res.get("generation_heavy"):
         a, L = r["async_vs_sync"], r["response_length"]
-        idle, trl = r["idle_per_step_s"]["deterministic_true"], r["vs_trl"]
+        trl = r["vs_trl"]
         vs_trl = (f"TRL not run ({trl['skipped']})" if "skipped" in trl else
                   f"covrl at its defaults {trl['covrl_s_per_sample_steady'] * 1e3:.0f} vs TRL "
-                  f"{trl['trl_s_per_sample_steady'] * 1e3:.0f} ms per sample: covrl/TRL {trl['covrl_over_trl_s_per_sample']:.2f}")
+                  f"{trl['trl_s_per_sample_steady'] * 1e3:.0f} ms per sample: covrl/TRL {trl['covrl_over_trl_s_per_sample']:.2f}"
+                  + (f" (TRL not re-run: the figures of {trl['carried_from']})" if "carried_from" in trl else ""))
+        if "loops" in r:  # since 2026-11-28: the streaming loop against the batch loop
+            lp, idle = r["loops"], r["idle_per_step_s"]["stream"]
+            loops = (f"the streaming loop (run.deterministic false) {lp['stream_samples_per_s']:.1f} samples/s vs the "
+                     f"batch loop at 16 groups a request {lp['batch_loop_groups_per_request_16_samples_per_s']:.1f} and at its "
+                     f"defaults (a step a Work) {lp['batch_loop_defaults_samples_per_s']:.1f} (target {lp['verdict']}); ")
+            staleness = f"staleness 2 {_x(r['staleness_2_vs_1']['ratio'])} of staleness 1; "
+        else:
+            idle, loops = r["idle_per_step_s"]["deterministic_true"], ""
+            staleness = f"in-flight updates {_x(r['in_flight_vs_deterministic']['ratio'])} of deterministic; "
         out.append(_row(
             "9. generation-heavy: lognormal response lengths (median 128, sigma 0.9, cap 2048), 1 generator + 1 learner",
             f"mean length {sum(L['mean_per_step']) / len(L['mean_per_step']):.0f} tokens, longest {L['max_over_mean']:.1f}x "
-            f"the mean; async {a['async_samples_per_s']:.1f} vs sync {a['sync_samples_per_s']:.1f} samples/s = "
+            f"the mean; {loops}async {a['async_samples_per_s']:.1f} vs sync {a['sync_samples_per_s']:.1f} samples/s = "
             f"{_x(a['speedup'])} (bound {_x(a['overlap_bound'])}: generate {a['sync_stage_s']['generate_and_score']:.1f} s, "
-            f"train {a['sync_stage_s']['train_and_load_weights']:.1f} s per step); in-flight updates "
-            f"{_x(r['in_flight_vs_deterministic']['ratio'])} of deterministic; idle per step: learner "
+            f"train {a['sync_stage_s']['train_and_load_weights']:.1f} s per step); {staleness}idle per step: learner "
             f"{idle['learner_idle_s']:.1f} s, generator {idle['generator_idle_s']:.1f} s of {idle['step_s']:.1f} s; {vs_trl}"
             + (f"; the simulator calibrated with these stage costs predicts {_x(sim['predicted_speedup'])}"
                if (sim := r.get("simulator_calibrated")) else ""),
@@ -163,7 +172,10 @@ def headline(res: dict) -> str:
         f"heavy-tailed responses {trl['covrl_s_per_sample_steady'] * 1e3:.0f} vs {trl['trl_s_per_sample_steady'] * 1e3:.0f} "
         f"ms (covrl/TRL {trl['covrl_over_trl_s_per_sample']:.2f}).",
         f"- **Asynchrony**: with long, heavy-tailed responses one generator and one learner train {_x(a['speedup'])} the "
-        f"samples/s of the synchronous loop (bound {_x(a['overlap_bound'])}); on `arith`, where training dominates, "
+        f"samples/s of the synchronous loop (bound {_x(a['overlap_bound'])}"
+        + (f"; the streaming loop, {heavy['loops']['verdict']} against one static batch a step, which gives "
+           f"{_x(heavy['loops']['batch_loop_groups_per_request_16_samples_per_s'] / a['sync_samples_per_s'])} on CPU"
+           if "loops" in heavy else "") + f"); on `arith`, where training dominates, "
         f"{_x(overlap['speedup'])} (bound {_x(overlap['overlap_bound'])}; target {overlap['verdict']}).",
         f"- **Weight sync**: {sync['gb_per_s']['sync']:.2f} GB/s per 256 MiB over gloo, {sync['ratio_vs_bare_gloo']:.2f} "
         f"of a bare gloo broadcast; **transport**: {transport['ratio_vs_raw_zmq']:.2f} of raw ZeroMQ bytes (target "

@@ -13,8 +13,9 @@ arithmetic, and the reward is mostly 0; what is measured is time). Evaluation an
 Measured, each side by side in this one test:
 1. the generator loops: the streaming loop (every group the engine holds in flight, each sent as it finishes; what
    `generator.loop = "auto"` runs when run.deterministic = false) vs the batch loop (one Work at a time, generated as
-   one static batch; what "auto" runs for a deterministic run, covrl's default) at its default (4 groups per
-   request) and at the best hand-set value (16: a step's prompts in one batch, 2026-11-25). Staleness 1 throughout.
+   one static batch; what "auto" runs for a deterministic run, covrl's default) at its default (a step's groups per
+   Work since 2026-11-28) and at the best hand-set value of the loop before it (16 groups a request, 2026-11-25).
+   Staleness 1 throughout.
 2. async / sync samples/s, 1 generator + 1 learner, one torch thread each: the streaming loop vs the synchronous
    loop (tests/integration/reference_loop.py: generate, score, train, load weights) on the same config (one batch
    per step by construction). Bound: (g + t) / max(g, t) from the sync stage times.
@@ -114,8 +115,9 @@ def idle(rows: list[dict]) -> dict:
 def test_generation_heavy(tmp_path):
     model = heavy_model(str(tmp_path / "model"))
     # The streaming loop (generator.loop "auto" streams when the run is not deterministic: run.deterministic = false,
-    # staleness 1); the batch loop (generator.loop "auto" on a deterministic run: one Work at a time) at its default
-    # (4 groups per request: covrl's defaults) and at the best hand-set value (16: one step per batch, 2026-11-25).
+    # staleness 1); the batch loop (generator.loop "auto" on a deterministic run: one Work at a time) at covrl's
+    # defaults (one step's groups per Work since 2026-11-28) and at the best hand-set value of the loop before it
+    # (16 groups a request: one step per batch, 2026-11-25).
     det = launch_clocked(str(tmp_path / "det"), workload(model) + ["run.deterministic=false"], STEPS)
     old_best = launch_clocked(str(tmp_path / "old16"), workload(model) + ["rollout.groups_per_request=16"], STEPS)
     old_defaults = launch_clocked(str(tmp_path / "old4"), workload(model), STEPS)
@@ -179,7 +181,7 @@ def test_generation_heavy(tmp_path):
                         "generator.loop auto keeps one static batch per Work there, for bit-exact runs)",
             "stream_samples_per_s": det_rate,
             "batch_loop_groups_per_request_16_samples_per_s": old_best_rate,
-            "batch_loop_groups_per_request_4_samples_per_s": old_default_rate,
+            "batch_loop_defaults_samples_per_s": old_default_rate,
             "stream_over_best_batch": det_rate / old_best_rate,
             "target": "the streaming loop >= the batch loop at its best hand-set groups_per_request",
             "verdict": verdict(met_loop)},
@@ -198,11 +200,11 @@ def test_generation_heavy(tmp_path):
                                                 "staleness_1": mean(r["staleness/mean"] for r in det["rows"])}},
         "idle_per_step_s": {"stream": idle(det["rows"]), "stream_staleness_2": idle(fly["rows"]),
                             "batch_loop_groups_per_request_16": idle(old_best["rows"]),
-                            "batch_loop_groups_per_request_4": idle(old_defaults["rows"])},
+                            "batch_loop_defaults": idle(old_defaults["rows"])},
         "vs_trl": ({"skipped": problem} if trl is None and carried is None else
                    {**carried, "not_rerun": f"{problem}; the figures of {carried['carried_from']} (covrl's defaults "
                                              "then: 4 groups a request), not this run's"} if trl is None else {
-            "covrl_settings": "defaults (deterministic true: the batch loop, 4 groups a request; staleness 1)",
+            "covrl_settings": "defaults (deterministic true: the batch loop, a step's groups a Work; staleness 1)",
             "covrl_s_per_sample_steady": 1 / default_rate, "trl_s_per_sample_steady": (1 / default_rate) / ratio,
             "trl_threads": TRL_THREADS, "trl_steps": TRL_STEPS, "trl_timed_steps": [TRL_WARMUP + 1, TRL_STEPS - 1],
             "trl_step_end_s": trl["step_end_s"], "trl_versions": trl["versions"],
@@ -212,7 +214,7 @@ def test_generation_heavy(tmp_path):
         "verdict": verdict(met_loop and met_bound and (met_trl or trl is None)),
     })
     print(f"\ngeneration-heavy: streaming loop {det_rate:.2f} samples/s vs the batch loop {old_best_rate:.2f} (16 groups "
-          f"a request) and {old_default_rate:.2f} (4); async/sync {speedup:.2f}x of bound {bound:.2f}x "
+          f"a request) and {old_default_rate:.2f} (defaults: a step a Work); async/sync {speedup:.2f}x of bound {bound:.2f}x "
           f"({speedup / bound:.2f}; g {g:.2f}s t {t:.2f}s); staleness 2 {fly_rate:.2f} samples/s "
           f"({fly_rate / det_rate:.2f}x of staleness 1); simulator predicts {predicted['predicted_speedup']:.2f}x"
           + ("" if ratio is None else f", covrl/TRL {ratio:.2f}"))
