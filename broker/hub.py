@@ -579,7 +579,10 @@ class Hub:
         ask together share it (a draining generator gets no new work)."""
         wanting = collections.deque(g for g, gen in self.gens.items()
                                     if g < self.target and gen.wanted > 0 and not self._serve_eval(g, gen))
-        idle = {g: not self._holds(g) for g in wanting}
+        if not wanting or not self._admissible():
+            return  # a counting generator's room stays open across passes: nothing to scan until admission opens
+        holding = {t.gen_id for t in self.in_flight.values()}  # one pass over the tickets, not one per generator
+        idle = {g: g not in holding and not self.evals.holds(g) for g in wanting}
         given: dict[int, list[messages.WorkItem]] = {g: [] for g in wanting}
         while wanting:
             g = wanting.popleft()
@@ -602,19 +605,23 @@ class Hub:
         self.sock.send(gen.identity, messages.Work(items=items, group_size=self.cfg.rollout.group_size,
                                                    sampling=self.sampling, policy_version=self.version))
 
+    def _admissible(self) -> bool:
+        """A ticket can be issued now: a re-issue waits, or admission control allows a new slot (lock held)."""
+        return bool(self.reissue) or self.slots - self.filtered < self.rules.admit_cap(self.version)
+
     def _next_ticket(self, gen_id: int, incarnation: str) -> Ticket | None:
+        if not self._admissible():
+            return None  # admission control: the learner must catch up first
         if self.reissue:
             old = self.reissue.popleft()
             slot, prompt_id, epoch = old.slot, old.prompt_id, old.epoch
-        elif self.slots - self.filtered < self.rules.admit_cap(self.version):
+        else:
             if self.pos == len(self.order):
                 self.epoch, self.pos = self.epoch + 1, 0
                 self.order = self.source.order(self.epoch)
             slot, prompt_id, epoch = self.slots, self.order[self.pos], self.epoch
             self.slots += 1
             self.pos += 1
-        else:
-            return None  # admission control: the learner must catch up first
         t = Ticket(self._new_ticket(), slot, prompt_id, epoch, gen_id, incarnation, self.version)
         self.in_flight[t.ticket] = t
         return t
