@@ -192,7 +192,7 @@ class ActorLoop:
 
     def serve(self) -> int:
         """Ask for work and answer it until a Stop; returns the exit code the Stop calls for."""
-        if generator_loop(self.cfg) == "batch":
+        if generator_loop(self.cfg, on_cpu=str(getattr(self.engine, "device", "cuda")).startswith("cpu")) == "batch":
             return self.serve_batches()
         scorer = Scorer(self.tokenizer, self.pool, self.gen_id, self.incarnation)
         scorer.start()

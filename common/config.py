@@ -330,8 +330,10 @@ class GeneratorConfig(_Section):
     # sent the moment it is scored, new work asked for as room frees. "batch": one Work of rollout.groups_per_request
     # groups (0: one step's, rollout.groups_per_step) at a time, generated as one static batch, scored, sent, then
     # the next request. "auto": batch when the run is deterministic (run.deterministic or rollout.forced_lag), because a
-    # continuous batch's samples depend in their last bits on what they were batched with, which depends on timing;
-    # stream otherwise.
+    # continuous batch's samples depend in their last bits on what they were batched with, which depends on timing,
+    # and when the engine decodes on the CPU, where a decode step's cost grows with its rows, so the next step's groups
+    # slow the current step's longest responses (streaming trained 0.85x the batch loop's samples/s there, make bench
+    # row 9, 2026-12-07); stream otherwise (vLLM, or the torch engine on a GPU).
     loop: Literal["auto", "stream", "batch"] = "auto"
     # Sequences a generator's engine decodes at once (vLLM's scheduler; the torch engine's continuous batch): its
     # capacity, which sizes how many groups it keeps in flight (rollout.groups_per_request caps that).
@@ -653,11 +655,12 @@ def is_hub_id(path: str) -> bool:
     return bool(_HUB_ID.match(path))
 
 
-def generator_loop(cfg: Config) -> str:
-    """"stream" or "batch": `generator.loop`, with "auto" resolved (batch for a deterministic run)."""
+def generator_loop(cfg: Config, on_cpu: bool) -> str:
+    """"stream" or "batch": `generator.loop`, with "auto" resolved: batch for a deterministic run, or where the
+    engine decodes on the CPU (`on_cpu`), stream otherwise."""
     if cfg.generator.loop != "auto":
         return cfg.generator.loop
-    return "batch" if publish_waits_for_generation(cfg) else "stream"
+    return "batch" if publish_waits_for_generation(cfg) or on_cpu else "stream"
 
 
 def publish_waits_for_generation(cfg: Config) -> bool:

@@ -126,9 +126,9 @@ class Workload:
                f"rollout.group_size={self.group_size}", f"rollout.max_new_tokens={self.max_new_tokens}",
                "rollout.max_staleness_steps=0", "rollout.temperature=1.0", "rollout.top_p=1.0", "run.steps=1",
                "eval.every_steps=0", "learner.filter.dynamic_sampling=false",
-               # The streaming loop (generator.loop "auto" streams a run that is not deterministic; no update happens
-               # here, so nothing else changes).
-               "run.deterministic=false"]
+               # The streaming loop, named (on a CPU rehearsal "auto" would take the batch loop; no update happens
+               # here, so run.deterministic changes nothing else).
+               "run.deterministic=false", 'generator.loop="stream"']
         if torch_lengths:  # the torch engine draws each sample's length itself; vLLM gets them from ImposedLengths
             out += [f"rollout.forced_length_median={self.median}", f"rollout.forced_length_sigma={self.sigma}"]
         return out

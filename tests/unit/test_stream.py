@@ -93,6 +93,50 @@ def test_the_continuous_batch_draws_the_samples_of_the_static_batch_with_groups_
         _same(ref[i], got[i])
 
 
+def test_attention_buckets_cover_the_rows_in_order_and_bound_what_each_row_reads():
+    from actors.continuous import _BUCKET_FIXED, attention_buckets
+
+    # One straggler among short rows: it gets its own bucket; the short rows are not padded to it.
+    assert attention_buckets(np.array([1200] + [150] * 127)) == [(0, 1, 1200), (1, 128, 150)]
+    # Rows of similar lengths (within a factor 2): one bucket over the longest.
+    assert attention_buckets(np.array([300, 290, 200, 160])) == [(0, 4, 300)]
+    # A split that saves less than a bucket's fixed cost is not made.
+    assert attention_buckets(np.array([40, 10, 10])) == [(0, 3, 40)]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ends = np.sort(rng.lognormal(5, 1, rng.integers(1, 200)).astype(int) + 1)[::-1]
+        ends[rng.random(len(ends)) < 0.1] += 7  # admission order is almost, not exactly, by length
+        b = attention_buckets(ends)
+        assert b[0][0] == 0 and b[-1][1] == len(ends) and all(x[1] == y[0] for x, y in zip(b, b[1:]))
+        assert all(e == ends[i:j].max() for i, j, e in b)  # each bucket reads its longest row's entries
+        read = sum((j - i) * e for i, j, e in b)
+        assert read <= 2 * ends.sum() + 8 + _BUCKET_FIXED * len(b)  # within 2x plus the joins' allowance
+
+
+def test_the_continuous_batch_in_several_attention_buckets_draws_the_static_batchs_samples(
+        tiny_model_dir, tok, monkeypatch):
+    """Heavy-tailed lengths with buckets free to split (no fixed cost): rows of different lengths attend in
+    different buckets, finished rows leave holes that rows from the ends of the buckets fill, and every sample still
+    equals the static batch's."""
+    import actors.continuous as C
+
+    monkeypatch.setattr(C, "_BUCKET_FIXED", 0)
+    seen = []
+    real = C.attention_buckets
+    monkeypatch.setattr(C, "attention_buckets", lambda ends: seen.append(real(ends)) or seen[-1])
+    sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=80, forced_length_median=10,
+                        forced_length_sigma=1.0)
+    engine = _engine(tiny_model_dir, tok, rows=16)
+    prompts = _prompts(tok, 9)
+    ref = engine.generate(prompts, 4, sp, list(range(9)))
+    for i, p in enumerate(prompts):
+        engine.submit(i, p, 4, sp, i)
+    got, _ = _drain(engine)
+    assert max(len(b) for b in seen) >= 2
+    for i in range(9):
+        _same(ref[i], got[i])
+
+
 def test_a_group_leaves_the_moment_its_samples_end_and_a_late_one_joins_running_rows(tiny_model_dir, tok):
     """A long group submitted first and a short one after it started: the short one comes back first, while the long
     one is still running, and both equal their static-batch samples."""
@@ -187,6 +231,42 @@ def test_the_hub_fills_a_generators_room_across_versions_without_counting_a_grou
         assert {it.ticket for it in second.items}.isdisjoint(it.ticket for it in third.items)
 
 
+def test_a_streaming_generator_that_dies_holding_several_works_loses_nothing(hub):
+    """Generator a holds two Works of version 1 (one group each, asked for as its room freed) and dies without a
+    word; b gets both groups again (same slots, prompts and seeds), the step trains them once, and the ledger
+    shows nothing lost or trained twice."""
+    with _generator(hub) as a:
+        _want(a, 3, 0)
+        first = a.recv(5.0)
+        for it in first.items:
+            a.send(_result(it))
+        hub.take_batch(0, timeout_s=5)
+        hub.set_version(1)
+        second = a.recv(5.0)  # the room left open: 1 group
+        _want(a, 2, 3)
+        third = a.recv(5.0)
+        held = [*second.items, *third.items]
+        assert isinstance(third, messages.Work) and len(second.items) == len(third.items) == 1
+    # a is gone, holding both Works (no heartbeat follows); b asks until they are re-issued to it
+    with _generator(hub, 1, "b") as b:
+        got, deadline = [], time.monotonic() + 15
+        while len(got) < 2 and time.monotonic() < deadline:
+            _want(b, 4, len(got), gen_id=1, inc="b")
+            b.send(messages.Heartbeat(gen_id=1, incarnation="b", policy_version=1))
+            w = b.recv(0.5)
+            if isinstance(w, messages.Work):
+                got += w.items
+        key = lambda it: (it.prompt_id, it.epoch, it.seed)
+        assert sorted(map(key, got)) == sorted(map(key, held)), "the dead generator's groups were not re-issued"
+        s = sample([3, 4], logprobs=[-0.1, -0.2], versions=1)  # generated at version 1: inside the bound
+        for it in got:
+            b.send(rollout_group([s] * 2, item=it, gen_id=1, incarnation="b", gen_time_s=0.1))
+        assert sorted(r.slot for r in hub.take_batch(1, timeout_s=10)) == [2, 3]
+        c = hub.stats().counters
+        assert c["hub/reissued_prompts"] == 2 and c["hub/lost_prompts"] == 0
+        assert c.get("hub/duplicate_trained_prompts", 0) == 0
+
+
 def test_generators_waiting_together_share_what_admission_allows(hub):
     """Generator a takes the first step's 2 groups and keeps room for 6 more; b asks for 8 while admission is closed.
     When version 1 opens 2 more slots, each gets one: the first to ask does not take them all."""
@@ -233,7 +313,8 @@ def test_a_real_generator_takes_work_of_new_versions_while_it_holds_older_and_la
     from tests.helpers.actor_hub import generator_and_hub
     from tests.helpers.hooks import Hooks
 
-    settings = ("rollout.max_staleness_steps=1", "run.deterministic=false", "rollout.max_new_tokens=24")
+    settings = ("rollout.max_staleness_steps=1", "run.deterministic=false", "rollout.max_new_tokens=24",
+                'generator.loop="stream"')
     with generator_and_hub(tiny_model_dir, lambda: 2, lambda pub: Hooks(join=pub.join), settings) as (hub, pub, _, _):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
         publisher = ModelPublisher(model, zero3=False, channel=pub)
@@ -270,7 +351,8 @@ def test_a_generator_whose_whole_room_came_back_at_once_asks_again_at_once(tiny_
     from tests.helpers.actor_hub import generator_and_hub
     from tests.helpers.hooks import Hooks
 
-    settings = ("rollout.groups_per_request=2", "transport.recv_timeout_s=30", "run.deterministic=false")
+    settings = ("rollout.groups_per_request=2", "transport.recv_timeout_s=30", "run.deterministic=false",
+                'generator.loop="stream"')
     with generator_and_hub(tiny_model_dir, lambda: 2, lambda pub: Hooks(join=pub.join), settings) as (hub, pub, _, _):
         publisher = ModelPublisher(AutoModelForCausalLM.from_pretrained(tiny_model_dir), zero3=False, channel=pub)
         hub.take_batch(0, timeout_s=60)
@@ -288,10 +370,11 @@ def test_a_deterministic_run_keeps_one_static_batch_per_work_sized_to_a_step():
     from common.config import generator_loop, load_config
     from common.heldout import batch_groups
 
-    assert generator_loop(load_config(None, [])) == "batch"
-    assert generator_loop(load_config(None, ["run.deterministic=false"])) == "stream"
-    assert generator_loop(load_config(None, ["run.deterministic=false", "rollout.forced_lag=1"])) == "batch"
-    assert generator_loop(load_config(None, ["generator.loop=\"stream\""])) == "stream"
+    assert generator_loop(load_config(None, []), on_cpu=False) == "batch"
+    assert generator_loop(load_config(None, ["run.deterministic=false"]), on_cpu=False) == "stream"
+    assert generator_loop(load_config(None, ["run.deterministic=false"]), on_cpu=True) == "batch"  # CPU decode
+    assert generator_loop(load_config(None, ["run.deterministic=false", "rollout.forced_lag=1"]), on_cpu=False) == "batch"
+    assert generator_loop(load_config(None, ["generator.loop=\"stream\""]), on_cpu=True) == "stream"
     cfg = load_config(None, ["rollout.groups_per_step=16"])
     assert batch_groups(cfg, 32) == 16 and batch_groups(cfg, 8) == 8
     assert batch_groups(load_config(None, ["rollout.groups_per_request=4"]), 32) == 4
