@@ -38,6 +38,11 @@ the learner sees it (`ModelPublisher.publish`: assembly, the pinned host copy, t
 (header to the last bucket) and its load, and the end to end time. Both ends run in this one process here (two in a
 run), so they share one GIL; the hub of the loop variant too (in a run it is in learner rank 0's process).
 
+Each built engine's event carries `kv_cache`: the KV cache vLLM allocated, in tokens (the engine core's num_gpu_blocks x
+block_size, as the AsyncLLM's VllmConfig holds them after start-up), beside common/memplan.py's prediction for the
+same config and GPU memory (`kv_plan`: its "vLLM KV cache" term over `kv_bytes_per_token`); on the torch engine the
+plan only.
+
 Each result is one line, `RESULT_TAG` + JSON with an "event" (plan, engine, warmup, run, publish, done), printed as it
 happens, so hardware/proof.py keeps what finished when a deadline or a crash ends this process. `deadline_unix`:
 no run, engine build or publish starts that would not fit before it (estimated from the runs before); they are
@@ -97,6 +102,8 @@ VARIANTS = {
 VLLM_ONLY = ("bare-covrl-params", "bare")
 ENGINES = ("eager", "graphs")
 TRANSPORTS = ("rpc", "ipc", "nccl")
+# The KV plan's GPU memory where there is no GPU (the CPU rehearsal): an H100's, so the plan's arithmetic runs.
+NOMINAL_GPU_BYTES = 80 * 2**30
 
 
 def emit(obj: dict) -> None:
@@ -318,15 +325,32 @@ class Bench:
             traceback.print_exc()
             emit({**head, "status": "error", "error": f"{type(e).__name__}: {e}"[:800]})
             return None
-        emit({**head, "status": "built", "build_s": round(time.perf_counter() - t0, 1), "what": what,
-              "enforce_eager": name == "eager"})
+        build_s = round(time.perf_counter() - t0, 1)
+        emit({**head, "status": "built", "build_s": build_s, "what": what, "enforce_eager": name == "eager",
+              "kv_cache": self.kv_cache(engine, eager=name == "eager")})
         return engine
+
+    def kv_cache(self, engine, eager: bool) -> dict:
+        """The engine's KV cache in tokens (vLLM's num_gpu_blocks x block_size) beside common/memplan.py's prediction
+        for the same config and GPU memory; never raises (what could not be read says why)."""
+        out = {"plan": kv_plan(self.spec, eager, self.max_prompt_tokens(), self.max_new_tokens())}
+        if not self.vllm:
+            out["measured"] = {"kv_tokens": None, "reason": "CPU rehearsal: the torch engine stands in for vLLM, and "
+                                                            "its cache is max_num_seqs rows, not vLLM's KV blocks"}
+        else:
+            out["measured"] = vllm_kv_blocks(engine.llm)
+        return out
+
+    def max_prompt_tokens(self) -> int:
+        return max(len(p) for g in self.groups.values() for p in g.prompts)
+
+    def max_new_tokens(self) -> int:
+        return max(wl.max_new_tokens for wl in [*self.workloads, self.warmup])
 
     def make_vllm(self, eager: bool):
         api = vllm_api()
         api.SamplingParams = ImposedLengths(api.SamplingParams)
-        cap = max(wl.max_new_tokens for wl in [*self.workloads, self.warmup])
-        prompt = max(len(p) for g in self.groups.values() for p in g.prompts)
+        cap, prompt = self.max_new_tokens(), self.max_prompt_tokens()
         settings = VllmSettings(dtype=self.spec["dtype"], gpu_memory_utilization=self.spec["gpu_memory_utilization"],
                                 max_num_seqs=self.spec["max_num_seqs"], max_model_len=prompt + cap + 16,
                                 enforce_eager=eager, seed_requests=True, timeout_s=max(60.0, self.left()))
@@ -564,6 +588,62 @@ class Bench:
         old = engine.settings.transport
         engine.settings = replace(engine.settings, transport=transport)
         return old
+
+
+def kv_plan(spec: dict, eager: bool, prompt_tokens: int, new_tokens: int) -> dict:
+    """common/memplan.py's vLLM generator on one GPU (tp 1) for the engine this worker builds: its KV cache term and
+    the tokens it holds (the term over `kv_bytes_per_token`). The GPU's memory is torch's total_memory of device 0;
+    without a GPU (the CPU rehearsal) a nominal one, `NOMINAL_GPU_BYTES`, so the arithmetic is still exercised."""
+    from common import memplan
+
+    try:
+        if spec["device"] == "cuda" and torch.cuda.is_available():
+            gpu_bytes, source = float(torch.cuda.get_device_properties(0).total_memory), \
+                "torch.cuda.get_device_properties(0).total_memory"
+        else:
+            gpu_bytes, source = float(NOMINAL_GPU_BYTES), (f"nominal {NOMINAL_GPU_BYTES / 2**30:.0f} GiB (no GPU here: "
+                                                           f"the plan's arithmetic only)")
+        util = spec.get("gpu_memory_utilization")
+        cfg = load_config(None, [
+            'generator.engine="vllm"', f"model.dtype={json.dumps(spec['dtype'])}",
+            f"generator.max_num_seqs={int(spec['max_num_seqs'])}", f"generator.enforce_eager={str(eager).lower()}",
+            f"data.max_prompt_tokens={int(prompt_tokens)}", f"rollout.max_new_tokens={int(new_tokens)}",
+            *([f"generator.gpu_memory_utilization={float(util)}"] if util else [])])
+        with open(os.path.join(spec["model"], "config.json")) as f:
+            shape = memplan.Shape.from_config(json.load(f))
+        terms, notes = memplan.vllm_gpu(cfg, shape, 1, gpu_bytes)
+        b = memplan.dtype_bytes("bfloat16" if cfg.model.dtype == "float32" else cfg.model.dtype)  # as vllm_gpu's
+        per_token = memplan.kv_bytes_per_token(shape, b, 1)
+        kv = next(t.bytes for t in terms if t.name == "vLLM KV cache")
+    except Exception as e:  # noqa: BLE001 - recorded: the figure is missing, the stage goes on
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {e}"[:500]}
+    return {"gpu_bytes": int(gpu_bytes), "gpu_bytes_source": source,
+            "gpu_memory_utilization": cfg.generator.gpu_memory_utilization, "kv_cache_bytes": int(kv),
+            "kv_bytes_per_token": per_token, "kv_tokens": int(kv // per_token), "params": shape.params,
+            "terms": {t.name: int(t.bytes) for t in terms}, "notes": notes}
+
+
+def vllm_kv_blocks(llm) -> dict:
+    """vLLM's KV cache as its front end knows it after start-up: the engine core reports num_gpu_blocks in its READY
+    handshake and the client writes it into its VllmConfig's cache_config (vLLM 0.26: `AsyncLLM.vllm_config`);
+    `kv_tokens` = num_gpu_blocks x block_size. None, with why, where no such attribute holds it."""
+    tried = []
+    for where in ("vllm_config", "engine_core.vllm_config"):
+        obj = llm
+        try:
+            for attr in (*where.split("."), "cache_config"):
+                obj = getattr(obj, attr)
+        except AttributeError:
+            tried.append(f"AsyncLLM.{where}.cache_config: missing")
+            continue
+        blocks, size = getattr(obj, "num_gpu_blocks", None), getattr(obj, "block_size", None)
+        if isinstance(blocks, int) and isinstance(size, int) and blocks > 0 and size > 0:
+            return {"kv_tokens": blocks * size, "num_gpu_blocks": blocks, "block_size": size,
+                    "source": f"AsyncLLM.{where}.cache_config"}
+        tried.append(f"AsyncLLM.{where}.cache_config: num_gpu_blocks {blocks!r}, block_size {size!r}")
+    return {"kv_tokens": None, "reason": "vLLM's KV block count not reachable from the front end (" + "; ".join(tried)
+                                         + "); the stage reads its 'GPU KV cache size' log line instead, if any"}
 
 
 def ipc_missing() -> str | None:

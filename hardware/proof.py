@@ -25,7 +25,9 @@ throughput, z3, vllm-z3, so a time limit cuts the ZeRO-3 repeats first), each ti
               7b-4l (Qwen2.5-7B's layers, heads and untied 152k head, 4 layers; 48 x (64 + 960) tokens at 8192 and
               20480). Per variant and budget: 1 warm-up + 2 timed steps (`--learner-steps`): tokens/s, MFU (the
               throughput convention, N = the parameters in matmuls), the speed-up over the baseline of this command,
-              peak memory (reset per budget), every grad norm finite; one more step under torch.profiler, split into
+              peak memory (reset per budget) beside common/memplan.py's prediction for the same config (learner_gpu,
+              one rank: peak_over_plan, within 15 % or a finding, recorded, not a check), every grad norm finite;
+              one more step under torch.profiler, split into
               device time under covrl/attention (and torch's sdpa op, where no range is around it), covrl/head,
               covrl/optimizer and the rest (a backward op counted where its forward ran; a range the code lacks
               reads 0); and the first step's agreement with the baseline (grad norm, mean logp, entropy, and the
@@ -60,9 +62,13 @@ throughput, z3, vllm-z3, so a time limit cuts the ZeRO-3 repeats first), each ti
               it ends; `--gen-budget-s` (480) bounds the stage (what would not fit is recorded as not run). Goals
               recorded beside the figures, not checks: loop >= 0.9 x bare-covrl-params on the heavy workload; a
               publish <= 0.2 s, per transport. Checks: the engines built, no run failed, every variant of a workload
-              did the same work, the loop's groups all back, the publish's checksums and fingerprint equal. Rehearsal:
+              did the same work, the loop's groups all back, the publish's checksums and fingerprint equal. Each
+              engine's KV cache in tokens (vLLM's num_gpu_blocks x block_size, else its "GPU KV cache size" log line)
+              beside common/memplan.py's prediction for the same config and GPU memory (kv_tokens_over_plan, within
+              15 % or a finding, recorded, not a check). Rehearsal:
               the torch engine (StreamingTorchEngine) stands in for vLLM; the bare variants and the CUDA-graph engine
-              are recorded as skipped, with the reason, and the torch engine driven alone is the loop's reference.
+              are recorded as skipped, with the reason, and the torch engine driven alone is the loop's reference; the
+              KV plan is recorded for a nominal 80 GiB GPU, with nothing measured beside it.
   vllm-tests  `pytest -m gpu tests/gpu/test_vllm_engine.py`: covrl's VllmEngine on the GPU (stops, logprobs of the
               tempered distribution, seeds, an rpc update, a finish-mode update with 64 sequences in flight whose
               every token scores under the version it is labelled with, keep mode or its refusal on 0.26, and
@@ -243,6 +249,11 @@ GEN_WORKER = "hardware.gen_bench"
 GEN_GOAL_RATIO = 0.9  # covrl's loop over bare AsyncLLM, heavy workload, the same sampling parameters
 GEN_GOAL_PUBLISH_S = 0.2  # one colocated publish of the 0.5B shape, end to end
 GEN_MIN_TAIL = 5.0  # the heavy workload's longest response over its mean, at least
+# Measured memory beside common/memplan.py's prediction (the learner's peak allocated bytes per budget, vLLM's KV
+# cache in tokens): within this share of the plan, or a finding. A verdict recorded in the figures, never a check.
+MEMPLAN_TOLERANCE = 0.15
+VLLM_KV_TOKENS_LOG = re.compile(r"GPU KV cache size: ([\d,]+) tokens")  # vLLM's engine core, at start-up
+VLLM_KV_MEMORY_LOG = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
 # Imported by the roles of a run or by the throughput workers; checked up front (import name, why).
 NEEDS = {
     "torch": "everything", "numpy": "everything", "transformers": "models", "tokenizers": "tokenizers",
@@ -1157,6 +1168,10 @@ def stage_generation(ctx) -> dict:
         "group_size": gb["group_size"], "max_num_seqs": gb["max_num_seqs"],
         "gpu_memory_utilization": gb["gpu_memory_utilization"], "budget_s": budget, "goals": gen_goals(),
         "engines": {}, "runs": {}, "ratios": {}, "publish": {},
+        "memory_plan": {"tolerance": MEMPLAN_TOLERANCE, "within": {},
+                        "what": "per engine: vLLM's KV cache in tokens against common/memplan.py vllm_gpu's KV term "
+                                "over kv_bytes_per_token, same config and GPU memory (engines.NAME.kv_cache); a "
+                                "verdict, not a check; None: nothing measured (CPU rehearsal)"},
     }
     try:
         code, secs, lines = run_worker(ctx, "build-model", {"model": model_dir, "dtype": s.dtype, "device": device,
@@ -1195,13 +1210,29 @@ def gen_goals() -> dict:
 def gen_line_handler(ctx, figures: dict):
     """The worker's result lines as they come, each recorded and saved at once (`ctx.save_partial`)."""
 
+    seen: dict = {}  # vLLM's start-up log lines about its KV cache, of the engine being built (until its event)
+
     def on_line(line: str) -> None:
         if line.startswith(RESULT_TAG):
-            gen_record(ctx, figures, json.loads(line[len(RESULT_TAG):]))
+            r = json.loads(line[len(RESULT_TAG):])
+            if r.get("event") == "engine":
+                _attach_kv_log(r, seen)
+            gen_record(ctx, figures, r)
             if ctx.save_partial is not None:
                 ctx.save_partial(figures)
+        elif m := VLLM_KV_TOKENS_LOG.search(line):
+            seen["kv_tokens"] = int(m.group(1).replace(",", ""))
+        elif m := VLLM_KV_MEMORY_LOG.search(line):
+            seen["available_kv_cache_gib"] = float(m.group(1))
 
     return on_line
+
+
+def _attach_kv_log(r: dict, seen: dict) -> None:
+    """An engine event takes the KV cache log lines seen while it was built; the next engine starts afresh."""
+    if isinstance(r.get("kv_cache"), dict):
+        r["kv_cache"]["log"] = dict(seen) or None
+    seen.clear()
 
 
 def gen_record(ctx, figures: dict, r: dict) -> None:
@@ -1220,6 +1251,8 @@ def gen_record(ctx, figures: dict, r: dict) -> None:
         figures["engines"][name] = r
         log.say(f"engine {name}: {r['status']}" + (f" in {r['build_s']}s: {r['what']}" if "build_s" in r else
                                                    f": {r.get('reason') or r.get('error')}"), key=True)
+        if isinstance(r.get("kv_cache"), dict):
+            gen_kv_verdict(ctx, figures, name, r["kv_cache"])
     elif event == "warmup":
         figures["engines"].setdefault(r["engine"], {}).update(warmup_s=r["seconds"], warmup_error=r["error"])
     elif event == "run":
@@ -1228,6 +1261,41 @@ def gen_record(ctx, figures: dict, r: dict) -> None:
         gen_publish(ctx, figures, r)
     elif event == "done":
         figures["worker_done"] = True
+
+
+def gen_kv_verdict(ctx, figures: dict, name: str, kv: dict) -> None:
+    """An engine's KV cache in tokens (vLLM's num_gpu_blocks x block_size; else its 'GPU KV cache size' log line)
+    over common/memplan.py's prediction (hardware/gen_bench.py `kv_plan`), and whether it is within
+    MEMPLAN_TOLERANCE: recorded in `kv` and figures["memory_plan"], with a key line; a miss is a finding, not a
+    failed check. The CPU rehearsal records the plan only."""
+    plan, got, seen = kv.get("plan") or {}, kv.get("measured") or {}, kv.get("log") or {}
+    tokens, source = got.get("kv_tokens"), got.get("source")
+    if not tokens and seen.get("kv_tokens"):
+        tokens, source = seen["kv_tokens"], "vLLM's start-up log line 'GPU KV cache size: N tokens'"
+    kv.update(tolerance=MEMPLAN_TOLERANCE, kv_tokens=tokens, kv_tokens_source=source, kv_tokens_over_plan=None,
+              within_tolerance=None)
+    if tokens and plan.get("kv_tokens"):
+        ratio = tokens / plan["kv_tokens"]
+        kv.update(kv_tokens_over_plan=round(ratio, 4), within_tolerance=abs(ratio - 1) <= MEMPLAN_TOLERANCE)
+    else:
+        kv["no_verdict"] = (plan.get("error") and f"no plan: {plan['error']}" or
+                            got.get("reason") or "no KV cache size from vLLM (neither its config nor its log)")
+    if seen.get("available_kv_cache_gib") and plan.get("kv_cache_bytes"):
+        kv["kv_bytes_over_plan"] = round(seen["available_kv_cache_gib"] * 2**30 / plan["kv_cache_bytes"], 4)
+    mp = figures.setdefault("memory_plan", {"tolerance": MEMPLAN_TOLERANCE, "within": {}})
+    mp["within"][f"{name} KV cache"] = kv["within_tolerance"]
+    if "kv_tokens" not in plan:
+        ctx.log.say(f"engine {name} KV cache: no plan ({plan.get('error')})", key=True)
+        return
+    planned = (f"plan {plan['kv_tokens']:,} tokens ({plan['kv_cache_bytes'] / 2**30:.2f} GiB of "
+               f"{plan['gpu_memory_utilization']} x {plan['gpu_bytes'] / 2**30:.1f} GiB, {plan['gpu_bytes_source']})")
+    if kv["within_tolerance"] is None:
+        ctx.log.say(f"engine {name} KV cache: {planned}; measured: none ({kv['no_verdict']})", key=True)
+        return
+    verdict = (f"within {MEMPLAN_TOLERANCE:.0%}" if kv["within_tolerance"] else
+               f"OUTSIDE {MEMPLAN_TOLERANCE:.0%} (a finding for common/memplan.py)")
+    ctx.log.say(f"engine {name} KV cache: {tokens:,} tokens ({source}), {planned}: {kv['kv_tokens_over_plan']:.2f}x "
+                f"the plan, {verdict}", key=True)
 
 
 def gen_run(ctx, figures: dict, r: dict) -> None:
@@ -1395,6 +1463,11 @@ def stage_learner(ctx) -> dict:
                           "checkpointing's recompute lowers MFU; one forward + one backward per step",
         "agreement_tolerance": {"first_step_rel": LEARNER_AGREE_REL[s.dtype],
                                 "hidden_rel": LEARNER_HIDDEN_REL[s.dtype]},
+        "memory_plan": {"tolerance": MEMPLAN_TOLERANCE, "within": {},
+                        "what": "per budget: torch.cuda.max_memory_allocated over the budget (peak_bytes) against "
+                                "common/memplan.py learner_gpu on one rank, rank 0, every term summed (plan_bytes); "
+                                "within the tolerance or a finding (a verdict, not a check); None: no peak (CPU "
+                                "rehearsal, out of memory)"},
         "shapes": {},
     }
     t_end = time.monotonic() + s.learner_budget_s
@@ -1520,6 +1593,11 @@ def learner_record(ctx, figures: dict, shape: str, r: dict, peak: float | None) 
     chk(f"{tag}: every step trained (finite grad norm, none skipped)", rec["all_steps_applied"],
         "; ".join(f"{b['micro_batch_tokens']}: {[round(g, 4) for g in b['grad_norms']]}" for b in timed))
     learner_settings_check(ctx, tag, rec)
+    for b in rec["budgets"]:
+        b["memory_plan"] = learner_memory_plan(ctx, figures, shape, rec["overrides"], b)
+        figures.setdefault("memory_plan", {"tolerance": MEMPLAN_TOLERANCE, "within": {}})["within"][
+            f"{shape} {name} @{b['micro_batch_tokens']}"] = b["memory_plan"].get("within_tolerance")
+    learner_memory_line(ctx, tag, rec["budgets"])
     rec["agreement"] = learner_agreement(figures, rec, base if name != base_name else None)
     ag = rec["agreement"]
     if name != base_name and ag.get("first_step_rel_diff"):
@@ -1543,6 +1621,74 @@ def learner_record(ctx, figures: dict, shape: str, r: dict, peak: float | None) 
         parts.append(f"profile ({prof['clock']}, s): attention {prof['attention_s']:.3g}, head {prof['head_s']:.3g}, "
                      f"optimizer {prof['optimizer_s']:.3g}, body {prof['body_s']:.3g} of {prof['total_s']:.3g}")
     log.say(f"{tag}: " + "; ".join(parts), key=True)
+
+
+def learner_memory_plan(ctx, figures: dict, shape: str, over: dict, b: dict) -> dict:
+    """common/memplan.py's prediction for one budget of a variant: the config the worker runs (hardware/learner_bench.py
+    `run_variant`: ZeRO-1, the stage's dtype, the variant's overrides, micro_batch_tokens = the budget) and
+    `learner_gpu` on one rank, rank 0, every term summed (`plan_bytes`), beside the measured peak (`peak_bytes`:
+    torch.cuda.max_memory_allocated over the budget) and their ratio, within MEMPLAN_TOLERANCE or not (a verdict,
+    not a check). `plan_allocator_bytes` leaves out the CUDA runtime term, which torch's allocator does not count.
+    The CPU rehearsal has no CUDA peak: the plan (for the CPU: cuda=False) and `peak_bytes` None, with why."""
+    cuda = not ctx.args.rehearse_cpu
+    out: dict = {"tolerance": MEMPLAN_TOLERANCE, "ranks": 1, "rank": 0, "cuda": cuda}
+    try:
+        from common import memplan
+        from common.config import load_config
+        from hardware.learner_bench import GROUP
+
+        sh = figures["shapes"][shape]
+        cfg = load_config(None, [
+            f"model.dtype={json.dumps(figures['dtype'])}", f"learner.zero_stage={figures.get('zero_stage', 1)}",
+            "learner.log_entropy_delta=false", f"rollout.max_new_tokens={sh['response_tokens']}",
+            f"rollout.group_size={GROUP}", f"rollout.groups_per_step={max(1, sh['samples'] // GROUP)}",
+            *(f"{k}={json.dumps(x)}" for k, x in over.items()),
+            f"learner.micro_batch_tokens={b['micro_batch_tokens']}"])
+        model = memplan.Shape.from_config({"model_type": "qwen2", **sh["model_config"]})  # save_random_model's Qwen2
+        terms = memplan.learner_gpu(cfg, model, ranks=1, rank=0, cuda=cuda)
+    except Exception as e:  # noqa: BLE001 - recorded: the figure is missing, the stage goes on
+        return {**out, "error": f"{type(e).__name__}: {e}"[:500], "within_tolerance": None}
+    plan = sum(t.bytes for t in terms)
+    alloc = sum(t.bytes for t in terms if t.name != "CUDA runtime")
+    out.update(plan_bytes=int(plan), plan_allocator_bytes=int(alloc), plan_params=model.params,
+               terms={t.name: int(t.bytes) for t in terms}, peak_bytes=None, peak_over_plan=None,
+               within_tolerance=None)
+    gib = b.get("peak_allocated_gib")
+    peak = b.get("peak_allocated_bytes") or (gib * 2**30 if gib is not None else None)
+    if not cuda:
+        out["why"] = ("CPU rehearsal: no CUDA peak (torch.cuda.max_memory_allocated); the process's peak RSS "
+                      "(peak_rss_gib) holds Python, torch and the data too, and is not the plan's GPU figure")
+    elif peak is None:
+        out["why"] = "the worker recorded no peak for this budget"
+    else:
+        ratio = peak / plan
+        out.update(peak_bytes=int(peak), peak_over_plan=round(ratio, 4),
+                   peak_over_plan_allocator=round(peak / alloc, 4))
+        if "peak_allocated_bytes" not in b:
+            out["peak_bytes_from"] = "peak_allocated_gib (rounded to 0.01 GiB)"
+        if "error" in b:
+            out["why"] = "out of memory at this budget: the peak is where it stopped, not the step's (no verdict)"
+        else:
+            out["within_tolerance"] = abs(ratio - 1) <= MEMPLAN_TOLERANCE
+    return out
+
+
+def learner_memory_line(ctx, tag: str, budgets: list[dict]) -> None:
+    """One key line per variant: each budget's plan, and its peak over the plan with the verdict."""
+    parts = []
+    for b in budgets:
+        m = b.get("memory_plan", {})
+        if "plan_bytes" not in m:
+            parts.append(f"{b['micro_batch_tokens']}: no plan ({m.get('error')})")
+        elif m["peak_over_plan"] is None:
+            parts.append(f"{b['micro_batch_tokens']}: plan {m['plan_bytes'] / 2**30:.2f} GiB, no peak to compare")
+        else:
+            verdict = ("no verdict (out of memory)" if m["within_tolerance"] is None else
+                       f"within {MEMPLAN_TOLERANCE:.0%}" if m["within_tolerance"] else
+                       f"OUTSIDE {MEMPLAN_TOLERANCE:.0%}")
+            parts.append(f"{b['micro_batch_tokens']}: peak {m['peak_bytes'] / 2**30:.2f} of plan "
+                         f"{m['plan_bytes'] / 2**30:.2f} GiB ({m['peak_over_plan']:.2f}x, {verdict})")
+    ctx.log.say(f"{tag} memory vs common/memplan.py: " + "; ".join(parts), key=True)
 
 
 LEARNER_LINE_SETTINGS = (("attention", "learner.attn_implementation"), ("head", "learner.logprob_head"),

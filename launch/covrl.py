@@ -1,6 +1,7 @@
 """`covrl`: one command for every tool (launch/, study/, hardware/), as sub-commands.
 
     covrl run [--gens G --learners L ...]       a training run
+    covrl plan [--config F] [--gpus N --gpu-memory 80GB]   the run's memory plan, per GPU and host
     covrl resume RUN_DIR [--from step_N] [--steps N] [--gens G] [--ray [ADDRESS]]
     covrl scale RUN_DIR --gens N                change a running run's generator count
     covrl verify RUN_DIR [--fast]               every checkpoint's state (good, damaged: which file)
@@ -25,6 +26,7 @@ import sys
 # name -> (module with main(argv), one line for `covrl --help`)
 COMMANDS = {
     "run": ("launch.cluster", "start a training run: learner ranks and generators, here or on Ray"),
+    "plan": ("launch.plan", "the memory plan of a run for a machine you describe; starts nothing"),
     "resume": (None, "continue a stopped or crashed run from its newest checkpoint that verifies"),
     "scale": ("launch.scale", "change the number of generators of a running run"),
     "verify": ("launch.verify", "check a run's checkpoints against their manifests"),

@@ -26,6 +26,7 @@ from common.paths import unwritable
 from common.runfiles import (ClusterInfo, Placement, check_colocation, place_gpus, read_cluster, read_generator_target,
                              write_cluster, write_generator_target)
 from common.transport import create_secret, free_port, port_in_use
+from launch.plan import at_the_door, explicit_keys
 
 
 class RunComplete(Exception):
@@ -82,6 +83,8 @@ def prepare(args, gpus: int = 0) -> RunDir:
     local, hub = resolve_model(cfg.model.path)  # a Hub id: its snapshot in the cache, fetched here once if missing
     cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=local))
     notes = check_inputs(cfg)  # the model and every data row, in this process, before anything starts
+    cfg, memory = at_the_door(args, cfg, gpus, args.learners, args.gens, explicit_keys(args.config, args.set))
+    notes += memory
     if hub:
         notes.insert(0, f"model: {hub} from the Hugging Face cache ({local})")
     check_writable(run_dir)
@@ -122,6 +125,8 @@ def prepare_resume(args, gpus: int = 0) -> RunDir:
     placement = place_gpus(gpus, learners, gens, args.tp)
     check_colocation(placement, cfg.generator)
     notes = check_inputs(cfg)  # the data and model may have moved since the run started
+    _, memory = at_the_door(args, cfg, gpus, learners, gens, None)
+    notes += memory
     if args.steps is not None or getattr(args, "autoscale", None) is not None:
         with open(os.path.join(run_dir, "config.toml"), "w") as f:
             f.write(to_toml(cfg))

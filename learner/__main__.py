@@ -82,7 +82,8 @@ def main() -> int:
         log.info("hub on %s, weight channels ready for %d generators", cluster.hub_addr, role.hub.target)
 
     def save(step: int, state: dict | None, hub_blob: bytes | None) -> None:
-        full = full_state_dict(trainer.module, publisher.layout, zero3) if zero3 else None  # a collective under ZeRO-3
+        # a collective under ZeRO-3; rank 0, which writes the model, keeps it on the host
+        full = full_state_dict(trainer.module, publisher.layout, zero3, keep=rank == 0) if zero3 else None
         save_checkpoint(args.run_dir, step, trainer.engine, rank=rank, tokenizer=tokenizer, state=state,
                         hub_state=hub_blob, state_dict=full, keep_last=cfg.run.keep_checkpoints)
 

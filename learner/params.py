@@ -85,16 +85,21 @@ def _pieces(param: torch.nn.Parameter, group: list[weights.WireBucket], dtype: t
         yield piece.to(dtype, copy=True) if scratch is None else scratch[:piece.numel()].copy_(piece)
 
 
-def full_state_dict(module: torch.nn.Module, lay: weights.Layout, zero3: bool) -> dict[str, torch.Tensor]:
+def full_state_dict(module: torch.nn.Module, lay: weights.Layout, zero3: bool,
+                    keep: bool = True) -> dict[str, torch.Tensor]:
     """name -> full tensor in the wire dtype (the parameters' own, `weights.wire_dtype`; tied weights once, as in
-    `named_parameters`), a split parameter assembled from its pieces; a collective under ZeRO-3."""
+    `named_parameters`) on the host, a split parameter assembled from its pieces; a collective under ZeRO-3, so
+    every rank walks the buckets, but only a rank that `keep`s them copies them (to the host, one bucket at a time:
+    the GPU never holds more than one gathered bucket beyond the model's shards; learner rank 0 writes the model)."""
     out: dict[str, torch.Tensor] = {}
     for b, bucket in zip(weights.wire_plan(lay), param_buckets(module, lay, zero3), strict=True):
+        if not keep:
+            continue
         if b.whole:
-            out.update((name, part.clone()) for name, part in weights.bucket_views(lay, b.first, b.end, bucket))
+            out.update((name, part.to("cpu", copy=True)) for name, part in weights.bucket_views(lay, b.first, b.end, bucket))
             continue
         name = lay.names[b.first]
         if b.offset == 0:
-            out[name] = torch.empty(lay.shapes[b.first], dtype=bucket.dtype, device=bucket.device)
+            out[name] = torch.empty(lay.shapes[b.first], dtype=bucket.dtype, device="cpu")
         out[name].view(-1)[b.offset:b.offset + bucket.numel()].copy_(bucket)
     return out

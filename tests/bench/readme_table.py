@@ -123,6 +123,15 @@ def rows(res: dict) -> list[str]:
             "the best fixed count of 1, 2, 3, in the same make bench",
             f"{autoscale_summary(r)}; on paper (the simulator at 64 GPUs, 16 learners, this machine's stage ratio): "
             f"{paper_summary(r['simulated_64_gpus'])}", r))
+    if r := res.get("memplan_cpu"):
+        cells = "; ".join(f"ZeRO-{k.removeprefix('zero')}: learner {v['learner']['measured_peak_rss_mib']:.0f} vs "
+                          f"{v['learner']['plan_mib']:.0f} MiB, generator {v['generator']['measured_peak_rss_mib']:.0f} vs "
+                          f"{v['generator']['plan_mib']:.0f} MiB" for k, v in r["stages"].items())
+        out.append(_row(
+            "11. memory plan on the CPU: the plan's host terms (`covrl plan`) vs each role's measured peak RSS, "
+            "built-in model, two ZeRO stages",
+            f"{cells} (the per-process constants calibrated from the first two runs of 2026-12-07: this checks they "
+            f"hold; the activation formula is checked against autograd in the unit tests)", r))
     if r := res.get("simulate"):
         k = r["speedup_vs_colocated_sync_min_max_by_k"]
         out.append(_row(

@@ -22,5 +22,9 @@ def test_the_gpu_proofs_throughput_and_zero3_stages_pass_their_cpu_rehearsal(tmp
         assert runs["loop"]["status"] == runs["engine"]["status"] == "measured", runs
         assert runs["bare"]["status"] == runs["bare-covrl-params"]["status"] == "skipped", runs
     assert fig["engines"]["graphs"]["status"] == "skipped"
+    kv = fig["engines"]["eager"]["kv_cache"]  # the plan's KV cache for the stage's engine; nothing measured on CPU
+    assert kv["plan"]["kv_tokens"] > 0 and kv["plan"]["kv_cache_bytes"] > 0 and kv["plan"]["gpu_bytes"] > 0, kv
+    assert kv["kv_tokens"] is None and kv["within_tolerance"] is None and "CPU rehearsal" in kv["no_verdict"]
+    assert fig["memory_plan"]["within"] == {"eager KV cache": None}
     assert fig["publish"]["rpc"]["status"] == "measured" and fig["publish"]["nccl"]["status"] == "not_run"
     assert fig["goals"]["loop"]["by_engine"]["eager"]["met"] is None  # a stand-in reference: no verdict on CPU

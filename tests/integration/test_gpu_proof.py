@@ -58,6 +58,7 @@ def test_the_learner_stage_measures_each_variant_against_the_baseline_and_says_w
     assert stage["passed"] and not stage.get("skipped"), stage["checks"]
     fig = stage["figures"]
     assert fig["baseline"] == "sdpa-chunked" and fig["dtype"] == "float32"
+    assert fig["memory_plan"]["tolerance"] == 0.15 and len(fig["memory_plan"]["within"]) == 2  # the measured two
     shape = fig["shapes"]["7b-4l"]
     v = shape["variants"]
     assert sorted(v) == sorted(LEARNER_ARGS[3].split(","))
@@ -71,6 +72,11 @@ def test_the_learner_stage_measures_each_variant_against_the_baseline_and_says_w
         assert b["micro_batch_tokens"] == 320 and b["micro_batches"] == 2 and b["tokens_per_step"] == 512
         assert b["tokens_per_s"] > 0 and b["mfu"] is None  # no peak FLOP/s on a CPU
         assert b["peak_rss_gib"] > 0 and len(b["grad_norms"]) == 1
+        # common/memplan.py's prediction for the same config, beside no CUDA peak (the rehearsal's: with why)
+        plan = b["memory_plan"]
+        assert plan["plan_bytes"] > 0 and plan["terms"]["parameters"] > 0 and plan["cuda"] is False, plan
+        assert plan["peak_bytes"] is None and plan["within_tolerance"] is None and "CPU rehearsal" in plan["why"]
+        assert fig["memory_plan"]["within"][f"7b-4l {name} @320"] is None
         prof = b["profile"]
         assert prof["clock"] == "CPU self time" and prof["total_s"] > 0
         parts = prof["attention_s"] + prof["head_s"] + prof["optimizer_s"] + prof["body_s"]

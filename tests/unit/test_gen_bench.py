@@ -6,6 +6,7 @@ worker's results into ratios, goals and checks. The whole stage is rehearsed by 
 
 import argparse
 import asyncio
+import json
 import time
 from types import SimpleNamespace
 
@@ -143,6 +144,54 @@ def test_the_vllm_variants_share_one_engine_and_covrls_requests_carry_the_impose
             assert engine.settings.transport == "rpc"  # as it was
     finally:
         engine.close()
+
+
+def test_each_engines_kv_cache_is_recorded_beside_the_plan_on_the_rehearsal_the_plan_alone(spec, capsys):
+    """The engine event carries `kv_cache`: memplan's vLLM KV term for the same config (a nominal 80 GiB GPU where
+    there is none) in bytes and tokens, and, on the torch engine, nothing measured, with why."""
+    b = Bench(spec)
+    assert b.build("eager") is not None
+    events = [json.loads(x[len(gen_bench.RESULT_TAG):]) for x in capsys.readouterr().out.splitlines()
+              if x.startswith(gen_bench.RESULT_TAG)]
+    (ev,) = [e for e in events if e["event"] == "engine"]
+    plan, got = ev["kv_cache"]["plan"], ev["kv_cache"]["measured"]
+    assert plan["gpu_bytes"] == gen_bench.NOMINAL_GPU_BYTES and "nominal" in plan["gpu_bytes_source"]
+    assert plan["kv_cache_bytes"] > 0 and plan["kv_bytes_per_token"] > 0 and plan["params"] > 0
+    assert plan["kv_tokens"] == int(plan["kv_cache_bytes"] // plan["kv_bytes_per_token"]) > 0
+    assert plan["gpu_memory_utilization"] == 0.85  # the config's default: the rehearsal's spec names none
+    assert got["kv_tokens"] is None and "CPU rehearsal" in got["reason"]
+
+
+def test_the_kv_plan_is_memplans_vllm_term_for_the_stages_engine(tiny_model_dir):
+    from common import memplan
+    from common.config import load_config
+
+    spec = {"model": tiny_model_dir, "device": "cpu", "dtype": "bfloat16", "max_num_seqs": 256,
+            "gpu_memory_utilization": 0.5}
+    plan = gen_bench.kv_plan(spec, eager=True, prompt_tokens=40, new_tokens=1024)
+    cfg = load_config(None, ['generator.engine="vllm"', 'model.dtype="bfloat16"', "generator.max_num_seqs=256",
+                             "generator.gpu_memory_utilization=0.5", "generator.enforce_eager=true"])
+    with open(f"{tiny_model_dir}/config.json") as f:
+        shape = memplan.Shape.from_config(json.load(f))
+    terms, _ = memplan.vllm_gpu(cfg, shape, 1, float(gen_bench.NOMINAL_GPU_BYTES))
+    assert plan["kv_cache_bytes"] == int(next(t.bytes for t in terms if t.name == "vLLM KV cache")) > 0
+    assert plan["kv_bytes_per_token"] == memplan.kv_bytes_per_token(shape, 2, 1)
+    assert plan["terms"] == {t.name: int(t.bytes) for t in terms}
+    assert "error" in gen_bench.kv_plan({**spec, "model": "/nonexistent"}, True, 40, 1024)  # recorded, not raised
+
+
+def test_vllms_kv_blocks_are_read_from_the_front_ends_config_or_say_why_not():
+    cache = SimpleNamespace(num_gpu_blocks=1000, block_size=16)
+    got = gen_bench.vllm_kv_blocks(SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache)))
+    assert got == {"kv_tokens": 16000, "num_gpu_blocks": 1000, "block_size": 16,
+                   "source": "AsyncLLM.vllm_config.cache_config"}
+    core = SimpleNamespace(engine_core=SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache)))
+    assert gen_bench.vllm_kv_blocks(core)["source"] == "AsyncLLM.engine_core.vllm_config.cache_config"
+    unset = SimpleNamespace(vllm_config=SimpleNamespace(
+        cache_config=SimpleNamespace(num_gpu_blocks=None, block_size=16)))
+    none = gen_bench.vllm_kv_blocks(unset)
+    assert none["kv_tokens"] is None and "num_gpu_blocks None" in none["reason"]
+    assert gen_bench.vllm_kv_blocks(object())["kv_tokens"] is None
 
 
 def _ctx(tmp_path, rehearse: bool) -> Ctx:
