@@ -369,9 +369,10 @@ class Machine:
 
 
 def plan(cfg, shape: Shape, learners: int, gens: int, tp: int, machine: Machine) -> Plan:
-    """The plan of a run placed as `launch/local.py` places it on one node: learner ranks on GPUs 0 .. L-1, then
-    generators --tp GPUs each; a generator that finds no GPU of its own shares learner GPUs (colocated: vLLM's
-    gpu_memory_utilization of the GPU beside the learner's terms); no GPUs: everything on the host."""
+    """The plan of a run placed as the launcher places it on one node (`common/runfiles.py:place_gpus`): learner ranks
+    on GPUs 0 .. L-1, then generators --tp GPUs each, or, where the GPUs are too few, generators sharing the learners'
+    GPUs (colocated: vLLM's gpu_memory_utilization of the GPU beside the learner's terms); no GPUs: everything on
+    the host."""
     engine = cfg.generator.engine
     devices: list[Device] = []
     host = Device("host", machine.host_bytes)
@@ -386,19 +387,18 @@ def plan(cfg, shape: Shape, learners: int, gens: int, tp: int, machine: Machine)
             host.terms += [Term(f"generator {g}: {t.name}", t.bytes, t.knob, t.source) for t in torch_generator(cfg, shape)]
             host.terms.append(Term(f"generator {g}: process", TORCH_GEN_HOST_BYTES, "-", "calibrated on the CPU"))
         return Plan([host])
+    from common.runfiles import colocated_memory_fractions, place_gpus
+
+    placed = place_gpus(machine.gpus, learners, gens, tp)  # the launcher's own placement (PlacementError if none)
     gpu = [Device(f"GPU {i}", machine.gpu_bytes) for i in range(machine.gpus)]
-    for r in range(learners):
-        gpu[r % machine.gpus].name += f" learner {r}"
-        gpu[r % machine.gpus].terms += learner_gpu(cfg, shape, learners, r)
-        gpu[r % machine.gpus].peaks += learner_peaks(cfg, shape)
-    free = list(range(learners, machine.gpus))
-    for g in range(gens):
-        own = free[:tp]
-        free = free[tp:]
-        where = own if len(own) == tp else [(g * tp + j) % machine.gpus for j in range(tp)]
-        use_vllm = engine != "torch"
+    for r, (i,) in enumerate(placed.learners):
+        gpu[i].name += f" learner {r}"
+        gpu[i].terms += learner_gpu(cfg, shape, learners, r)
+        gpu[i].peaks += learner_peaks(cfg, shape)
+    use_vllm = engine != "torch"
+    for g, where in enumerate(placed.generators):
         for i in where:
-            gpu[i].name += f" generator {g}" + ("" if len(own) == tp else " (colocated)")
+            gpu[i].name += f" generator {g}" + (" (colocated)" if placed.colocated else "")
             if use_vllm:
                 terms, notes = vllm_gpu(cfg, shape, tp, machine.gpu_bytes)
                 gpu[i].terms += terms
@@ -407,6 +407,12 @@ def plan(cfg, shape: Shape, learners: int, gens: int, tp: int, machine: Machine)
                 gpu[i].terms += torch_generator(cfg, shape)
         host.terms.append(Term(f"generator {g}: process", VLLM_HOST_BYTES if use_vllm else TORCH_GEN_HOST_BYTES,
                                "-", "estimate"))
+    if placed.colocated:
+        learner_share, _ = colocated_memory_fractions(cfg.generator.gpu_memory_utilization)
+        for d in gpu:
+            if "learner" in d.name and "generator" in d.name:
+                d.notes.append(f"colocated: the learner rank's allocator is capped at {learner_share:.2f} of the GPU "
+                               "(common/runfiles.py colocated_memory_fractions)")
     return Plan([d for d in gpu if d.terms] + [host])
 
 
