@@ -61,7 +61,7 @@ def choose(cfg, shape: M.Shape, learners: int, gens: int, tp: int, machine: M.Ma
     sizes = MICRO_BATCH_CHOICES if free_t else (cfg.learner.micro_batch_tokens,)
     for ckpt in ckpts:
         for t in sizes:
-            if not ckpt and free_ckpt and t < 8192:
+            if not ckpt and free_ckpt and free_t and t < 8192:
                 break  # below 8k a GPU step is launch-bound: checkpointing at a larger batch is the better trade
             trial = _with(cfg, t, ckpt)
             if M.plan(trial, shape, learners, gens, tp, machine).fits:

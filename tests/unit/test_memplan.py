@@ -222,3 +222,32 @@ def test_covrl_run_is_refused_at_the_door_with_nothing_started(tmp_path):
     assert line.startswith("error: the run does not fit host:") and "torch generator KV cache" in line
     assert "change generator.max_num_seqs" in line
     assert not run_dir.exists()
+
+
+def test_a_launch_on_gpus_runs_with_what_the_plan_chose(tmp_path, tiny_model_dir, monkeypatch):
+    """`covrl run`'s door on a stated 80 GB GPU (this machine described as one): the settings the config leaves open
+    are chosen and written into the run's config, the banner says so; a setting given with --set stays."""
+    from launch import cluster, plan
+
+    monkeypatch.setattr(plan, "this_machine", lambda gpus: M.Machine(gpus, 80 * M.GiB, 64 * M.GiB))
+
+    def launch(name, *sets):
+        args = cluster.parse_args(["--gens", "1", "--learners", "1", "--gpus", "1", "--run-dir", str(tmp_path / name),
+                                   "--set", f'model.path="{tiny_model_dir}"', "--set",
+                                   "generator.gpu_memory_utilization=0.3", "--set", "eval.every_steps=0", *sets])
+        return cluster.prepare(args, gpus=1)
+
+    # Both open: the tiny model fits the largest choice without checkpointing.
+    run = launch("open")
+    assert run.cfg.learner.micro_batch_tokens == plan.MICRO_BATCH_CHOICES[0]
+    assert not run.cfg.learner.gradient_checkpointing
+    assert any(n.startswith("chosen by the memory plan") for n in run.notes)
+    assert any(n.startswith("memory plan: GPU 0") for n in run.notes)
+    assert "micro_batch_tokens = 32768" in (tmp_path / "open" / "config.toml").read_text()
+    # One given: it stays, and the other is still chosen (checkpointing off: 1024 tokens fit without it).
+    given = launch("given", "--set", "learner.micro_batch_tokens=1024")
+    assert given.cfg.learner.micro_batch_tokens == 1024 and not given.cfg.learner.gradient_checkpointing
+    assert any("learner.gradient_checkpointing=false" in n for n in given.notes)
+    both = launch("both", "--set", "learner.micro_batch_tokens=1024", "--set", "learner.gradient_checkpointing=true")
+    assert both.cfg.learner.gradient_checkpointing and not any(n.startswith("chosen") for n in both.notes)
+
