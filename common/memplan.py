@@ -43,7 +43,8 @@ model's dtype):
   kv_heads x head_dim x b / tp bytes a token: the plan says how many sequences of prompt + `rollout.max_new_tokens`
   tokens that holds against `generator.max_num_seqs`.
 
-Estimates are named as such in `Term.source`; the GPU proof's `memory` stage measures them (docs/gpu.md).
+Estimates are named as such in `Term.source`; the GPU proof's `learner` and `generation` stages record the measured
+peaks beside the plan (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -98,8 +99,15 @@ class Shape:
         if not os.path.exists(cfg):
             raise FileNotFoundError(f"{cfg} does not exist: model.path must be a model directory with a config.json "
                                     "(the plan reads the model's shape from it)")
-        with open(cfg) as f:
-            return cls.from_config(json.load(f))
+        try:
+            with open(cfg) as f:
+                return cls.from_config(json.load(f))
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            from common.config import ConfigError
+
+            raise ConfigError(f"{cfg} does not give a decoder's shape ({type(e).__name__}: {e}): the plan needs "
+                              "num_hidden_layers, hidden_size, intermediate_size, num_attention_heads and vocab_size "
+                              "(a Qwen2 / Llama-style config.json)") from None
 
     def layer_params(self) -> int:
         h, d = self.hidden, self.head_dim
@@ -182,7 +190,6 @@ class Device:
 @dataclass
 class Plan:
     devices: list[Device]
-    notes: list[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -265,17 +272,13 @@ def activations(cfg, shape: Shape, cuda: bool) -> list[Term]:
     return terms
 
 
-def wire_bytes(cfg) -> int:
-    return dtype_bytes(cfg.model.dtype)
-
-
 def learner_gpu(cfg, shape: Shape, ranks: int, rank: int, cuda: bool = True) -> list[Term]:
     """Every term on learner rank `rank`'s GPU."""
     b = dtype_bytes(cfg.model.dtype)
     terms = model_states(cfg, shape, ranks) + activations(cfg, shape, cuda)
     if rank == 0:
         slots = 3 if cfg.generator.weight_transport == "ipc" else 1
-        terms.append(Term("weight publisher buckets", slots * min(BUCKET_NUMEL, shape.params) * wire_bytes(cfg),
+        terms.append(Term("weight publisher buckets", slots * min(BUCKET_NUMEL, shape.params) * b,
                           "generator.weight_transport", "one reused bucket (+ two IPC staging slots), "
                           "learner/publisher.py"))
     if cfg.learner.kl.coef > 0:
@@ -307,7 +310,7 @@ def learner_host(cfg, shape: Shape, ranks: int, rank: int, gloo_peer: bool, cuda
         terms.append(Term(f"learner {rank}: offloaded optimizer states", (12 if b == 2 else 8) * shape.params / ranks,
                           "learner.offload_optimizer", "ZeRO-Offload keeps the fp32 master and AdamW states here"))
     if rank == 0 and gloo_peer:
-        terms.append(Term("learner 0: host copy of the weights", shape.params * wire_bytes(cfg),
+        terms.append(Term("learner 0: host copy of the weights", shape.params * b,
                           "generator.weight_transport", "learner/publisher.py HostCopy, while a gloo peer receives"))
     return terms
 
@@ -373,8 +376,6 @@ def plan(cfg, shape: Shape, learners: int, gens: int, tp: int, machine: Machine)
     on GPUs 0 .. L-1, then generators --tp GPUs each, or, where the GPUs are too few, generators sharing the learners'
     GPUs (colocated: vLLM's gpu_memory_utilization of the GPU beside the learner's terms); no GPUs: everything on
     the host."""
-    engine = cfg.generator.engine
-    devices: list[Device] = []
     host = Device("host", machine.host_bytes)
     gloo_peer = cfg.generator.weight_transport == "rpc"
     for r in range(learners):
@@ -395,7 +396,7 @@ def plan(cfg, shape: Shape, learners: int, gens: int, tp: int, machine: Machine)
         gpu[i].name += f" learner {r}"
         gpu[i].terms += learner_gpu(cfg, shape, learners, r)
         gpu[i].peaks += learner_peaks(cfg, shape)
-    use_vllm = engine != "torch"
+    use_vllm = cfg.generator.engine != "torch"
     for g, where in enumerate(placed.generators):
         for i in where:
             gpu[i].name += f" generator {g}" + (" (colocated)" if placed.colocated else "")
@@ -434,15 +435,16 @@ def gib(n: float | None) -> str:
 
 def _groups(p: Plan) -> list[tuple[list[Device], Device]]:
     """Devices with the same terms and capacity, together (the learner GPUs of ranks 1 .. L-1, say)."""
+    def key(d: Device):
+        return d.capacity, [(t.name, round(t.bytes)) for t in d.terms + d.peaks]
+
     out: list[tuple[list[Device], Device]] = []
     for d in p.devices:
-        key = (d.capacity, [(t.name, round(t.bytes)) for t in d.terms + d.peaks])
-        for members, first in out:
-            if (first.capacity, [(t.name, round(t.bytes)) for t in first.terms + first.peaks]) == key and d.name != "host":
-                members.append(d)
-                break
-        else:
+        same = next((members for members, first in out if d.name != "host" and key(first) == key(d)), None)
+        if same is None:
             out.append(([d], d))
+        else:
+            same.append(d)
     return out
 
 
@@ -464,8 +466,7 @@ def render(p: Plan) -> str:
         for t in d.peaks:
             ref = sources.setdefault(t.source, len(sources) + 1)
             lines.append(f"  another moment: {gib(t.bytes)}  {t.name}  ({ref})")
-        lines += [f"  note: {n}" for m in members for n in m.notes][: max(1, len(d.notes))]
-    lines += [f"note: {n}" for n in p.notes]
+        lines += [f"  note: {n}" for n in d.notes]  # alike devices' notes differ only in the generator's number
     lines.append("sources: " + "; ".join(f"({i}) {s}" for s, i in sources.items()))
     return "\n".join(lines)
 

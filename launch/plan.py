@@ -4,7 +4,8 @@
 
 Every device's terms, largest first, each with the setting that changes it; the settings the plan chose where the
 config leaves them to it (on GPUs: `learner.micro_batch_tokens` and `learner.gradient_checkpointing`); exit 2 with
-one line when the run would not fit. `covrl run` checks the same plan at the door (`door`) for the machine it is on.
+one line when the run would not fit. `covrl run` checks the same plan at the door (`at_the_door`) for the machine
+it is on.
 """
 
 from __future__ import annotations
@@ -47,28 +48,37 @@ def _leaves(node: dict, prefix: str = ""):
         yield from _leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
 
 
-def choose(cfg, shape: M.Shape, learners: int, gens: int, tp: int, machine: M.Machine, explicit: set[str]) -> list[str]:
-    """The --set overrides the plan chooses on GPUs for the learner settings the user left open: the largest
+def choose(cfg, shape: M.Shape, learners: int, gens: int, tp: int, machine: M.Machine,
+           explicit: set[str]) -> dict[str, int | bool]:
+    """The learner settings (of `CHOSEN`) the plan chooses on GPUs where the user left them open: the largest
     micro-batch (of MICRO_BATCH_CHOICES) that fits with headroom, without gradient checkpointing if that fits at
     8k tokens or more, else with it. Nothing on the CPU, or where both are given."""
     if machine.gpus == 0 or machine.gpu_bytes is None:
-        return []
+        return {}
     free_t = "learner.micro_batch_tokens" not in explicit
     free_ckpt = "learner.gradient_checkpointing" not in explicit
     if not (free_t or free_ckpt):
-        return []
+        return {}
     ckpts = [False, True] if free_ckpt else [cfg.learner.gradient_checkpointing]
     sizes = MICRO_BATCH_CHOICES if free_t else (cfg.learner.micro_batch_tokens,)
     for ckpt in ckpts:
         for t in sizes:
             if not ckpt and free_ckpt and free_t and t < 8192:
                 break  # below 8k a GPU step is launch-bound: checkpointing at a larger batch is the better trade
-            trial = _with(cfg, t, ckpt)
-            if M.plan(trial, shape, learners, gens, tp, machine).fits:
-                return [f"{k}={v}" for k, v, free in (("learner.micro_batch_tokens", t, free_t),
-                                                      ("learner.gradient_checkpointing", str(ckpt).lower(), free_ckpt))
-                        if free]
-    return []  # nothing fits: the config as given is checked and refused with its largest term
+            if M.plan(_with(cfg, t, ckpt), shape, learners, gens, tp, machine).fits:
+                return {k: v for k, v, free in ((CHOSEN[0], t, free_t), (CHOSEN[1], ckpt, free_ckpt)) if free}
+    return {}  # nothing fits: the config as given is checked and refused with its largest term
+
+
+def applied(cfg, chosen: dict[str, int | bool]):
+    """`cfg` with the plan's choices."""
+    return _with(cfg, chosen.get(CHOSEN[0], cfg.learner.micro_batch_tokens),
+                 chosen.get(CHOSEN[1], cfg.learner.gradient_checkpointing))
+
+
+def shown(chosen: dict[str, int | bool]) -> str:
+    """The choices as --set would give them."""
+    return ", ".join(f"{k}={str(v).lower()}" for k, v in chosen.items())
 
 
 def _with(cfg, tokens: int, ckpt: bool):
@@ -104,19 +114,12 @@ def at_the_door(args, cfg, gpus: int, learners: int, gens: int, explicit: set[st
     here. `cfg.model.path` is a local directory by now (rundir resolves Hub ids first)."""
     if getattr(args, "ray", None) is not None:
         return cfg, ["memory plan: not checked under Ray (covrl plan --gpus N --gpu-memory SIZE shows it)"]
-    import msgspec
-
     machine = this_machine(gpus)
     shape = M.shape_of(cfg.model.path)
-    gens = max(gens, cfg.cluster.autoscale.max)  # the most generators it may run
     lines = []
     if explicit is not None and (chosen := choose(cfg, shape, learners, gens, args.tp, machine, explicit)):
-        values = dict(s.split("=", 1) for s in chosen)
-        learner = msgspec.structs.replace(
-            cfg.learner, micro_batch_tokens=int(values.get(CHOSEN[0], cfg.learner.micro_batch_tokens)),
-            gradient_checkpointing=values.get(CHOSEN[1], str(cfg.learner.gradient_checkpointing).lower()) == "true")
-        cfg = msgspec.structs.replace(cfg, learner=learner)
-        lines.append(f"chosen by the memory plan for {M.gib(machine.gpu_bytes)} GPUs: " + ", ".join(chosen))
+        cfg = applied(cfg, chosen)
+        lines.append(f"chosen by the memory plan for {M.gib(machine.gpu_bytes)} GPUs: {shown(chosen)}")
     p = M.plan(cfg, shape, learners, gens, args.tp, machine)
     if (line := M.refusal(p)) is not None:
         raise ConfigError(line)
@@ -157,8 +160,7 @@ def main(argv=None) -> int:
         shape = M.KNOWN[args.model_shape] if args.model_shape else M.shape_of(cfg.model.path)
         chosen = choose(cfg, shape, args.learners, args.gens, args.tp, machine,
                         explicit_keys(args.config, args.set))
-        if chosen:
-            cfg = load_config(args.config, args.set + chosen, validate=False)
+        cfg = applied(cfg, chosen)
         p = M.plan(cfg, shape, args.learners, args.gens, args.tp, machine)
     except USER_ERRORS as e:
         return fail(e)
@@ -166,7 +168,7 @@ def main(argv=None) -> int:
           f"{shape.vocab}), {cfg.model.dtype}; {args.learners} learner rank(s), {args.gens} generator(s) at tp "
           f"{args.tp}, {machine.gpus} GPU(s) of {M.gib(machine.gpu_bytes)}, host {M.gib(machine.host_bytes)}")
     if chosen:
-        print("chosen by the plan (the config leaves them open): " + ", ".join(chosen))
+        print(f"chosen by the plan (the config leaves them open): {shown(chosen)}")
     print(M.render(p))
     if (line := M.refusal(p)) is not None:
         return fail(line)

@@ -170,18 +170,20 @@ def test_the_plan_chooses_the_largest_micro_batch_that_fits_a_stated_gpu():
     cfg = load_config(recipe, ["learner.gradient_checkpointing=false"], validate=False)
     shape, m80 = M.KNOWN["qwen2.5-7b"], M.Machine(8, 80 * M.GiB, None)
     got = plan.choose(cfg, shape, 4, 4, 1, m80, explicit=set())
-    assert got == ["learner.micro_batch_tokens=32768", "learner.gradient_checkpointing=true"], got
+    assert got == {"learner.micro_batch_tokens": 32768, "learner.gradient_checkpointing": True}, got
+    assert plan.shown(got) == "learner.micro_batch_tokens=32768, learner.gradient_checkpointing=true"
+    assert plan.applied(cfg, got).learner.micro_batch_tokens == 32768 and plan.applied(cfg, got).learner.gradient_checkpointing
     # 32768 (the largest choice) fits with checkpointing; without it even 8192 does not.
     for tokens, ckpt, fits in ((32768, True, True), (8192, False, False)):
         assert M.plan(plan._with(cfg, tokens, ckpt), shape, 4, 4, 1, m80).fits is fits
     # An explicit setting wins: only the other one is chosen; both given: nothing.
     assert plan.choose(cfg, shape, 4, 4, 1, m80, explicit={"learner.micro_batch_tokens"}) == \
-        ["learner.gradient_checkpointing=true"]
-    assert plan.choose(cfg, shape, 4, 4, 1, m80, explicit=set(plan.CHOSEN)) == []
+        {"learner.gradient_checkpointing": True}
+    assert plan.choose(cfg, shape, 4, 4, 1, m80, explicit=set(plan.CHOSEN)) == {}
     # On a 141 GB GPU 8k tokens fit without checkpointing; on the CPU nothing is chosen.
     assert plan.choose(cfg, shape, 4, 4, 1, M.Machine(8, 141 * M.GiB, None), explicit=set()) == \
-        ["learner.micro_batch_tokens=8192", "learner.gradient_checkpointing=false"]
-    assert plan.choose(cfg, shape, 4, 4, 1, M.Machine(0, None, None), explicit=set()) == []
+        {"learner.micro_batch_tokens": 8192, "learner.gradient_checkpointing": False}
+    assert plan.choose(cfg, shape, 4, 4, 1, M.Machine(0, None, None), explicit=set()) == {}
     assert plan.explicit_keys(recipe, ["learner.lr=1e-6"]) >= {"learner.micro_batch_tokens", "learner.lr",
                                                                "rollout.group_size"}
 
@@ -208,6 +210,15 @@ def test_covrl_plan_refuses_in_one_line_what_does_not_fit():
     bad = subprocess.run([sys.executable, "-m", "launch.covrl", "plan", "--gpus", "2"], cwd=REPO,
                          capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert bad.returncode == 2 and "--gpu-memory" in bad.stderr
+
+
+def test_covrl_plan_refuses_a_model_config_without_a_shape_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 8}')
+    p = subprocess.run([sys.executable, "-m", "launch.covrl", "plan", "--set", f'model.path="{tmp_path}"'], cwd=REPO,
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    line, = p.stderr.strip().splitlines()
+    assert "does not give a decoder's shape" in line and "num_hidden_layers" in line
 
 
 def test_covrl_run_is_refused_at_the_door_with_nothing_started(tmp_path):
