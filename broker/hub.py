@@ -43,7 +43,8 @@ Invariants
   Why, counted under `hub/generator_lost/<why>`: `timeout` (silent for `transport.generator_timeout_s`: dead,
   frozen or cut off), `stuck` (it holds work, has the weights that work needs, and its main loop has sent nothing
   for the progress limit, whatever its heartbeat says: a hung engine), `weight_channel` (learner rank 0's weight
-  channel to it failed or missed its deadline: `lose`), `restarted` (a new incarnation said hello).
+  channel to it failed or missed its deadline: `lose`), `restarted` (a new incarnation said hello), `exited` (the
+  launcher saw its process exit: a line in RUN_DIR/generators_lost.jsonl, `exited` in the constructor).
   The progress limit is `transport.generator_progress_timeout_s`, or when that is 0 max(floor, factor x the slowest
   reply seen), a reply's time running from when the generator was given work, or its previous message, with the
   clock held while its heartbeat says it is still waiting for the weights its work names.
@@ -76,6 +77,11 @@ from common.seeds import prompt_seed
 from common.transport import HubSocket
 
 log = logging.getLogger("covrl.hub")
+
+
+class Stopped(InterruptedError):
+    """A learner's wait (`take_batch`, `wait_version_done`) given up because its `stop` was set: the run is asked to
+    stop (SIGTERM, Ctrl-C). An InterruptedError, so the learner catches it without importing the broker."""
 
 
 @dataclass
@@ -147,12 +153,16 @@ class BrokerStats:
 class Hub:
     def __init__(self, cfg: Config, *, run_id: str, key: bytes, host: str, port: int, source: PromptSource,
                  weight_addr: str, generators: Callable[[], int], eval_prompts: dict[str, list[Prompt]] | None = None,
-                 hooks: GeneratorHooks | None = None, target_poll_s: float = 1.0):
+                 hooks: GeneratorHooks | None = None, target_poll_s: float = 1.0,
+                 exited: Callable[[], list[tuple[int, int, str]]] | None = None):
         """`host`, `port`: where the hub binds (cluster.json's hub_addr; port 0: a random one). `generators`: the
         run's generator target now, called here once and then by the hub thread every `target_poll_s`; it must not
         raise (an exception stops the hub like any hub-thread failure), so a reader of a file keeps its last good
-        value (learner/__main__.py). `hooks` (`broker/hooks.py`): told when a generator incarnation is welcomed,
-        drained or declared lost, with the lock held; none of them may block."""
+        value (learner/__main__.py). `exited`: polled with it, the generator processes the launcher saw exit since
+        the last call, as (gen_id, pid, how); the connected incarnation with that pid is lost at once (`exited`), so
+        what it held is re-issued now rather than at its silence's timeout or its replacement's hello (a generator
+        set aside has none). `hooks` (`broker/hooks.py`): told when a generator incarnation is welcomed, drained or
+        declared lost, with the lock held; none of them may block."""
         self.cfg = cfg
         self.run_id = run_id
         self.sock = HubSocket(host, port, key)
@@ -161,6 +171,7 @@ class Hub:
         self.generators = generators
         self.target_poll_s = target_poll_s
         self.target = generators()  # ids 0 .. target - 1 are wanted; connected ones above it drain
+        self.exited = exited
         self._target_read_at = time.monotonic()
         self.hooks = hooks
         # (gen_id, incarnation) -> the Stop reason it was given: drained or lost incarnations, whose late heartbeats
@@ -211,14 +222,17 @@ class Hub:
             self.evals.schedule(version)
             self.cv.notify_all()
 
-    def wait_version_done(self, version: int, timeout_s: float) -> float:
+    def wait_version_done(self, version: int, timeout_s: float, stop: threading.Event | None = None) -> float:
         """Block until the generation that must use exactly `version` is in (see the module
-        docstring); call before publishing version + 1. Returns the seconds waited."""
+        docstring); call before publishing version + 1. Returns the seconds waited. `Stopped` within a second
+        of `stop` being set."""
         t0 = time.monotonic()
         with self.cv:
             while not self._version_done(version):
                 if self.error is not None:
                     raise RuntimeError("hub thread failed") from self.error
+                if stop is not None and stop.is_set():
+                    raise Stopped(f"stop requested while waiting for the generation at version {version}")
                 if time.monotonic() - t0 > timeout_s:
                     raise TimeoutError(
                         f"generation at version {version} not finished after {timeout_s:.0f}s: "
@@ -235,14 +249,16 @@ class Hub:
         with self.cv:
             return self.evals.take(version)
 
-    def take_batch(self, version: int, timeout_s: float) -> list[ShapedGroup]:
+    def take_batch(self, version: int, timeout_s: float, stop: threading.Event | None = None) -> list[ShapedGroup]:
         """Block until the batch for the step that starts at `version` is ready; each group with its shaped
-        rewards."""
+        rewards. `Stopped` within a second of `stop` being set, before a batch is taken (the hub keeps it)."""
         deadline = time.monotonic() + timeout_s
         with self.cv:
             while True:
                 if self.error is not None:
                     raise RuntimeError("hub thread failed") from self.error
+                if stop is not None and stop.is_set():
+                    raise Stopped(f"stop requested while waiting for step {version + 1}'s batch")
                 batch = self._try_batch(version)
                 if batch is not None:
                     return batch
@@ -363,11 +379,16 @@ class Hub:
         got = self.sock.recv(0.05)
         now = time.monotonic()
         target = self._poll_target(now)  # outside the lock: it may read a file
+        exits = self.exited() if target is not None and self.exited is not None else []  # on the same cadence
         if got is not None:
             identity, msg = got
             with self.cv:
                 self._handle(identity, msg, now)
         with self.cv:
+            for gen_id, pid, how in exits:
+                gen = self.gens.get(gen_id)
+                if gen is not None and gen.pid == pid:
+                    self._lose(gen_id, "exited", f"the launcher saw its process {how}")
             self._set_target(target)
             self._expire(now)
             self._drain()

@@ -57,6 +57,18 @@ def complete_checkpoints(run_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def checkpoint_bytes(path: str) -> int:
+    """A checkpoint's size: its manifest's total (what the next one of the run needs on disk, about), or the bytes
+    of its files where it has no readable manifest."""
+    try:
+        manifest = read_manifest(path)
+    except ValueError:
+        manifest = None
+    if manifest is not None:
+        return sum(e["bytes"] for e in manifest["files"].values())
+    return sum(os.path.getsize(os.path.join(path, rel)) for rel in _files(path))
+
+
 def step_dirs(run_dir: str) -> list[tuple[int, str]]:
     """(step, path) of every `step_N` directory, oldest first, whatever it holds: each was renamed into place only
     once complete, so one that lacks a file now was damaged since (`verify` says which)."""

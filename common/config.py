@@ -35,6 +35,9 @@ class RunConfig(_Section):
     steps: PosInt = 100
     torch_threads: PosInt = 1  # per process; the CPU path runs one role per core
     checkpoint_every_steps: NonNegInt = 0  # 0: only the final checkpoint (and one on a graceful stop)
+    # Also a checkpoint once this long has passed on learner rank 0's clock since the last one (or the launch), so a
+    # run with long steps loses at most this much to a crash; 0: off.
+    checkpoint_every_s: NonNegFloat = 1800.0
     keep_checkpoints: NonNegInt = 0  # newest complete checkpoints kept on disk (0: all)
     # Ctrl-C / SIGTERM: seconds the learners get to finish their step and write a checkpoint.
     stop_grace_s: PosFloat = 300.0
@@ -376,12 +379,22 @@ class AutoscaleConfig(_Section):
 
 
 class ClusterConfig(_Section):
-    """The generator pool: its autoscaling, and (under Ray) how long a new generator waits for room."""
+    """The generator pool: its autoscaling, how failing generators are set aside, and (under Ray) how long a new
+    generator waits for room."""
 
     autoscale: AutoscaleConfig = msgspec.field(default_factory=AutoscaleConfig)
     # Ray: a generator whose bundle no node can hold after this long is given up (its placement group removed, the
     # launcher says so, with the cluster's free resources) and tried again later; the autoscaler is asked for it.
     placement_timeout_s: PosFloat = 300.0
+    # A generator that fails (exits with an error, or is stopped on the hub's verdict) more than
+    # generator_max_failures times within generator_failure_window_s is set aside: the run goes on with the others
+    # (RUN_DIR/generators_lost.jsonl, `cluster/generators_set_aside`), and its slot is tried again after
+    # generator_retry_after_s (doubled each time it is set aside again, up to 8x), or at once when the generator
+    # count is set again (covrl scale, the autoscale policy). The run stops, with a checkpoint, only when every
+    # generator it wants is set aside. Below the limit a failed generator is restarted after 2, 4, 8 ... s (at most 60).
+    generator_max_failures: PosInt = 3
+    generator_failure_window_s: PosFloat = 600.0
+    generator_retry_after_s: PosFloat = 600.0
 
 
 class WandbConfig(_Section):

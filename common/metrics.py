@@ -1,18 +1,22 @@
 """Per-step metrics: one JSON object per learner step in metrics.jsonl, same tags in TensorBoard.
 
-The names are the contract of docs/DESIGN.md section 6. The file is appended and
-flushed each step so a watcher (the launcher's progress line, a user's `tail
--f`) never sees half a line.
+The names are the contract of docs/DESIGN.md section 6. Each row is appended with
+one write(2) and a row cut short is truncated away, so a watcher (the launcher's
+progress line, a user's `tail -f`) never sees half a line. A full disk stops the
+learner with one line (common/diskspace.py) naming the file and the free space.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import lzma
 import math
 import os
 
 import numpy as np
+
+from common.diskspace import naming_full_disk
 
 CLOCK_KEYS = ("timing_s/", "perf/")  # the machine's wall clock: the only keys two runs of one seed may differ in
 PROGRESS_KEYS = ("critic/score/mean", "actor/entropy", "perf/gen_tokens_per_s", "staleness/mean", "staleness/max",
@@ -42,37 +46,59 @@ class MetricsWriter:
     def __init__(self, run_dir: str, tensorboard: bool = True, purge_step: int | None = None, wandb=None):
         """`purge_step` (a resumed run): TensorBoard hides the events of steps >= it that the dead run wrote.
         `wandb`: a W&B run (`common.wandb_log.open_wandb`) that gets the same tags, or None."""
+        self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.tb_dir = os.path.join(run_dir, "tb")
         self.evals = newest_evals(read_metrics(run_dir))  # for progress.json; a resumed run starts from its file's
-        self.f = open(self.path, "a", buffering=1)
+        with naming_full_disk(self.path, run_dir):
+            # Unbuffered: nothing is left in a buffer to fail again at close once the disk is full.
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.wandb = wandb
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=purge_step)
+            with naming_full_disk(self.tb_dir, run_dir):
+                self.tb = SummaryWriter(self.tb_dir, purge_step=purge_step)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: float(v) for k, v in sorted(metrics.items())}}
         self.evals = newest_evals([row]) or self.evals
         # JSON has no NaN: write null so every reader can parse the line.
-        self.f.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}) + "\n")
+        line = json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()})
+        with naming_full_disk(self.path, self.run_dir):
+            self._append((line + "\n").encode())
         if self.tb is not None:
-            for k, v in row.items():
-                if k != "step" and math.isfinite(v):
-                    self.tb.add_scalar(k, v, step)
-            self.tb.flush()
+            with naming_full_disk(self.tb_dir, self.run_dir):  # its writer thread's ENOSPC surfaces at flush
+                self._scalars(row, step)
         if self.wandb is not None:
             # The x axis is the `step` key (open_wandb defines it), not W&B's own counter: a held evaluation row
             # or a text may be logged after a later step's, and W&B drops what goes back on its counter.
             self.wandb.log({k: v for k, v in row.items() if k == "step" or math.isfinite(v)})
+
+    def _scalars(self, row: dict[str, float], step: int) -> None:
+        for k, v in row.items():
+            if k != "step" and math.isfinite(v):
+                self.tb.add_scalar(k, v, step)
+        self.tb.flush()
+
+    def _append(self, data: bytes) -> None:
+        """One row at the end of metrics.jsonl; a row cut short (the disk filled) is truncated away."""
+        size = os.fstat(self.fd).st_size
+        try:
+            while data:
+                data = data[os.write(self.fd, data):]
+        except OSError:
+            os.ftruncate(self.fd, size)
+            raise
 
     def histogram(self, tag: str, values, step: int) -> None:
         """A distribution under `tag` (TensorBoard's histograms tab; W&B's histogram). Not in metrics.jsonl."""
         if len(values) == 0:
             return
         if self.tb is not None:
-            self.tb.add_histogram(tag, np.asarray(values), step)
+            with naming_full_disk(self.tb_dir, self.run_dir):
+                self.tb.add_histogram(tag, np.asarray(values), step)
         if self.wandb is not None:
             import wandb
 
@@ -81,8 +107,9 @@ class MetricsWriter:
     def text(self, tag: str, text: str, step: int) -> None:
         """A markdown text under `tag` (TensorBoard's text tab; a one-cell table in W&B)."""
         if self.tb is not None:
-            self.tb.add_text(tag, text, step)
-            self.tb.flush()
+            with naming_full_disk(self.tb_dir, self.run_dir):
+                self.tb.add_text(tag, text, step)
+                self.tb.flush()
         if self.wandb is not None:
             import wandb
 
@@ -93,16 +120,24 @@ class MetricsWriter:
         evaluation is still running (their rows wait in the learner) and the newest held-out accuracies, for the
         launcher's progress line; `note`: the autoscale policy's last decision, in a few words."""
         keep = {k: float(v) for k, v in row.items() if k in PROGRESS_KEYS and math.isfinite(v)}
-        path = os.path.join(os.path.dirname(self.path), "progress.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump({"step": step, "evaluating": evaluating, "evals": self.evals, **keep,
-                       **({"autoscale": note} if note else {})}, f)
+        path = os.path.join(self.run_dir, "progress.json")
+        data = json.dumps({"step": step, "evaluating": evaluating, "evals": self.evals, **keep,
+                           **({"autoscale": note} if note else {})})
+        with naming_full_disk(path, self.run_dir):
+            try:
+                with open(path + ".tmp", "w") as f:
+                    f.write(data)
+            except OSError:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path + ".tmp")  # half a file, never renamed into place
+                raise
         os.replace(path + ".tmp", path)
 
     def close(self) -> None:
-        self.f.close()
+        os.close(self.fd)
         if self.tb is not None:
-            self.tb.close()
+            with naming_full_disk(self.tb_dir, self.run_dir):
+                self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -325,6 +326,89 @@ class LostGenerators:
             except (msgspec.DecodeError, msgspec.ValidationError) as e:  # not ours: said by the caller, not fatal
                 self.damaged.append(f"{self.path}: a line that is not a verdict ({e}): {line[:120]!r}")
         return out
+
+
+class ExitedGenerators:
+    """The generator processes the launcher saw exit with an error since the last call (its "exited" lines in
+    RUN_DIR/generators_lost.jsonl, from this launch's start), as (gen_id, pid, how): the hub's `exited` poll. Lines
+    of other kinds, the hub's own verdicts included, are passed over."""
+
+    def __init__(self, run_dir: str):
+        self.follow = LostGenerators(run_dir)
+
+    def __call__(self) -> list[tuple[int, int, str]]:
+        got = [(v.gen_id, v.pid, v.detail) for v in self.follow.new() if v.why == "exited" and v.pid]
+        self.follow.damaged.clear()  # the launcher says those
+        return got
+
+
+class SetAsideGenerators:
+    """The generator slots the launcher has set aside now (its "set_aside" and "retried" lines in
+    RUN_DIR/generators_lost.jsonl, `launch/supervisor.py`), followed from this launch's start: learner rank 0's
+    `cluster/generators_set_aside`."""
+
+    def __init__(self, run_dir: str):
+        self.follow, self.now = LostGenerators(run_dir), set()
+
+    def count(self) -> int:
+        for v in self.follow.new():
+            if v.why == "set_aside":
+                self.now.add(v.gen_id)
+            elif v.why == "retried":
+                self.now.discard(v.gen_id)
+        self.follow.damaged.clear()  # the launcher says those
+        return len(self.now)
+
+
+LEARNER_WATCH_DIR = "learners"  # RUN_DIR/learners/rank_R.json: each learner rank's phase and heartbeat
+
+
+class LearnerBeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """RUN_DIR/learners/rank_R.json, rewritten whole (write then rename) by learner rank R: what it is doing and that
+    it is alive. The launcher's watch (`launch/watch.py`) compares what it reads over time on its own clock, so the
+    ranks' clocks (other nodes under Ray) never enter its verdict: `beat` must change every few seconds while the
+    process lives (a thread of its own), `phase_seq` whenever the rank enters a new phase.
+
+    `phase` says what it does in a few words ("waiting for step 5's batch", "step 5: training", "checkpoint step_4:
+    barrier"); `waits_on`: "generators" while the rank waits for generation (bounded by transport.batch_timeout_s,
+    not by the learner ranks' deadline), else "learners"; `step`: the step it is on; `t`: time.time() on its own
+    clock, for people reading the file."""
+    rank: int
+    pid: int
+    beat: int
+    phase_seq: int
+    phase: str
+    waits_on: str
+    step: int
+    t: float
+
+
+def learner_beat_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, LEARNER_WATCH_DIR, f"rank_{rank}.json")
+
+
+def write_learner_beat(run_dir: str, beat: LearnerBeat) -> None:
+    """Whole or not at all: a reader never sees half a record."""
+    path = learner_beat_path(run_dir, beat.rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{beat.pid}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.encode(beat))
+    os.replace(tmp, path)
+
+
+def read_learner_beat(run_dir: str, rank: int) -> LearnerBeat | None:
+    """None: no record yet (the rank has not started its watch), or one that cannot be read."""
+    try:
+        with open(learner_beat_path(run_dir, rank), "rb") as f:
+            return msgspec.json.decode(f.read(), type=LearnerBeat)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def clear_learner_beats(run_dir: str) -> None:
+    """A launch starts with no record of an earlier launch's ranks."""
+    shutil.rmtree(os.path.join(run_dir, LEARNER_WATCH_DIR), ignore_errors=True)
 
 
 def read_run_config(run_dir: str):

@@ -24,7 +24,7 @@ import time
 
 from common.cli import USER_ERRORS, fail
 from common.config import to_toml
-from common.runfiles import clear_learners_ready
+from common.runfiles import clear_learner_beats, clear_learners_ready
 from launch.rundir import RunComplete, RunDir, prepare, resolved_config, write_addresses
 from launch.summary import print_plots, summary
 from launch.supervisor import GRACE_S, Supervisor
@@ -223,13 +223,15 @@ def supervised(args, sup: Supervisor, backend, run: RunDir, gpus: int) -> int:
     on_stop_signals(lambda signum, frame: stop.set())
     t0 = time.monotonic()
     clear_learners_ready(run.path)
+    clear_learner_beats(run.path)
     try:
         code = sup.run(stop)
-        if code is None:
-            code = 130
+        if code is None or sup.drain:  # interrupted, or stopped by the supervisor with the learners alive
+            code = 130 if code is None else code
+            why = "interrupted" if sup.drain == "" else "stopping the run"
             try:
                 on_stop_signals(interrupt)  # again: stop at once
-                sup.say(f"interrupted: the learners finish their step and write a checkpoint (up to "
+                sup.say(f"{why}: the learners write a checkpoint of their last step (up to "
                         f"{run.cfg.run.stop_grace_s:.0f}s; Ctrl-C again stops at once)")
                 sup.drain_learners(run.cfg.run.stop_grace_s)
             except KeyboardInterrupt:

@@ -65,6 +65,11 @@ class LocalBackend:
     def describe(self, spec: RoleSpec, code: int) -> str:
         return f"exited with code {code}"
 
+    def pid(self, spec: RoleSpec) -> int | None:
+        """The pid of the process this backend runs (or last ran) for `spec`, as the hub knows it (its Hello)."""
+        p = self.procs.get(spec.name)
+        return None if p is None else p.pid
+
     def placing(self, spec: RoleSpec) -> bool:
         """Whether `spec` is still waiting for room to start in: never here (its process starts at once)."""
         return False

@@ -267,6 +267,10 @@ class RayBackend:
         except ray.exceptions.RayError:  # the actor is dead or restarting: the process is gone with it
             return False
 
+    def pid(self, spec: RoleSpec) -> int | None:
+        """Unknown here: the process runs in its Ray actor, on its node (the hub's own verdicts then cover it)."""
+        return None
+
     def describe(self, spec: RoleSpec, code: int) -> str:
         if code == NOT_PLACED:
             return self.unplaced.pop(spec.name, "could not be placed")

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from common.runfiles import ClusterInfo
 
+# Ray restarts a generator's actor this many times when its node is lost (Ray's own restarts; the launcher's are
+# judged over a window, cluster.generator_max_failures).
 GEN_MAX_RESTARTS = 3
 
 
@@ -27,8 +29,10 @@ class RoleSpec:
     # learner rank. vLLM measures the GPU's free memory as it starts and fails if another process frees some
     # meanwhile, which a learner does while it loads the model and builds its DeepSpeed engine.
     after_learners: bool = False
-    max_restarts: int = 0
-    restarts: int = 0
+    restarts: int = 0  # the launcher's restarts of this role in this launch
+    failures: list[float] = field(default_factory=list)  # monotonic times of its failures within the window
+    set_aside: int = 0  # times this generator slot was set aside
+    set_aside_until: float = 0.0  # monotonic time its slot is tried again; 0: not set aside
     next_start: float = 0.0
     running: bool = False
     done: bool = False
@@ -62,7 +66,8 @@ def learner_specs(run_dir: str, info: ClusterInfo, master: tuple[str, int], resu
 
 def generator_spec(run_dir: str, gen_id: int, devices: list[int] | None = None, extra_env: dict[str, str] | None = None,
                    after_learners: bool = False) -> RoleSpec:
-    """Generator `gen_id`. One that dies is restarted (bounded): it rejoins with a weight channel of its own and
-    is sent the latest version before it generates; the hub re-issues the prompts it held."""
+    """Generator `gen_id`. One that dies is restarted (one that keeps failing is set aside, `launch/supervisor.py`):
+    it rejoins with a weight channel of its own and is sent the latest version before it generates; the hub
+    re-issues the prompts it held."""
     return RoleSpec(f"gen{gen_id}", "actors", ["--run-dir", run_dir, "--gen-id", str(gen_id)], dict(extra_env or {}),
-                    gen_id=gen_id, devices=devices or [], after_learners=after_learners, max_restarts=GEN_MAX_RESTARTS)
+                    gen_id=gen_id, devices=devices or [], after_learners=after_learners)

@@ -66,6 +66,7 @@ def prepare(args, gpus: int = 0) -> RunDir:
     if args.from_ is not None:
         raise ConfigError(f"--from {args.from_} picks the checkpoint a resume starts from: use it with --resume RUN_DIR "
                           f"(covrl resume RUN_DIR --from {args.from_})")
+    check_tp(args, gpus)
     cfg = resolved_config(args)
     args.gens = (cfg.cluster.autoscale.min or 1) if args.gens is None else args.gens
     args.learners = 1 if args.learners is None else args.learners
@@ -77,8 +78,7 @@ def prepare(args, gpus: int = 0) -> RunDir:
     check_host(cfg.transport.host)
     check_hub_port(cfg)
     check_batch(cfg, args.learners)
-    if os.path.exists(os.path.join(run_dir := run_dir_of(args), "metrics.jsonl")):
-        raise ConfigError(f"{run_dir} already holds a run (metrics.jsonl); pick a new --run-dir")
+    check_new_run_dir(run_dir := run_dir_of(args))
     check_wandb(cfg)
     local, hub = resolve_model(cfg.model.path)  # a Hub id: its snapshot in the cache, fetched here once if missing
     cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=local))
@@ -106,6 +106,7 @@ def prepare_resume(args, gpus: int = 0) -> RunDir:
         if not os.path.exists(os.path.join(run_dir, name)):
             raise ConfigError(f"--resume {args.resume}: {name} is missing, so this is not a covrl run directory; "
                               f"give the RUN_DIR a run was started with")
+    check_tp(args, gpus)
     cfg = resolved_config(args)
     choice = choose(run_dir, checksums=True, from_step=None if args.from_ is None else step_name(args.from_))
     if choice is not None and choice.step >= cfg.run.steps:
@@ -235,6 +236,31 @@ def check_writable(run_dir: str) -> None:
     why = unwritable(run_dir) or unwritable(os.path.join(run_dir, "logs"))
     if why is not None:
         raise ConfigError(f"run directory {run_dir!r} is not writable ({why}); pass a writable --run-dir")
+
+
+def check_new_run_dir(run_dir: str) -> None:
+    """A new run's directory is new or empty: a run's files never mix with others', and a finished or stopped run
+    is continued with covrl resume, not overwritten."""
+    try:
+        present = sorted(os.listdir(run_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return  # made later; a path that is a file is said by check_writable
+    if ours := [n for n in ("config.toml", "cluster.json", "metrics.jsonl") if n in present]:
+        raise ConfigError(f"{run_dir} already holds a run ({', '.join(ours)}); continue it with covrl resume "
+                          f"{run_dir}, or pick a new --run-dir")
+    if present:
+        shown = ", ".join(present[:3]) + (f" and {len(present) - 3} more" if len(present) > 3 else "")
+        raise ConfigError(f"--run-dir {run_dir} is not empty and not a covrl run (it holds {shown}); a run writes many "
+                          f"files of its own there: pick a new or empty directory")
+
+
+def check_tp(args, gpus: int) -> None:
+    """--tp splits a vLLM generator over GPUs: on a launch placed on no GPU it would be ignored, so it is refused."""
+    if args.tp < 1:
+        raise ConfigError(f"--tp {args.tp}: give the GPUs per generator, 1 or more")
+    if args.tp > 1 and args.ray is None and gpus == 0:
+        raise ConfigError(f"--tp {args.tp} splits each generator over {args.tp} GPUs, and this launch has none "
+                          f"(--gpus 0, or no CUDA device visible): drop --tp, or run where there are GPUs")
 
 
 def run_dir_of(args) -> str:

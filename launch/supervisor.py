@@ -1,17 +1,24 @@
 """The supervisor: starts, restarts, scales and stops the roles of one run through a backend (`launch/local.py`,
 `launch/ray_backend.py`), the same way on both:
-- a generator that exits with an error is restarted (3 retries, backoff 2, 4, 8 s); it rejoins with a weight
-  channel of its own and catches up on the latest version. Under Ray, one whose node is lost is restarted by Ray
-  on any node with room;
+- a generator that exits with an error is restarted (backoff 2, 4, 8 ... s); it rejoins with a weight channel of
+  its own and catches up on the latest version. Under Ray, one whose node is lost is restarted by Ray on any node
+  with room;
+- a generator that fails more than cluster.generator_max_failures times within cluster.generator_failure_window_s
+  is set aside: the run goes on with the others, says so once and records it (RUN_DIR/generators_lost.jsonl, which
+  the learner counts as `cluster/generators_set_aside`); its slot is tried again after
+  cluster.generator_retry_after_s (doubled each time), or at once when the generator count is set again. Only when
+  every generator the run wants is set aside does the run stop, and then as a graceful stop does: the learners
+  write a checkpoint of their last step first (`drain`);
 - a generator the hub declared lost (silent, stuck, or failing its weight channel: RUN_DIR/generators_lost.jsonl)
-  is stopped, its whole process group, and restarted the same way: a frozen or hung process never holds up the
-  run, even though it has not exited;
+  is stopped, its whole process group, and handled as a failure: a frozen or hung process never holds up the run,
+  even though it has not exited;
 - the generator count follows RUN_DIR/generators.json (`covrl scale RUN_DIR --gens N`, `launch/scale.py`, or the
   autoscale policy, `learner/autoscale.py`, whose reason it repeats): missing ids are started; ids beyond it are
   drained by the hub and leave (exit code EXIT_DRAINED); one the backend could not place in time (NOT_PLACED) is
   said and asked for again;
-- a learner rank that fails stops the run; the last checkpoint stays intact, and `covrl resume RUN_DIR` continues
-  from it.
+- a learner rank that fails, or that has not moved on for transport.learner_timeout_s (frozen, or hung in a
+  collective: `launch/watch.py`), stops the run in one line naming the rank; the last checkpoint stays intact, and
+  `covrl resume RUN_DIR` continues from it.
 A role that ends is explained in one line taken from its log (`log_cause`).
 """
 
@@ -23,12 +30,16 @@ import sys
 import threading
 import time
 
-from common.runfiles import (EXIT_DRAINED, NOT_PLACED, LostGenerators, PlacementError, learners_ready,
-                             read_generator_target)
-from launch.progress import Progress
+from common.runfiles import (EXIT_DRAINED, NOT_PLACED, LostGenerator, LostGenerators, PlacementError, learners_ready,
+                             read_generator_target, record_lost_generator)
+from launch.progress import Progress, clock
 from launch.roles import RoleSpec
+from launch.watch import LearnerWatch
 
 GRACE_S = 10.0
+RESTART_BACKOFF_MAX_S = 60.0
+RETRY_BACKOFF_MAX = 8  # a slot set aside again waits generator_retry_after_s x 2, 4, up to this factor
+SET_ASIDE, RETRIED, EXITED = "set_aside", "retried", "exited"  # the launcher's own lines in generators_lost.jsonl
 
 
 def due(spec: RoleSpec, run_dir: str) -> bool:
@@ -70,6 +81,8 @@ class Supervisor:
         self.unplaced = ""
         self.lost = LostGenerators(run_dir)  # the hub's verdicts, followed
         self.stopped: dict[str, str] = {}  # role -> why this supervisor stopped it (a verdict), said at its exit
+        self.watch = LearnerWatch(run_dir, len(learners), cfg.transport.learner_timeout_s)
+        self.drain = ""  # why this supervisor ended the run with the learners alive: they checkpoint first
 
     def roles(self) -> list[RoleSpec]:
         return [*self.learners, *self.gens.values()]
@@ -89,11 +102,15 @@ class Supervisor:
             if self.revision is not None:
                 why = f": {target.reason}" if target.reason else ""
                 self.say(f"scaling to {target.generators} generator(s) (was {self.target}){why}")
+            changed = self.revision is not None
             self.target, self.revision = target.generators, target.revision
             for s in [s for s in self.gens.values()
                       if s.gen_id >= self.target and (not s.running or self.backend.placing(s))]:
                 self.backend.release(s)  # waiting for a (re)start or for room, or finished: no longer wanted
                 del self.gens[s.gen_id]
+            for s in self.gens.values():  # the count was set again (covrl scale, autoscale): set-aside slots now
+                if changed and s.set_aside_until:
+                    s.set_aside_until = s.next_start = time.monotonic()
         self.add_missing()
 
     def add_missing(self) -> None:
@@ -115,7 +132,7 @@ class Supervisor:
         """Stop the process group of every running generator the hub declared lost (matched by pid, so a verdict on
         an incarnation already replaced stops nothing); its exit is then handled as any failure: a restart."""
         for v in self.lost.new():
-            if v.why == "restarted":  # a new incarnation replaced it: nothing left to stop
+            if v.why in ("restarted", SET_ASIDE, RETRIED, EXITED):  # gone already, or this supervisor's own lines
                 continue
             s = self.gens.get(v.gen_id)
             if s is not None and s.running and self.backend.stop_lost(s, v.pid):
@@ -128,6 +145,10 @@ class Supervisor:
     def start_due(self) -> None:
         for s in self.roles():
             if not s.running and not s.done and due(s, self.run_dir):
+                if s.set_aside_until:
+                    self.say(f"{s.name}: trying its slot again (set aside {s.set_aside} time(s))")
+                    self.record(s, RETRIED, "tried again")
+                    s.set_aside_until = 0.0
                 self.backend.start(s)
                 s.running = True
 
@@ -145,6 +166,11 @@ class Supervisor:
             s.running = False
             if (stop := self._exited(s, code)) is not None:
                 return stop
+        live = [r for r, s in enumerate(self.learners) if s.running and not s.done]  # learner_specs: in rank order
+        if (verdict := self.watch.check(live)) is not None:
+            self.say(f"{verdict}; stopping the run (no checkpoint can be written without every rank): covrl resume "
+                     f"{self.run_dir} continues from the newest checkpoint")
+            return 1
         self.progress.update()
         if all(s.done for s in self.learners):
             # Learners finished: generators got Stop from the hub; give them a moment to exit.
@@ -159,7 +185,9 @@ class Supervisor:
         stopped = self.stopped.pop(s.name, None)  # killed on a verdict: say why rather than its log's last line
         if not s.is_generator:  # a learner rank: its failure ends the run
             if code != 0:
-                self.say(f"{s.name} {self.backend.describe(s, code)}; stopping the run: {log_cause(self.run_dir, s.name)}")
+                suspect = self.watch.suspect(self.learners.index(s))
+                self.say(f"{s.name} {self.backend.describe(s, code)}; stopping the run: {log_cause(self.run_dir, s.name)}"
+                         + (f"; {suspect}" if suspect else ""))
                 return 1
             s.done = True
         elif code == NOT_PLACED:  # never started (no room): its bundle is given back; a fresh one is asked for now
@@ -172,17 +200,48 @@ class Supervisor:
             del self.gens[s.gen_id]
         elif code == 0:
             s.done = True
-        elif s.restarts < s.max_restarts:
-            s.restarts += 1
-            delay = 2.0 ** s.restarts
-            self.say(f"{s.name} {self.backend.describe(s, code)}; restart {s.restarts}/{s.max_restarts} in {delay:.0f}s: "
-                     f"{stopped or log_cause(self.run_dir, s.name)}")
-            s.next_start = time.monotonic() + delay
         else:
-            self.say(f"{s.name} failed {s.restarts + 1} times ({self.backend.describe(s, code)}); stopping the run: "
-                     f"{log_cause(self.run_dir, s.name)}")
-            return 1
+            if (pid := self.backend.pid(s)) is not None:  # the hub re-issues what it held now, not at a timeout
+                self.record(s, EXITED, self.backend.describe(s, code), pid)
+            return self._failed(s, self.backend.describe(s, code), stopped or log_cause(self.run_dir, s.name))
         return None
+
+    def _failed(self, s: RoleSpec, how: str, cause: str) -> int | None:
+        """A generator failed: restarted after a backoff while its failures within the window stay within the limit,
+        else set aside; a run whose every wanted generator is set aside stops, the learners checkpointing first."""
+        c, now = self.cfg.cluster, time.monotonic()
+        s.failures = [t for t in s.failures if now - t <= c.generator_failure_window_s] + [now]
+        if len(s.failures) <= c.generator_max_failures:
+            s.restarts += 1
+            delay = min(2.0 ** len(s.failures), RESTART_BACKOFF_MAX_S)
+            self.say(f"{s.name} {how}; restart in {delay:.0f}s (failure {len(s.failures)} of "
+                     f"{c.generator_max_failures} allowed within {clock(c.generator_failure_window_s)}): {cause}")
+            s.next_start = now + delay
+            return None
+        s.set_aside += 1
+        wait = c.generator_retry_after_s * min(2 ** (s.set_aside - 1), RETRY_BACKOFF_MAX)
+        s.set_aside_until = s.next_start = now + wait
+        s.failures = []
+        serving = [g for g in self.gens.values() if g.gen_id < self.target and not g.set_aside_until]
+        detail = (f"failed {c.generator_max_failures + 1} times within {clock(c.generator_failure_window_s)} "
+                  f"(cluster.generator_max_failures={c.generator_max_failures}); the last {how}: {cause}")
+        self.record(s, SET_ASIDE, detail)
+        if not serving:
+            self.drain = f"no generator can serve: all {self.target} set aside after failing"
+            self.say(f"{s.name} set aside: {detail}; {self.drain}")
+            return 1
+        self.say(f"{s.name} set aside: {detail}; the run goes on with {len(serving)} generator(s), and tries its slot "
+                 f"again in {clock(wait)} or when the generator count is set (covrl scale)")
+        return None
+
+    def record(self, s: RoleSpec, why: str, detail: str, pid: int = 0) -> None:
+        """The launcher's line in RUN_DIR/generators_lost.jsonl: a generator process that exited with an error (the
+        hub declares that incarnation lost at once), a slot set aside or tried again (learner rank 0 counts them:
+        `cluster/generators_set_aside`)."""
+        try:
+            record_lost_generator(self.run_dir, LostGenerator(s.gen_id, "", pid, why, detail, time.time()))
+        except OSError as e:  # the run goes on; the metric then misses this change
+            self.say(f"could not record that {s.name} was {why.replace('_', ' ')} in {self.run_dir}: {e}")
 
     def say(self, message: str) -> None:
         """A message on stderr, on a line of its own (the progress line is ended first)."""

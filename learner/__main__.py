@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -17,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from broker.hub import Hub
-from common.runfiles import (LostGenerator, mark_learners_ready, read_cluster, read_generator_target, read_run_config,
-                            record_lost_generator)
+from common.runfiles import (ExitedGenerators, LostGenerator, SetAsideGenerators, mark_learners_ready, read_cluster,
+                             read_generator_target, read_run_config, record_lost_generator)
 from common.config import eval_versions
 from common.data import PromptSource, eval_sets, model_dir
 from common.lifeline import watch_parent
@@ -26,6 +27,7 @@ from common.metrics import MetricsWriter, keep_metrics
 from common.transport import load_secret
 from common.wandb_log import open_wandb
 from learner.autoscale import Autoscaler
+from learner.beat import Beat, beat_interval_s
 from learner.checkpoint import load_checkpoint, restoring, resume_point, save_checkpoint
 from learner.loop import Follower, Lead, Learner, Ranks, fault_steps
 from learner.params import full_state_dict
@@ -43,27 +45,35 @@ def main() -> int:
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in RUN_DIR that verifies")
     args = ap.parse_args()
     watch_parent()  # die with the launcher or Ray actor that started this process
-    # Ctrl-C / SIGTERM (the launcher's graceful stop): finish this step, write a checkpoint, exit.
+    # Ctrl-C / SIGTERM (the launcher's graceful stop): finish this step, or stop waiting for the next batch, write a
+    # checkpoint of the last step trained, exit (learner/loop.py).
     stop_requested = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop_requested.set())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s learner %(levelname)s %(name)s: %(message)s")
     cfg = read_run_config(args.run_dir)
     cluster = read_cluster(args.run_dir)
+    # The launcher's watch reads this rank's record (learner/beat.py) from now on: written before anything slow.
+    beat = Beat(args.run_dir, int(os.environ.get("RANK", "0")), beat_interval_s(cfg.transport.learner_timeout_s),
+                phase="joining the learner ranks")
     thread_setup(cfg)
     torch.manual_seed(cfg.run.seed)
     rank, world = init_distributed(timeout_s=cfg.transport.learner_timeout_s)
     path = model_dir(cfg)
+    beat.phase("loading the model and building the DeepSpeed engine", 0)
     trainer = Trainer(cfg, path)
     start, resumed = 0, None
-    if args.resume and (found := resume_point(args.run_dir, rank)) is not None:
-        start, ckpt = found
-        resumed = load_checkpoint(ckpt, trainer.engine, rank=rank)
-        log.info("resumed from %s (step %d)", ckpt, start)
-    elif args.resume:
-        log.warning("no complete checkpoint in %s/checkpoints: starting from step 0", args.run_dir)
+    if args.resume:
+        beat.phase("resuming from a checkpoint", 0)
+        if (found := resume_point(args.run_dir, rank)) is not None:
+            start, ckpt = found
+            resumed = load_checkpoint(ckpt, trainer.engine, rank=rank)
+            log.info("resumed from %s (step %d)", ckpt, start)
+        else:
+            log.warning("no complete checkpoint in %s/checkpoints: starting from step 0", args.run_dir)
     zero3 = cfg.learner.zero_stage == 3  # parameters are shards: every rank takes part in each gather
     tokenizer = channel = None
+    beat.phase("building the hub and the weight channel" if rank == 0 else "building the weight publisher", start)
     if rank == 0:
         from transformers import AutoTokenizer
 
@@ -72,9 +82,12 @@ def main() -> int:
         channel = WeightPublisher(whost, int(wport), cfg.transport.weight_sync_timeout_s, device=trainer.device,
                                   send_timeout_s=cfg.transport.weight_send_timeout_s)
     publisher = ModelPublisher(trainer.module, zero3=zero3, channel=channel)
-    role = lead(cfg, args, cluster, tokenizer, publisher, world, start, resumed) if rank == 0 else Follower(publisher)
+    role = (lead(cfg, args, cluster, tokenizer, publisher, world, start, resumed, beat) if rank == 0 else
+            Follower(publisher, beat))
     if resumed is not None:
+        beat.phase(f"publishing the resumed version {start}", start)
         publisher.publish(start)  # generators start from the base model and are sent the latest version when they join
+    beat.phase("start-up barrier: every rank's engine built", start)
     dist.barrier()  # every rank's engine is built: its GPU memory is allocated (colocated generators start now)
     if rank == 0:
         role.hub.start()
@@ -88,10 +101,13 @@ def main() -> int:
                         hub_state=hub_blob, state_dict=full, keep_last=cfg.run.keep_checkpoints)
 
     learner = Learner(cfg, trainer=trainer, ranks=Ranks(rank), role=role, world=world, save=save,
-                      stop_requested=stop_requested, run_dir=args.run_dir, faults=fault_steps())
+                      stop_requested=stop_requested, run_dir=args.run_dir, faults=fault_steps(), beat=beat,
+                      clock=time.monotonic if rank == 0 else None)  # rank 0's clock times checkpoint_every_s
     code = learner.run(start)
+    beat.phase(f"final barrier (exit code {code})", learner.trained)
     dist.barrier()
     dist.destroy_process_group()
+    beat.close()
     return code
 
 
@@ -138,7 +154,8 @@ class GeneratorEvents:
         record_lost_generator(self.run_dir, LostGenerator(gen_id, incarnation, pid, why, detail, time.time()))
 
 
-def lead(cfg, args, cluster, tokenizer, publisher: ModelPublisher, world: int, start: int, resumed: dict | None) -> Lead:
+def lead(cfg, args, cluster, tokenizer, publisher: ModelPublisher, world: int, start: int, resumed: dict | None,
+         beat: Beat) -> Lead:
     """Rank 0's role: the broker (restored on resume), the metrics sink (rows after the checkpoint purged), PAR.
     The hub binds cluster.json's hub_addr (the launcher's choice of this node's address), not transport.host."""
     host, port = cluster.hub_addr.rsplit(":", 1)
@@ -147,7 +164,7 @@ def lead(cfg, args, cluster, tokenizer, publisher: ModelPublisher, world: int, s
     hub = Hub(cfg, run_id=cluster.run_id, key=load_secret(args.run_dir), host=host, port=int(port),
               source=source, weight_addr=cluster.weight_addr,
               generators=GeneratorTargetReader(args.run_dir, cluster.generators), eval_prompts=evals,
-              hooks=GeneratorEvents(channel, args.run_dir))
+              hooks=GeneratorEvents(channel, args.run_dir), exited=ExitedGenerators(args.run_dir))
     channel.report = hub.lose  # a weight channel that fails or misses its deadline: the hub decides
     par = ParSchedule(cfg.learner.par, cfg.run.steps)
     # An evaluated version's row waits for its eval results; step 0's row is the base model's evaluation.
@@ -168,7 +185,7 @@ def lead(cfg, args, cluster, tokenizer, publisher: ModelPublisher, world: int, s
         with restoring(resumed["path"], rank=0):
             autoscale.policy.load_state(resumed["autoscale"], start, time.time())  # what it learnt: ceilings, floors
     return Lead(cfg, hub=hub, publisher=publisher, sink=sink, par=par, world=world, held=held, start=start,
-                rollouts=rollouts, autoscale=autoscale)
+                rollouts=rollouts, autoscale=autoscale, beat=beat, set_aside=SetAsideGenerators(args.run_dir).count)
 
 
 if __name__ == "__main__":

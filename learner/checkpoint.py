@@ -15,7 +15,8 @@ Every rank writes into `step_N.tmp/`; after a barrier, ranks 1.. checksum their 
 engine files too) while rank 0 writes the model export and the state, then rank 0 writes the manifest and renames
 the directory to `step_N/`. A crash mid-write leaves a `.tmp` directory that no resume takes, so the previous
 checkpoint stays the one a resume uses; a file damaged afterwards fails `verify` against the manifest, and a resume
-passes that checkpoint over.
+passes that checkpoint over. A disk that fills mid-write is said in one line (`DiskFullError`, common/diskspace.py):
+the step directory, the space it needs, the space free, and that the previous checkpoint is intact.
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.checkpoint_dirs import (DS_TAG, GOOD, LOAD_FAILED, STATE_FILE, UNVERIFIED, choose, complete_checkpoints,
-                                    earlier_usable, set_aside, verify, write_manifest, write_rank_part, write_synced)
+from common.checkpoint_dirs import (DS_TAG, GOOD, LOAD_FAILED, STATE_FILE, UNVERIFIED, checkpoint_bytes, choose,
+                                    complete_checkpoints, earlier_usable, set_aside, verify, write_manifest,
+                                    write_rank_part, write_synced)
+from common.diskspace import (DiskFullError, disk_full_error, free_bytes, is_disk_full, resume_advice,
+                              tree_bytes)
 
 log = logging.getLogger("covrl.checkpoint")
 
@@ -59,26 +63,32 @@ def save_checkpoint(run_dir: str, step: int, engine, *, rank: int, tokenizer=Non
     root = os.path.join(run_dir, "checkpoints")
     final = os.path.join(root, f"step_{step}")
     tmp = final + ".tmp"
+    try:  # everything that writes into tmp; nothing after the rename
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(os.path.join(tmp, "rng"))
+        dist.barrier()
+        engine.save_checkpoint(tmp, tag=DS_TAG, save_latest=False)
+        torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+        dist.barrier()  # every rank's shards are on disk
+        if rank == 0:
+            engine.module.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+            tokenizer.save_pretrained(tmp)
+            if os.environ.get("COVRL_FAULT_CRASH_IN_CHECKPOINT") == str(step):  # fault injection (tests): die mid-write
+                log.error("COVRL_FAULT_CRASH_IN_CHECKPOINT=%d: exiting in the middle of the checkpoint write", step)
+                os._exit(9)
+            write_synced(os.path.join(tmp, HUB_FILE), hub_state or b"")
+            write_synced(os.path.join(tmp, STATE_FILE), json.dumps({"step": step, **(state or {})}, indent=1).encode())
+        else:
+            write_rank_part(tmp, rank, dist.get_world_size())  # checksummed while rank 0 writes the export
+        dist.barrier()  # every file and every rank's share of the manifest is written
+        if rank == 0:
+            write_manifest(tmp, dist.get_world_size())
+    except Exception as e:  # one line on a full disk; any other failure passes unchanged
+        if (full := disk_full(e, run_dir, final, engine)) is None:
+            raise
+        raise full from e
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng"))
-    dist.barrier()
-    engine.save_checkpoint(tmp, tag=DS_TAG, save_latest=False)
-    torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
-    dist.barrier()  # every rank's shards are on disk
-    if rank == 0:
-        engine.module.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp)
-        if os.environ.get("COVRL_FAULT_CRASH_IN_CHECKPOINT") == str(step):  # fault injection (tests): die mid-write
-            log.error("COVRL_FAULT_CRASH_IN_CHECKPOINT=%d: exiting in the middle of the checkpoint write", step)
-            os._exit(9)
-        write_synced(os.path.join(tmp, HUB_FILE), hub_state or b"")
-        write_synced(os.path.join(tmp, STATE_FILE), json.dumps({"step": step, **(state or {})}, indent=1).encode())
-    else:
-        write_rank_part(tmp, rank, dist.get_world_size())  # checksummed while rank 0 writes the export
-    dist.barrier()  # every file and every rank's share of the manifest is written
-    if rank == 0:
-        write_manifest(tmp, dist.get_world_size())
         if os.path.exists(final):  # a run resumed from an earlier checkpoint reached this step again
             log.warning("checkpoint step_%d already exists (from before the resume this run took); kept as %s",
                         step, set_aside(final, "superseded"))
@@ -89,6 +99,43 @@ def save_checkpoint(run_dir: str, step: int, engine, *, rank: int, tokenizer=Non
                 log.info("removed checkpoint step_%d (run.keep_checkpoints=%d)", old, keep_last)
     dist.barrier()
     return final
+
+
+def disk_full(e: Exception, run_dir: str, final: str, engine) -> DiskFullError | None:
+    """The one-line error for `e`, raised while this rank wrote checkpoint `final` (into `final`.tmp), when the disk
+    is full; None otherwise. The rank that hit the full disk says it; the others time out on their barrier, as they
+    do for any rank's failure there (or, reaching the same full disk, say the same)."""
+    tmp = final + ".tmp"
+    need = max(checkpoint_need(run_dir, engine), tree_bytes(tmp))
+    if not is_disk_full(e, free_bytes(run_dir), need):
+        return None
+    # The failed write's frames hold torch's open file (its writer object): dropped, so that removing the file
+    # below frees its space now rather than at exit. The chain's types and texts stay in the log.
+    cause, seen = e, set()
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        cause.__traceback__, cause = None, cause.__cause__ or cause.__context__
+    # The partial directory goes: it holds space that the logs, metrics and summary need now (and the resume's
+    # next checkpoint, though that one clears its own `.tmp` first), and no resume ever takes a `.tmp` (nor is one
+    # renamed while a rank is missing from the barrier before the rename). A rank still writing into it then fails
+    # on the missing directory rather than at its barrier: it stops either way. Only this `.tmp` path goes:
+    # complete checkpoints are never touched.
+    shutil.rmtree(tmp, ignore_errors=True)
+    done = complete_checkpoints(run_dir)
+    intact = (f"the previous checkpoint, step_{done[-1][0]}, is intact" if done else
+              "the run has no earlier checkpoint, so it starts again from step 0")
+    return disk_full_error(final, free_bytes(run_dir), resume_advice(run_dir, intact), need,
+                           note=f"; its partial {os.path.basename(tmp)} was removed")
+
+
+def checkpoint_need(run_dir: str, engine) -> int:
+    """About what a checkpoint of this run takes on disk: the newest complete one's size (its manifest), else
+    from the parameters: the export and the engine's copy at their dtype, plus AdamW's fp32 master copy and two
+    moments (12 bytes a parameter)."""
+    done = complete_checkpoints(run_dir)
+    if done:
+        return checkpoint_bytes(done[-1][1])
+    return sum(getattr(p, "ds_numel", p.numel()) * (2 * p.element_size() + 12) for p in engine.module.parameters())
 
 
 def resume_point(run_dir: str, rank: int) -> tuple[int, str] | None:

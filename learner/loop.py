@@ -7,7 +7,15 @@ stand-ins and no processes:
 - `role`: what this rank does besides training, the one place where rank 0 differs: `Lead` on rank 0 (the
   broker, the weight publisher and its channels, the metrics sink, the rows held for evaluation, the PAR
   schedule), `Follower` elsewhere (the publisher only: every rank publishes, ZeRO-3 gathers are collectives);
-- `save`: `(step, state, hub_blob) -> None`, the checkpoint writer (a collective: every rank calls it).
+- `save`: `(step, state, hub_blob) -> None`, the checkpoint writer (a collective: every rank calls it);
+- `beat`: this rank's heartbeat and phase record (learner/beat.py), entered before every wait.
+
+Every stop the learners survive is checkpointed first. A stop (SIGTERM, Ctrl-C: `stop_requested`) between steps
+finishes the step; one while rank 0 waits for step k's batch, or that wait passing transport.batch_timeout_s, ends
+the run before step k: rank 0 shares a `Halt` in place of the batch and every rank checkpoints step k - 1 (unless
+this launch trained nothing, or wrote it already), then exits 0, or `EXIT_BATCH_TIMEOUT` for the deadline. A stop
+while the publish of step k waits for generation ends that wait: step k is published, checkpointed, and the run
+exits 0 (`Lead.finish_version` says what that costs a resume).
 
 The policy version has one owner on rank 0: the hub (`HubPort.set_version`; it stamps work with it, bounds
 staleness by it and saves it in its snapshot). Step k trains on the batch of version k - 1 and makes version k;
@@ -20,6 +28,7 @@ token stamped with it may reach the hub the moment the broadcast lands (work for
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import threading
@@ -27,17 +36,56 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from common import messages
 from common.config import Config, eval_versions
-from learner.batch import StepBatch, batch_from_config, decode, encode
+from learner.batch import StepBatch, batch_from_config
+from learner.beat import NoBeat
 from learner.ports import HubPort, ShapedGroup
 from learner.trainer import step_metrics
 
 log = logging.getLogger("covrl.learner")
+
+EXIT_DIVERGED = 3  # learner.max_consecutive_skipped_steps optimizer steps in a row were skipped (non-finite)
+EXIT_BATCH_TIMEOUT = 4  # no batch within transport.batch_timeout_s; the last trained step is checkpointed first
+
+STOP, DEADLINE = "stop", "deadline"  # Halt.why
+
+
+class Halt(msgspec.Struct, array_like=True, frozen=True):
+    """Rank 0's word, shared in place of step k's batch, that the run ends before step k: `why` STOP (asked for) or
+    DEADLINE (no batch within transport.batch_timeout_s; `detail`: the hub's account of what it waited for)."""
+    why: str
+    detail: str = ""
+
+
+class Shared(msgspec.Struct, array_like=True, gc=False):
+    """What `Ranks.share` broadcasts: step k's batch, or a `Halt`."""
+    batch: StepBatch | None = None
+    halt: Halt | None = None
+
+
+_SHARED = msgspec.msgpack.Decoder(Shared)
+
+
+def encode_shared(item: StepBatch | Halt) -> bytes:
+    return msgspec.msgpack.encode(Shared(halt=item) if isinstance(item, Halt) else Shared(batch=item))
+
+
+def decode_shared(buf: bytes) -> StepBatch | Halt:
+    got = _SHARED.decode(buf)
+    return got.halt if got.halt is not None else got.batch
+
+
+class Agreed(enum.IntFlag):
+    """The flags one `Ranks.agree` settles after each step, each set on every rank if it is set on any."""
+    STOP = 1  # a rank was asked to stop (SIGTERM, Ctrl-C)
+    DUE = 2  # run.checkpoint_every_s has passed on rank 0's clock since the last checkpoint (or the launch)
+    DEADLINE = 4  # rank 0's publish gave up waiting for generation (transport.batch_timeout_s): checkpoint, stop
 
 
 class Ranks:
@@ -46,17 +94,17 @@ class Ranks:
     def __init__(self, rank: int):
         self.rank = rank
 
-    def share(self, batch: StepBatch | None) -> StepBatch:
-        """Rank 0's batch to every rank: msgpack bytes in a broadcast (no pickles of our structs)."""
-        box = [encode(batch) if self.rank == 0 else None]
+    def share(self, item: StepBatch | Halt | None) -> StepBatch | Halt:
+        """Rank 0's batch, or its `Halt`, to every rank: msgpack bytes in a broadcast (no pickles of our structs)."""
+        box = [encode_shared(item) if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
-        return decode(box[0])
+        return decode_shared(box[0])
 
-    def agree(self, flag: bool) -> bool:
-        """True on every rank if it is true on any."""
-        t = torch.tensor([1.0 if flag else 0.0])
+    def agree(self, flags: int) -> int:
+        """Each bit of `flags` (`Agreed`; a bool is bit 0) set on every rank if it is set on any: one all_reduce."""
+        t = torch.tensor([float(int(flags) >> i & 1) for i in range(len(Agreed))])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return sum(1 << i for i, v in enumerate(t.tolist()) if v)
 
 
 # The bins of the staleness histogram in metrics.jsonl (`staleness/share_lag_<bin>`): lags 0 and 1, then powers of two.
@@ -114,13 +162,18 @@ class Published:
 class Follower:
     """Ranks 1..: train on rank 0's batch and take part in every collective; nothing to take, send or write."""
 
-    def __init__(self, publisher):
+    def __init__(self, publisher, beat=None):
         self.publisher = publisher  # learner/publisher.py, without a channel on these ranks
+        self.beat = beat if beat is not None else NoBeat()
+        self.missed = ""  # rank 0's alone (`Lead.missed`); the others learn it through `Ranks.agree`
 
-    def take(self, step: int) -> None:
+    def take(self, step: int, stop: threading.Event | None = None) -> None:
+        # The broadcast that follows waits for rank 0, which waits for the generators (transport.batch_timeout_s).
+        self.beat.phase(f"receiving step {step}'s batch from rank 0", step, waits_on="generators")
         return None
 
-    def publish(self, step: int) -> None:
+    def publish(self, step: int, stop: threading.Event | None = None) -> None:
+        self.beat.phase(f"step {step}: publishing version {step}", step)
         self.publisher.publish(step)  # under ZeRO-3 this rank's shards join each bucket's gather
 
     def record(self, step: int, batch: StepBatch, metrics: dict[str, float], published, t0: float) -> None:
@@ -129,7 +182,7 @@ class Follower:
     def checkpoint_state(self, step: int, world: int) -> tuple[None, None]:
         return None, None
 
-    def close(self, completed: bool) -> None:
+    def close(self, completed: bool, stop: threading.Event | None = None) -> None:
         pass
 
 
@@ -141,10 +194,12 @@ class Lead:
     """
 
     def __init__(self, cfg: Config, *, hub: HubPort, publisher, sink, par, world: int, held: dict[int, dict[str, float]],
-                 start: int = 0, rollouts=None, autoscale=None):
+                 start: int = 0, rollouts=None, autoscale=None, beat=None, set_aside=None):
         self.cfg, self.hub, self.publisher, self.sink, self.par, self.world = cfg, hub, publisher, sink, par, world
+        self.beat = beat if beat is not None else NoBeat()  # learner/beat.py: this rank's phase record
         self.rollouts = rollouts  # learner/rollout_log.py: the readable rollouts (None: not written)
         self.autoscale = autoscale  # learner/autoscale.py: sets the generator target from each row (None: off)
+        self.set_aside = set_aside  # () -> generator slots the launcher set aside (common.runfiles.SetAsideGenerators)
         self.evaluated = set(eval_versions(cfg))
         self.held = held  # version -> its row, written once the version's eval results are in
         self.wait_s = cfg.transport.batch_timeout_s
@@ -154,12 +209,22 @@ class Lead:
         self.last_t = time.perf_counter()
         self.batch_wait = 0.0
         self.trained, self.last_row = start, {}  # the newest step trained, its row: for the progress line
+        self.missed = ""  # the hub's account, when a publish gave up waiting for generation (batch_timeout_s)
         self.show_progress()
 
-    def take(self, step: int) -> StepBatch:
+    def take(self, step: int, stop: threading.Event | None = None) -> StepBatch | Halt:
+        """Step `step`'s batch from the hub; a `Halt` when `stop` is set while it waits, or when none comes within
+        transport.batch_timeout_s (the hub keeps what it holds, so a checkpoint now resumes this step exactly)."""
         version = step - 1
         t0 = time.perf_counter()
-        groups = self.hub.take_batch(version, timeout_s=self.wait_s)
+        self.beat.phase(f"waiting for step {step}'s batch", step, waits_on="generators")
+        try:
+            groups = self.hub.take_batch(version, timeout_s=self.wait_s, stop=stop)
+        except InterruptedError:  # broker.hub.Stopped
+            return Halt(STOP)
+        except TimeoutError as e:  # the hub's account of what it waited for
+            return Halt(DEADLINE, str(e))
+        self.beat.phase(f"step {step}: sharing the batch", step)
         self.batch_wait = time.perf_counter() - t0
         self.stale = token_staleness(groups, version)
         self.extra = host_metrics(groups, self.stale)
@@ -169,13 +234,30 @@ class Lead:
             self.rollouts.train(step, [r.group for r in groups], [s.advantage for s in batch.samples])
         return batch
 
-    def finish_version(self, v: int) -> float:
-        """Wait for the generation pinned to version v; write its held row. Returns seconds waited."""
-        waited = self.hub.wait_version_done(v, timeout_s=self.wait_s)
+    def finish_version(self, v: int, stop: threading.Event | None = None) -> float:
+        """Wait for the generation pinned to version v; write its held row. Returns seconds waited.
+
+        A set `stop`, or transport.batch_timeout_s passing (`missed` then holds the hub's account), ends the wait, and
+        the caller goes on (publishes, checkpoints, exits). The generation pinned to v that is still out is then made
+        again at the next version after the resume, so such a resume is not bit-exact with a run that was never
+        stopped; v's row, if it was held for v's evaluation, goes out without eval metrics (the resume does not
+        evaluate v again)."""
+        t0 = time.perf_counter()
+        try:
+            waited, cut = self.hub.wait_version_done(v, timeout_s=self.wait_s, stop=stop), False
+        except InterruptedError:  # broker.hub.Stopped
+            waited, cut = time.perf_counter() - t0, True
+            log.info("stop requested: not waiting for the rest of the generation at version %d", v)
+        except TimeoutError as e:  # the trained step is published and checkpointed before the run stops
+            waited, cut, self.missed = time.perf_counter() - t0, True, str(e)
+            log.error("gave up waiting for the generation at version %d: %s", v, e)
         if v in self.held:
             metrics, texts = self.hub.take_eval(v)
+            if cut:
+                log.warning("the evaluation of version %d was cut short by the stop: its row has no eval metrics", v)
+                metrics, texts = {}, []
             self.sink.write(v, {**self.held.pop(v), **metrics})
-            if self.rollouts is not None:
+            if self.rollouts is not None and not cut:
                 self.rollouts.evaluated(v, texts)
             self.show_progress()
         return waited
@@ -184,9 +266,11 @@ class Lead:
         note = self.autoscale.last.short() if self.autoscale is not None and self.autoscale.last else ""
         self.sink.progress(self.trained, self.last_row, sorted(self.held), note=note)
 
-    def publish(self, step: int) -> Published:
+    def publish(self, step: int, stop: threading.Event | None = None) -> Published:
         """Make `step` the policy version: the one place it moves on rank 0 (see the module docstring)."""
-        waited = self.finish_version(step - 1)
+        self.beat.phase(f"step {step}: waiting for the generation at version {step - 1}", step, waits_on="generators")
+        waited = self.finish_version(step - 1, stop)
+        self.beat.phase(f"step {step}: publishing version {step}", step)
         self.hub.set_version(step)  # the owner moves first: work for `step` just waits in the generator
         return Published(*self.publisher.publish(step), waited_s=waited)  # then the weights, labelled `step`
 
@@ -221,6 +305,7 @@ class Lead:
             "weights/bytes": float(published.nbytes),
             "weights/checksum": published.checksum,
             "weights/version": float(step),
+            "cluster/generators_set_aside": float(self.set_aside() if self.set_aside is not None else 0),
         })
         self.last, self.last_t = stats, now
         if self.autoscale is not None:
@@ -240,9 +325,11 @@ class Lead:
             state["autoscale"] = self.autoscale.policy.state()
         return state, self.hub.snapshot()
 
-    def close(self, completed: bool) -> None:
+    def close(self, completed: bool, stop: threading.Event | None = None) -> None:
         if completed:
-            self.finish_version(self.cfg.run.steps)
+            last = self.cfg.run.steps
+            self.beat.phase(f"closing: waiting for the generation at version {last}", last, waits_on="generators")
+            self.finish_version(last, stop)
         self.publisher.stop()
         self.hub.stop()
         self.sink.close()
@@ -251,47 +338,100 @@ class Lead:
 class Learner:
     def __init__(self, cfg: Config, *, trainer, ranks: Ranks, role: Lead | Follower, world: int,
                  save: Callable[[int, dict | None, bytes | None], None], stop_requested: threading.Event,
-                 run_dir: str, faults: set[int] = frozenset()):
+                 run_dir: str, faults: set[int] = frozenset(), beat=None,
+                 clock: Callable[[], float] | None = time.monotonic):
+        """`clock`: what decides a time-based checkpoint (run.checkpoint_every_s): rank 0's, None on the others,
+        which follow it through `Ranks.agree`."""
         self.cfg, self.trainer, self.ranks, self.role = cfg, trainer, ranks, role
         self.world, self.save, self.stop_requested, self.run_dir, self.faults = world, save, stop_requested, run_dir, faults
+        self.beat = beat if beat is not None else NoBeat()
+        self.clock = clock
         self.skipped_in_row = 0
+        self.trained = self.saved = 0  # the newest step trained; checkpointed (or resumed from)
+        self.saved_at = 0.0  # when, on `clock`
 
     def run(self, start: int) -> int:
-        """Steps start + 1 .. run.steps, or until a stop or divergence. Returns the exit code (3: diverged)."""
-        step, code = start, None
+        """Steps start + 1 .. run.steps, or until a stop, a missed batch or divergence. Returns the exit code (0,
+        `EXIT_DIVERGED`, `EXIT_BATCH_TIMEOUT`)."""
+        self.trained = self.saved = start  # the step resumed from is on disk already
+        self.saved_at = self.clock() if self.clock else 0.0
+        code = None
         for step in range(start + 1, self.cfg.run.steps + 1):
             code = self.step(step)
             if code is not None:
                 break
-        self.role.close(step == self.cfg.run.steps and not code)
+        self.role.close(self.trained == self.cfg.run.steps and not code, self.stop_requested)
         return code or 0
 
     def step(self, step: int) -> int | None:
         """One learner step; an exit code when the run must stop here, else None."""
         t0 = time.perf_counter()
-        batch = self.ranks.share(self.role.take(step))
+        batch = self.ranks.share(self.role.take(step, self.stop_requested))
+        if isinstance(batch, Halt):
+            return self.halt(step - 1, batch)
+        self.beat.phase(f"step {step}: training", step)
         stats = self.trainer.train_step(batch, poison=step in self.faults)
         metrics = step_metrics(stats)
         self.skipped_in_row = self.skipped_in_row + len(stats.skipped) if all(stats.skipped) else 0
-        published = self.role.publish(step)
+        published = self.role.publish(step, self.stop_requested)  # a stop ends its wait for generation, not the publish
+        self.beat.phase(f"step {step}: recording", step)
         self.role.record(step, batch, metrics, published, t0)
+        self.trained = step
         return self.checkpoint(step)
 
     def checkpoint(self, step: int) -> int | None:
-        """Write a checkpoint when one is due (every N steps, the last step, a stop, divergence); stop if asked."""
-        stop = self.ranks.agree(self.stop_requested.is_set())
+        """Write a checkpoint when one is due (every N steps or run.checkpoint_every_s, the last step, a stop,
+        divergence); stop if asked."""
+        self.beat.phase(f"step {step}: agreeing on a checkpoint", step)
+        asked = ((Agreed.STOP if self.stop_requested.is_set() else 0) | (Agreed.DUE if self.time_due() else 0)
+                 | (Agreed.DEADLINE if getattr(self.role, "missed", "") else 0))
+        agreed = Agreed(int(self.ranks.agree(asked)))
         every = self.cfg.run.checkpoint_every_steps
         diverged = self.skipped_in_row >= self.cfg.learner.max_consecutive_skipped_steps
-        if step == self.cfg.run.steps or (every and step % every == 0) or stop or diverged:
-            self.save(step, *self.role.checkpoint_state(step, self.world))
+        if step == self.cfg.run.steps or (every and step % every == 0) or agreed or diverged:
+            self.save_once(step)
         if diverged:
             log.error("stopping: the last %d optimizer steps had a non-finite loss or gradient and were skipped "
                       "(learner.max_consecutive_skipped_steps=%d); the weights are those of the last good step, saved "
                       "in %s/checkpoints/step_%d. Lower learner.lr, check the reward and data, or continue with "
                       "covrl resume %s", self.skipped_in_row, self.cfg.learner.max_consecutive_skipped_steps, self.run_dir,
                       step, self.run_dir)
-            return 3
-        if stop:
+            return EXIT_DIVERGED
+        if Agreed.DEADLINE in agreed:
+            log.error("stopping (transport.batch_timeout_s passed while the publish waited for generation; checkpoint "
+                      "of step %d written): %s; continue with covrl resume %s once generators can serve",
+                      step, getattr(self.role, "missed", "") or "learner rank 0's wait", self.run_dir)
+            return EXIT_BATCH_TIMEOUT
+        if Agreed.STOP in agreed:
             log.info("stop requested: checkpoint of step %d written; continue with covrl resume %s", step, self.run_dir)
             return 0
         return None
+
+    def time_due(self) -> bool:
+        """run.checkpoint_every_s (0: off) has passed on this rank's clock since the last checkpoint or the launch."""
+        every_s = self.cfg.run.checkpoint_every_s
+        return bool(every_s and self.clock and self.clock() - self.saved_at >= every_s)
+
+    def halt(self, step: int, halt: Halt) -> int:
+        """Rank 0 has no batch for step + 1 (a stop, or transport.batch_timeout_s passed): checkpoint `step`, the
+        last trained, and end the run."""
+        if self.save_once(step):
+            kept = f"checkpoint of step {step} written"
+        else:
+            kept = f"no step trained since step {step}, which is checkpointed already" if step else "no step trained"
+        if halt.why == STOP:
+            log.info("stop requested: %s; continue with covrl resume %s", kept, self.run_dir)
+            return 0
+        log.error("stopping (transport.batch_timeout_s passed; %s): %s; continue with covrl resume %s once generators "
+                  "can serve", kept, halt.detail, self.run_dir)
+        return EXIT_BATCH_TIMEOUT
+
+    def save_once(self, step: int) -> bool:
+        """Checkpoint `step` (a collective) unless it is on disk already: written by this launch, or the step it
+        resumed from (or step 0, the base model). True if written."""
+        if step == self.saved:
+            return False
+        self.beat.phase(f"checkpoint step_{step}", step)
+        self.save(step, *self.role.checkpoint_state(step, self.world))
+        self.saved, self.saved_at = step, self.clock() if self.clock else 0.0
+        return True

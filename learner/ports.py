@@ -7,6 +7,7 @@ it talks to whatever it is handed through these protocols, and the test stand-in
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -37,14 +38,16 @@ class HubPort(Protocol):
 
     def start(self) -> None: ...
 
-    def take_batch(self, version: int, timeout_s: float) -> list[ShapedGroup]:
-        """Block until the batch for the step that starts at `version` is ready."""
+    def take_batch(self, version: int, timeout_s: float, stop: threading.Event | None = None) -> list[ShapedGroup]:
+        """Block until the batch for the step that starts at `version` is ready; an InterruptedError once `stop` is
+        set."""
 
     def set_version(self, version: int) -> None:
         """The policy version generators are now given work at (see `learner/loop.py`: `Lead.publish`)."""
 
-    def wait_version_done(self, version: int, timeout_s: float) -> float:
-        """Block until the generation pinned to `version` is in; returns the seconds waited."""
+    def wait_version_done(self, version: int, timeout_s: float, stop: threading.Event | None = None) -> float:
+        """Block until the generation pinned to `version` is in; returns the seconds waited. An InterruptedError once
+        `stop` is set."""
 
     def take_eval(self, version: int) -> tuple[dict[str, float], list]:
         """Eval metrics of `version` and its results that carry response texts."""

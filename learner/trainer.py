@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from common.runfiles import apply_memory_fraction
 from common.config import ClipCovLoss, Config, TransportConfig
@@ -70,9 +71,44 @@ def init_distributed(timeout_s: float = TransportConfig().learner_timeout_s) -> 
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
-                               timeout=datetime.timedelta(seconds=timeout_s))
+    deadline = datetime.timedelta(seconds=timeout_s)
+    # A group made later without a timeout of its own (DeepSpeed's data-parallel groups: `new_group(ranks)`) gets
+    # torch's default for its backend (30 min gloo, 10 min NCCL), not the world group's; a frozen rank then held the
+    # others 600 s past a 40 s learner_timeout_s. torch reads these module defaults at each `new_group`; they are
+    # this process's own, and every group it makes is a learner rank's, so they all take the learner deadline.
+    c10d.default_pg_timeout = deadline
+    c10d.default_pg_nccl_timeout = deadline
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=deadline)
     return dist.get_rank(), dist.get_world_size()
+
+
+def bound_every_group(timeout_s: float) -> int:
+    """Give every process group this rank is in the deadline `timeout_s` (transport.learner_timeout_s), whatever it
+    was made with; call once the groups exist (after the DeepSpeed engine is built). Returns how many were set."""
+    deadline = datetime.timedelta(seconds=timeout_s)
+    groups = [pg for pg in list(c10d._world.pg_map) if not c10d._rank_not_in_group(pg)]
+    for pg in groups:
+        c10d._set_pg_timeout(deadline, pg)
+    return len(groups)
+
+
+def group_deadlines() -> dict[str, float]:
+    """What a collective waits at most, in seconds, on each gloo or NCCL backend of every group this rank is in, by
+    "<group name>/<device>"."""
+    out = {}
+    for pg in list(c10d._world.pg_map):
+        if c10d._rank_not_in_group(pg):
+            continue
+        for device in pg._device_types:
+            options = getattr(pg._get_backend(device), "options", None)
+            if options is not None and hasattr(options, "_timeout"):
+                out[f"{c10d._world.pg_names.get(pg, '?')}/{device.type}"] = options._timeout.total_seconds()
+    return out
+
+
+def unbounded_groups(timeout_s: float) -> dict[str, float]:
+    """The groups (as `group_deadlines` names them) whose timeout is not `timeout_s`: empty when all are bounded."""
+    return {name: s for name, s in group_deadlines().items() if abs(s - timeout_s) > 1e-3}
 
 
 def ds_config(cfg: Config) -> dict:
@@ -231,6 +267,11 @@ class Trainer:
         opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay, betas=lc.adam_betas,
                                 eps=lc.adam_eps, fused=fused or None)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(cfg))
+        # DeepSpeed made its groups just now: each collective on them waits at most transport.learner_timeout_s.
+        bound_every_group(cfg.transport.learner_timeout_s)
+        if slack := unbounded_groups(cfg.transport.learner_timeout_s):
+            log.warning("process groups that wait past transport.learner_timeout_s=%gs (a frozen rank holds the others "
+                        "that long): %s", cfg.transport.learner_timeout_s, slack)
         self.device = self.engine.device  # cpu here; the rank's GPU on the GPU path
         if dist.get_rank() == 0:  # what DeepSpeed and transformers actually set up, not what was asked
             log.info("learner: ZeRO-%d, optimizer offload %s, bf16 %s, attention %s, gradient checkpointing %s, device %s, "

@@ -11,6 +11,12 @@ a deadlocked engine loop would: the heartbeat and weight threads go on, so the h
 returns nothing. Only the first incarnation that gets there hangs (it creates DIR/genG.hung with O_EXCL and writes
 its pid there), so the replacement the launcher starts works normally.
 
+crash.json = {"gen_id": G, "after": N, "then": M, "claim_dir": DIR}: the generator started with `--gen-id G` exits
+with code 1 (os._exit: no clean-up, as a crash) on its (N + 1)th `generate`; the first incarnation that gets there
+claims DIR/genG.crashed, and every later one crashes on its (M + 1)th call instead (M = 0: as soon as it is given
+work; M = -1: at start-up, before it reaches the hub; each crash appends its pid to the claim). A generator that keeps failing, for the tests of the launcher's failure window (tests/integration/
+test_run_faults.py).
+
 pace.json = {"generate_s": S, "lock": PATH or null, "learner_s": T}, read at every call (a test changes it while
 the run trains): every generator's engine sleeps S seconds before each `generate` (a slower engine, without using
 this machine's cores: what a far larger model on a GPU does to the pipeline), holding an exclusive lock on PATH
@@ -24,6 +30,7 @@ import sys
 
 _SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hang.json")
 _PACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pace.json")
+_CRASH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash.json")
 
 
 def _install() -> None:
@@ -137,7 +144,46 @@ def _install_pace() -> None:
         _after_import("learner.trainer", _paced_learner)
 
 
+def _install_crash() -> None:
+    import json
+
+    with open(_CRASH) as f:
+        spec = json.load(f)
+    argv = sys.orig_argv if hasattr(sys, "orig_argv") else sys.argv
+    gen_id = str(spec["gen_id"])
+    if "actors" not in argv or "--gen-id" not in argv or argv[argv.index("--gen-id") + 1] != gen_id:
+        return
+    claim = os.path.join(spec["claim_dir"], f"gen{gen_id}.crashed")
+    after = int(spec["then"]) if os.path.exists(claim) else int(spec["after"])
+    if after < 0:  # at start-up, before it reaches the hub
+        with open(claim, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        print("test fault: the generator crashes at start-up", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def crashing(module) -> None:
+        import logging
+
+        generate, calls = module.TorchEngine.generate, [0]
+
+        def crash(self, *args, **kwargs):
+            calls[0] += 1
+            if calls[0] > after:
+                with open(claim, "a") as f:
+                    f.write(f"{os.getpid()}\n")
+                logging.getLogger("covrl.test_fault").error("test fault: the generator crashes now (call %d)", calls[0])
+                logging.shutdown()
+                os._exit(1)
+            return generate(self, *args, **kwargs)
+
+        module.TorchEngine.generate = crash
+
+    _after_import("actors.engine", crashing)
+
+
 if os.path.exists(_SPEC):
     _install()
+if os.path.exists(_CRASH):
+    _install_crash()
 if os.path.exists(_PACE):
     _install_pace()

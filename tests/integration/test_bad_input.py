@@ -67,6 +67,9 @@ def _files(d):
     f["a_run"] = str(d / "a_run")
     os.makedirs(d / "not_a_run")
     f["not_a_run"] = str(d / "not_a_run")
+    os.makedirs(d / "someones_files")  # a directory of other files: a run is not written into it
+    (d / "someones_files" / "notes.txt").write_text("not a run\n")
+    f["someones_files"] = str(d / "someones_files")
     return f
 
 
@@ -123,6 +126,9 @@ CASES = [
     # run directories
     ("existing run directory", ["-m", "launch.cluster", "--run-dir", "{a_run}", "--quiet"], "already holds a run"),
     ("resume of a non-run", ["-m", "launch.cluster", "--resume", "{not_a_run}"], "not a covrl run directory"),
+    ("run directory of other files", ["-m", "launch.cluster", "--run-dir", "{someones_files}", "--quiet"],
+     "is not empty and not a covrl run (it holds notes.txt)"),
+    ("tensor parallel without GPUs", RUN + ["--tp", "2", "--gpus", "0"], "--tp 2 splits each generator over 2 GPUs"),
     # the other commands
     ("evaluate: no model", EVALUATE + ["--model", "{tmp}/nomodel"], "--model '"),
     ("evaluate: bad data row", EVALUATE + ["--model", BASE_MODEL, "--data", "{no_answer}"],
@@ -164,7 +170,7 @@ def outcomes(inputs, tmp_path_factory):
     the existing directories before any ran, and {case: (its run directory, the finished process)}."""
     from concurrent.futures import ThreadPoolExecutor
 
-    before = {p: sorted(os.listdir(inputs[p])) for p in ("a_run", "not_a_run")}
+    before = {p: sorted(os.listdir(inputs[p])) for p in ("a_run", "not_a_run", "someones_files")}
     root = tmp_path_factory.mktemp("runs")
     with ThreadPoolExecutor(2) as pool:
         started = {case: (root / f"{i}" / "run", argv) for i, (case, argv, _) in enumerate(CASES)}
@@ -182,7 +188,7 @@ def test_bad_input_is_one_line_exit_2_nothing_left(case, argv, needle, inputs, o
     assert len(lines) == 1 and "error: " in lines[0], f"{case}: not one error line:\n{p.stderr}"
     assert needle.format(**inputs, run=str(run)) in lines[0], f"{case}: {lines[0]!r} does not say {needle!r}"
     assert not run.exists(), f"{case}: left {sorted(os.listdir(run))} in the run directory"
-    assert before == {p: sorted(os.listdir(inputs[p])) for p in ("a_run", "not_a_run")}, "an existing directory changed"
+    assert before == {p: sorted(os.listdir(inputs[p])) for p in before}, "an existing directory changed"
     assert not any(os.path.exists(os.path.join(inputs["tmp"], f"out.{x}")) for x in ("parquet", "jsonl"))
 
 

@@ -31,7 +31,8 @@ BLOCKING: dict[str, int | None] = {
     "barrier": None, "monitored_barrier": None, "broadcast": None, "broadcast_object_list": None,
     "all_reduce": None, "all_gather": None, "all_gather_object": None, "all_gather_into_tensor": None,
     "reduce_scatter": None, "reduce_scatter_tensor": None, "all_to_all": None, "init_process_group": None,
-    "new_group": None, "init_distributed": None, "destroy_process_group": None, "TCPStore": 4,
+    "new_group": None, "new_subgroups": None, "new_subgroups_by_enumeration": None, "split_group": None,
+    "init_distributed": None, "destroy_process_group": None, "TCPStore": 4,
     "ProcessGroupGloo": None, "GatheredParameters": None, "synchronize": None, "trainer_init": None,
     "PyNcclCommunicator": None,
     # futures, events, conditions, stores, subprocesses, ZeroMQ
@@ -90,7 +91,10 @@ OPTION_TIMEOUTS = {("ProcessGroupGloo", "_timeout"), ("broadcast", "timeout")}
 # here), "local:" (it waits only on this process's own threads, which never wait on another process while they
 # hold what it waits for). Function "*": anywhere in the file; a text ending in "...": a prefix.
 REASON_KINDS = ("timeout:", "non-blocking:", "local:")
-PG = "timeout: the learner ranks' process group (init_distributed(timeout_s=transport.learner_timeout_s))"
+# A group made without a timeout of its own gets its backend's default, not the world group's (30 min gloo): so the
+# learner gives every group its deadline (test_every_learner_process_group_is_bounded below).
+PG = ("timeout: the learner ranks' process groups: init_distributed(timeout_s=transport.learner_timeout_s), and "
+      "DeepSpeed's own bounded by bound_every_group once the engine is built")
 GLOO_PAIR = "timeout: the pair channel's ProcessGroupGloo _timeout (WeightChannel.__init__: the timeout_s it is built with)"
 SENDS = ("timeout: Sends: each gloo operation at most transport.weight_send_timeout_s (the channel's own _timeout, "
          "polled by Sends.wait, which also gives up at the hub's verdict)")
@@ -169,6 +173,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "timeout: run by _within(timeout_s, ...), which gives up on it past its deadline",
     ("learner/nccl.py", "NcclSender.close", "self.comm.destroy (called back)"):
         "timeout: run by _within(self.timeout_s, ...), which gives up on it past its deadline",
+    ("learner/beat.py", "*", "with self.lock"):
+        "local: Beat.lock is taken only by this rank's own two threads, each for one small file write",
     # ---- the hub (a thread of learner rank 0) ----
     ("broker/hub.py", "*", "with self.cv"):
         "local: the hub's cv is never held across a wait on another process (NOBLOCK sends; the hooks join, leave and "
@@ -458,6 +464,46 @@ def test_every_wait_on_another_process_has_a_deadline():
     bad = violations(sources())
     assert not bad, "waits without a deadline (pass a timeout, or ALLOW it with where its deadline comes from):\n" + \
         "\n".join(f"  {s.path}:{s.line} in {s.func}: {s.text}  [{s.why}]" for s in bad)
+
+
+def test_a_new_process_group_is_never_excused():
+    """Every group our code makes passes its deadline: `new_group` and its kin cannot be ALLOWED (a group made without
+    one waits its backend's default, 30 min on gloo, whatever transport.learner_timeout_s says)."""
+    makers = ("new_group", "new_subgroups", "split_group")
+    assert not [key for key in ALLOWED if any(m in key[2] for m in makers)]
+    src = "import torch.distributed as dist\ndef f(ranks, timeout_s):\n    dist.new_group(ranks)\n" \
+          "    dist.new_group(ranks, timeout=timeout_s)\n    dist.new_subgroups(2)\n"
+    flagged = [s.text for s in scan_source("learner/synthetic.py", src)]
+    assert flagged == ["dist.new_group(ranks)", "dist.new_subgroups(2)"]
+
+
+def _calls(func: ast.AST) -> list[tuple[int, str]]:
+    """(line, call text) of every call in a function, in source order."""
+    return sorted((n.lineno, ast.unparse(n)) for n in ast.walk(func) if isinstance(n, ast.Call))
+
+
+def _function(path: str, qualname: str) -> ast.AST:
+    """The definition of `qualname` ("f" or "Class.f") in one file."""
+    node = ast.parse((ROOT / path).read_text())
+    for part in qualname.split("."):
+        node = next((c for c in node.body if isinstance(c, (ast.FunctionDef, ast.ClassDef)) and c.name == part), None)
+        assert node is not None, f"{path} has no {qualname}: update this test with where it went"
+    return node
+
+
+def test_every_learner_process_group_is_bounded():
+    """PG above holds for DeepSpeed's groups only because the learner bounds them: init_distributed makes groups made
+    later default to the deadline, and Trainer.__init__ sets it on every group once the engine has made its own."""
+    init_fn = _function("learner/trainer.py", "init_distributed")
+    init = [text for _, text in _calls(init_fn)]
+    sets = {ast.unparse(t) for n in ast.walk(init_fn) if isinstance(n, ast.Assign) for t in n.targets}
+    assert {"c10d.default_pg_timeout", "c10d.default_pg_nccl_timeout"} <= sets, "init_distributed sets torch's defaults"
+    assert any(t.startswith("deepspeed.init_distributed(") and "timeout=" in t for t in init)
+    calls = _calls(_function("learner/trainer.py", "Trainer.__init__"))
+    built = [line for line, text in calls if text.startswith("deepspeed.initialize(")]
+    bounded = [line for line, text in calls if text == "bound_every_group(cfg.transport.learner_timeout_s)"]
+    assert built and bounded and min(bounded) > max(built), \
+        "Trainer.__init__ calls bound_every_group(cfg.transport.learner_timeout_s) after deepspeed.initialize"
 
 
 def test_allowlist_is_honest_and_current():

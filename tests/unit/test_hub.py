@@ -467,8 +467,9 @@ def test_the_learners_target_reader_follows_generators_json_and_keeps_the_last_g
 
 
 @contextlib.contextmanager
-def _verdict_hub(tiny_model_dir, *extra):
-    """A hub whose verdicts are recorded; yields (hub, the on_lost calls)."""
+def _verdict_hub(tiny_model_dir, *extra, exited=None):
+    """A hub whose verdicts are recorded; yields (hub, the on_lost calls). `exited`: the hub's poll of the
+    processes the launcher saw exit."""
     from transformers import AutoTokenizer
 
     cfg = load_config(None, ["data.train_size=64", "rollout.groups_per_step=2", "rollout.group_size=2",
@@ -477,7 +478,7 @@ def _verdict_hub(tiny_model_dir, *extra):
     lost = []
     h = Hub(cfg, run_id="run1", key=KEY, host="127.0.0.1", port=0, weight_addr="127.0.0.1:1",
             source=PromptSource(cfg, AutoTokenizer.from_pretrained(tiny_model_dir)), generators=lambda: 2,
-            hooks=Hooks(lost=lambda *v: lost.append(v)))
+            hooks=Hooks(lost=lambda *v: lost.append(v)), target_poll_s=0.1, exited=exited)
     h.start()
     try:
         yield h, lost
@@ -590,6 +591,30 @@ def test_a_failed_weight_channel_is_the_hubs_verdict_and_a_stale_report_is_ignor
         hub.lose(0, "a", "the same channel again")  # decided once
         c = hub.stats().counters
         assert len(lost) == 1 and c["hub/generator_lost/weight_channel"] == 1 and c["hub/reissued_prompts"] == 2
+        a.close()
+
+
+def test_a_generator_the_launcher_saw_exit_is_lost_at_once_and_a_report_on_another_pid_is_ignored(tiny_model_dir):
+    """Without the launcher's word, a dead generator's work waits for its silence's timeout (30 s here) or its
+    replacement's hello, and a generator set aside has no replacement. With it, within a poll."""
+    reports = [[(0, 777, "exited with code -9")]]  # another process under id 0: an incarnation already gone
+
+    def exited():
+        return reports.pop(0) if reports else []
+
+    with _verdict_hub(tiny_model_dir, exited=exited) as (hub, lost):
+        a = GeneratorSocket(hub.sock.address, KEY)
+        assert isinstance(_hello(a), messages.Welcome)  # pid 1
+        a.send(messages.WorkRequest(gen_id=0, incarnation="a", max_groups=2))
+        assert isinstance(a.recv(5.0), messages.Work)
+        time.sleep(0.5)
+        assert lost == [], "a report about another pid stopped a live generator"
+        reports.append([(0, 1, "exited with code 1")])
+        waited = _wait_lost(lost, 1, 5)
+        assert waited < 1.0 and [(v[0], v[1], v[2], v[3]) for v in lost] == [(0, "a", 1, "exited")]
+        assert "the launcher saw its process exited with code 1" in lost[0][4]
+        c = hub.stats().counters
+        assert c["hub/generator_lost/exited"] == 1 and c["hub/reissued_prompts"] == 2
         a.close()
 
 

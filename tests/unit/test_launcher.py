@@ -105,6 +105,9 @@ class Backend:
     def describe(self, s, code):
         return "could not be placed: no room" if code == NOT_PLACED else f"exited with code {code}"
 
+    def pid(self, s):
+        return self.pids.get(s.name)
+
     def placing(self, s):
         return s.name in self.waiting_for_room
 
@@ -257,7 +260,8 @@ def test_a_generator_the_hub_declared_lost_is_stopped_and_restarted(tmp_path, ca
     assert "not a verdict" in err  # a damaged line is said, not fatal
     backend.exits["gen1"] = -9
     assert sup.poll() is None and sup.gens[1].restarts == 1 and not sup.gens[1].running
-    assert "gen1 exited with code -9; restart 1/3 in 2s: the hub declared it lost (stuck" in capsys.readouterr().err
+    assert ("gen1 exited with code -9; restart in 2s (failure 1 of 3 allowed within 10m00s): the hub declared it lost "
+            "(stuck") in capsys.readouterr().err
 
 
 def test_a_generator_with_no_room_is_said_and_asked_for_again_and_dropped_when_scaled_away(tmp_path, capsys):
@@ -302,3 +306,66 @@ def test_writers_of_the_generator_target_never_give_one_revision_twice(tmp_path)
     assert sorted(revisions) == list(range(1, 2 * n + 1)) and read_generator_target(run).revision == 2 * n
     assert write_generator_target(run, 3, expect=2 * n - 1) is None and read_generator_target(run).generators == 2
     assert write_generator_target(run, 3, expect=2 * n).revision == 2 * n + 1
+
+
+def _fail(sup, backend, name, times):
+    """`name` fails `times` times in a row, each restart started at once (its backoff skipped)."""
+    for _ in range(times):
+        backend.exits[name] = 1
+        code = sup.poll()
+        if code is not None:
+            return code
+        s = sup.gens[int(name[3:])]
+        if not s.set_aside_until:
+            s.next_start = 0.0
+            assert sup.poll() is None and s.running
+    return None
+
+
+def test_a_generator_failing_past_its_limit_within_the_window_is_set_aside_and_the_run_goes_on(tmp_path, capsys):
+    """cluster.generator_max_failures = 3: the 4th failure within the window sets the slot aside (said once,
+    recorded in generators_lost.jsonl), the others keep serving; failures older than the window do not count; the
+    slot is tried again after its backoff, and at once when the count is set again (covrl scale)."""
+    from common.runfiles import LostGenerators
+
+    run = str(tmp_path)
+    write_generator_target(run, 2)
+    sup, backend = _supervisor(run)
+    follow = LostGenerators(run)
+    assert sup.poll() is None and backend.started == ["learner0", "gen0", "gen1"]
+    sup.gens[1].failures = [-1e9, -1e9]  # two failures long ago, outside the 600 s window
+    backend.pids = {"gen1": 4321}
+    assert _fail(sup, backend, "gen1", 1) is None  # the hub is told at once which process exited (its pid)
+    assert [(v.gen_id, v.why, v.pid, v.detail) for v in follow.new()] == [(1, "exited", 4321, "exited with code 1")]
+    backend.pids = {}
+    sup.gens[1].failures = [-1e9, -1e9]
+    assert _fail(sup, backend, "gen1", 3) is None and not sup.gens[1].set_aside_until
+    assert "restart in 8s (failure 3 of 3 allowed within 10m00s)" in capsys.readouterr().err
+    assert _fail(sup, backend, "gen1", 1) is None, "one generator's failures must not stop the run"
+    s = sup.gens[1]
+    assert s.set_aside_until > 0 and not s.running and s.set_aside == 1
+    err = capsys.readouterr().err
+    assert err.count("gen1 set aside: failed 4 times within 10m00s (cluster.generator_max_failures=3)") == 1
+    assert "the run goes on with 1 generator(s), and tries its slot again in 10m00s" in err
+    lines = follow.new()
+    assert [(v.gen_id, v.why) for v in lines] == [(1, "set_aside")]
+    assert sup.poll() is None and backend.started.count("gen1") == 5  # not started again before its backoff
+    s.set_aside_until = s.next_start = 1.0  # its backoff has passed
+    assert sup.poll() is None and s.running and s.set_aside_until == 0.0
+    assert "gen1: trying its slot again (set aside 1 time(s))" in capsys.readouterr().err
+    assert [(v.gen_id, v.why) for v in follow.new()] == [(1, "retried")]
+    assert _fail(sup, backend, "gen1", 4) is None and s.set_aside == 2
+    assert "tries its slot again in 20m00s" in capsys.readouterr().err  # the backoff doubles
+    write_generator_target(run, 2, reason="covrl scale")  # the count set again: the slot is tried at once
+    assert sup.poll() is None and s.running and backend.started.count("gen1") == 10
+
+
+def test_a_run_whose_every_generator_is_set_aside_stops_with_the_learners_checkpointing_first(tmp_path, capsys):
+    run = str(tmp_path)
+    write_generator_target(run, 2)
+    sup, backend = _supervisor(run)
+    assert sup.poll() is None
+    assert _fail(sup, backend, "gen0", 4) is None and sup.drain == ""
+    assert _fail(sup, backend, "gen1", 4) == 1
+    assert sup.drain == "no generator can serve: all 2 set aside after failing"
+    assert "gen1 set aside: failed 4 times" in capsys.readouterr().err

@@ -44,12 +44,12 @@ class Hub:
     def __init__(self, events):
         self.events, self.taken = events, 0
 
-    def take_batch(self, version, timeout_s):
+    def take_batch(self, version, timeout_s, stop=None):
         self.events.append(("take_batch", version))
         self.taken += 2
         return [Ready(_group([1, 0])), Ready(_group([0, 1]))]
 
-    def wait_version_done(self, version, timeout_s):
+    def wait_version_done(self, version, timeout_s, stop=None):
         self.events.append(("wait_version_done", version))
         return 0.25
 
