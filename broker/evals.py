@@ -116,5 +116,10 @@ class EvalSchedule:
 
     def take(self, version: int) -> tuple[dict[str, float], list[tuple[str, int, messages.EvalResult]]]:
         """The eval metrics of `version` (empty if it was not evaluated) and the results that carry response texts
-        as (data source, prompt index, result) in source and prompt order; forgotten once taken."""
+        as (data source, prompt index, result) in source and prompt order; forgotten once taken. Whatever is still
+        owed for versions <= `version` is dropped with them (a stop or a deadline cut the learner's wait short, and
+        the next version is published next): never served again, and a late result is an unknown ticket."""
+        self.pending = collections.deque(p for p in self.pending if p[0] > version)
+        for tid in [tid for tid, e in self.in_flight.items() if e.version <= version]:
+            del self.in_flight[tid]
         return eval_metrics(self.scores.pop(version, {})), sorted(self.texts.pop(version, []), key=lambda x: x[:2])

@@ -44,7 +44,7 @@ Invariants
   frozen or cut off), `stuck` (it holds work, has the weights that work needs, and its main loop has sent nothing
   for the progress limit, whatever its heartbeat says: a hung engine), `weight_channel` (learner rank 0's weight
   channel to it failed or missed its deadline: `lose`), `restarted` (a new incarnation said hello), `exited` (the
-  launcher saw its process exit: a line in RUN_DIR/generators_lost.jsonl, `exited` in the constructor).
+  launcher saw its process exit: a line in RUN_DIR/generators_launcher.jsonl, `exited` in the constructor).
   The progress limit is `transport.generator_progress_timeout_s`, or when that is 0 max(floor, factor x the slowest
   reply seen), a reply's time running from when the generator was given work, or its previous message, with the
   clock held while its heartbeat says it is still waiting for the weights its work names.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -55,6 +56,24 @@ def complete_checkpoints(run_dir: str) -> list[tuple[int, str]]:
         if m and os.path.isfile(os.path.join(path, STATE_FILE)) and os.path.isdir(os.path.join(path, DS_TAG)):
             found.append((int(m.group(1)), path))
     return sorted(found)
+
+
+def remove_rolling(run_dir: str, before: int) -> list[int]:
+    """Delete the complete checkpoints older than step `before` that were written only because run.checkpoint_every_s
+    passed (`"rolling": true` in their state file): a newer checkpoint supersedes them. Returns their steps."""
+    gone = []
+    for step, path in complete_checkpoints(run_dir):
+        if step >= before:
+            continue
+        try:
+            with open(os.path.join(path, STATE_FILE)) as f:
+                rolling = json.load(f).get("rolling", False)
+        except (OSError, ValueError):  # unreadable: not ours to judge, kept
+            continue
+        if rolling is True:
+            shutil.rmtree(path)
+            gone.append(step)
+    return gone
 
 
 def checkpoint_bytes(path: str) -> int:

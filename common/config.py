@@ -34,12 +34,14 @@ class RunConfig(_Section):
     seed: NonNegInt = 0
     steps: PosInt = 100
     torch_threads: PosInt = 1  # per process; the CPU path runs one role per core
-    checkpoint_every_steps: NonNegInt = 0  # 0: only the final checkpoint (and one on a graceful stop)
+    # 0: none periodic (the last step and every stop the learners survive are checkpointed anyway).
+    checkpoint_every_steps: NonNegInt = 0
     # Also a checkpoint once this long has passed on learner rank 0's clock since the last one (or the launch), so a
-    # run with long steps loses at most this much to a crash; 0: off.
+    # crash loses at most this much; 0: off. Rolling: the next checkpoint of any kind removes one written only for
+    # this, so it adds at most one checkpoint on disk.
     checkpoint_every_s: NonNegFloat = 1800.0
     keep_checkpoints: NonNegInt = 0  # newest complete checkpoints kept on disk (0: all)
-    # Ctrl-C / SIGTERM: seconds the learners get to finish their step and write a checkpoint.
+    # A graceful stop (Ctrl-C / SIGTERM, or the launcher's): seconds the learners get to checkpoint their last step.
     stop_grace_s: PosFloat = 300.0
     # Same seed, same numbers: all generation at policy version v finishes before v + 1 is
     # published, so every token's version is a function of its prompt's place in the stream and
@@ -388,7 +390,7 @@ class ClusterConfig(_Section):
     placement_timeout_s: PosFloat = 300.0
     # A generator that fails (exits with an error, or is stopped on the hub's verdict) more than
     # generator_max_failures times within generator_failure_window_s is set aside: the run goes on with the others
-    # (RUN_DIR/generators_lost.jsonl, `cluster/generators_set_aside`), and its slot is tried again after
+    # (RUN_DIR/generators_launcher.jsonl, `cluster/generators_set_aside`), and its slot is tried again after
     # generator_retry_after_s (doubled each time it is set aside again, up to 8x), or at once when the generator
     # count is set again (covrl scale, the autoscale policy). The run stops, with a checkpoint, only when every
     # generator it wants is set aside. Below the limit a failed generator is restarted after 2, 4, 8 ... s (at most 60).

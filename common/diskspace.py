@@ -57,9 +57,18 @@ def tree_bytes(path: str) -> int:
     return total
 
 
+# Failures of a collective (a peer that died or froze, a deadline): never the disk, however little is free.
+_NOT_THE_DISK = ("gloo", "nccl", "timed out", "timeout", "connection", "broken pipe", "collective")
+
+
 def is_disk_full(exc: BaseException, free: int, need_bytes: int = 0) -> bool:
-    """Whether `exc`, raised while writing something of about `need_bytes`, came from a full disk."""
-    return full_disk_in_chain(exc) or free < need_bytes
+    """Whether `exc`, raised while writing something of which about `need_bytes` was still to be written, came from
+    a full disk: the errno or its text in the chain; else, for an error of a local write (not a collective's, nor a
+    distributed error), free space below what remained to write."""
+    if full_disk_in_chain(exc):
+        return True
+    text = f"{type(exc).__module__}.{type(exc).__name__}: {exc}".lower()
+    return free < need_bytes and "distributed" not in text and not any(t in text for t in _NOT_THE_DISK)
 
 
 def size_text(n: int) -> str:

@@ -272,18 +272,27 @@ def read_generator_target(run_dir: str) -> GeneratorTarget | None:
                          f"`covrl scale {run_dir} --gens N`") from None
 
 
-LOST_FILE = "generators_lost.jsonl"
+LOST_FILE = "generators_lost.jsonl"  # the hub's verdicts (learner rank 0 writes it)
+# The launcher's account of its generator processes: one exited with an error, a slot set aside, tried again,
+# released by a scale-down, a launch began (`launch/supervisor.py` writes it). A file of its own: one writer per
+# file, since on a shared filesystem (Ray) appends from two hosts are not atomic.
+LAUNCHER_FILE = "generators_launcher.jsonl"
+EXITED, SET_ASIDE, RETRIED, RELEASED, LAUNCH = "exited", "set_aside", "retried", "released", "launch"
 # A generator told by the hub that it was declared lost (it came back after its verdict) exits with this code: a
 # failure, so the launcher restarts it (if it has not stopped it already).
 EXIT_LOST = 65
 
 
 class LostGenerator(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One line of RUN_DIR/generators_lost.jsonl: the hub declared a generator incarnation lost (`Hub._lose`).
+    """One line of RUN_DIR/generators_lost.jsonl or RUN_DIR/generators_launcher.jsonl.
 
-    Appended by learner rank 0; followed by the launcher's supervisor, which stops the process group of the
-    generator it runs under that id if its pid is `pid` (and restarts it as a failed one). `why`: timeout, stuck,
-    weight_channel or restarted (`hub/generator_lost/<why>`)."""
+    generators_lost.jsonl: the hub declared a generator incarnation lost (`Hub._lose`), appended by learner rank 0;
+    followed by the launcher's supervisor, which stops the process group of the generator it runs under that id if
+    its pid is `pid` (and restarts it as a failed one). `why`: timeout, stuck, weight_channel, restarted or exited
+    (`hub/generator_lost/<why>`).
+    generators_launcher.jsonl: the launcher's lines (no incarnation): `why` EXITED (process `pid` exited with an
+    error: the hub declares that incarnation lost at once), SET_ASIDE, RETRIED, RELEASED (a slot; pid 0), LAUNCH (a
+    launch began; gen_id -1)."""
     gen_id: int
     incarnation: str
     pid: int
@@ -292,9 +301,9 @@ class LostGenerator(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     t: float  # time.time() of the verdict
 
 
-def record_lost_generator(run_dir: str, lost: LostGenerator) -> None:
-    """Append one verdict: a single write of one line (O_APPEND), so a reader never sees half of one."""
-    fd = os.open(os.path.join(run_dir, LOST_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+def record_lost_generator(run_dir: str, lost: LostGenerator, name: str = LOST_FILE) -> None:
+    """Append one line to RUN_DIR/`name`: a single write (O_APPEND), so a reader never sees half of one."""
+    fd = os.open(os.path.join(run_dir, name), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, msgspec.json.encode(lost) + b"\n")
     finally:
@@ -302,12 +311,14 @@ def record_lost_generator(run_dir: str, lost: LostGenerator) -> None:
 
 
 class LostGenerators:
-    """Follows RUN_DIR/generators_lost.jsonl: `new()` returns the verdicts appended since the last call (those
-    present when it was built are taken as seen: a resumed run's old verdicts name processes long gone)."""
+    """Follows RUN_DIR/`name`: `new()` returns the lines appended since the last call (those present when it was
+    built are taken as seen, unless `from_start`: a resumed run's old verdicts name processes long gone). A file
+    that cannot be read now (a shared filesystem's hiccup) gives nothing this time and is read again next time:
+    callers on the hub thread must not raise."""
 
-    def __init__(self, run_dir: str):
-        self.path = os.path.join(run_dir, LOST_FILE)
-        self.offset = os.path.getsize(self.path) if os.path.exists(self.path) else 0
+    def __init__(self, run_dir: str, name: str = LOST_FILE, from_start: bool = False):
+        self.path = os.path.join(run_dir, name)
+        self.offset = os.path.getsize(self.path) if os.path.exists(self.path) and not from_start else 0
         self.damaged: list[str] = []  # lines that could not be read, for the caller to say and clear
 
     def new(self) -> list[LostGenerator]:
@@ -315,7 +326,7 @@ class LostGenerators:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
                 data = f.read()
-        except FileNotFoundError:
+        except OSError:  # not there yet, or not readable now: next time
             return []
         end = data.rfind(b"\n") + 1  # a line still being written is read next time
         self.offset += end
@@ -329,38 +340,46 @@ class LostGenerators:
 
 
 class ExitedGenerators:
-    """The generator processes the launcher saw exit with an error since the last call (its "exited" lines in
-    RUN_DIR/generators_lost.jsonl, from this launch's start), as (gen_id, pid, how): the hub's `exited` poll. Lines
-    of other kinds, the hub's own verdicts included, are passed over."""
+    """The generator processes the launcher saw exit with an error since the last call (its EXITED lines, written
+    after this hub was built), as (gen_id, pid, how): the hub's `exited` poll."""
 
     def __init__(self, run_dir: str):
-        self.follow = LostGenerators(run_dir)
+        self.follow = LostGenerators(run_dir, LAUNCHER_FILE)
 
     def __call__(self) -> list[tuple[int, int, str]]:
-        got = [(v.gen_id, v.pid, v.detail) for v in self.follow.new() if v.why == "exited" and v.pid]
+        got = [(v.gen_id, v.pid, v.detail) for v in self.follow.new() if v.why == EXITED and v.pid]
         self.follow.damaged.clear()  # the launcher says those
         return got
 
 
 class SetAsideGenerators:
-    """The generator slots the launcher has set aside now (its "set_aside" and "retried" lines in
-    RUN_DIR/generators_lost.jsonl, `launch/supervisor.py`), followed from this launch's start: learner rank 0's
-    `cluster/generators_set_aside`."""
+    """The generator slots the launcher has set aside now: its SET_ASIDE lines since the last LAUNCH line, less those
+    tried again or released since (read from the file's start, so a slot set aside while this learner was still
+    loading counts): learner rank 0's `cluster/generators_set_aside`."""
 
     def __init__(self, run_dir: str):
-        self.follow, self.now = LostGenerators(run_dir), set()
+        self.follow, self.now = LostGenerators(run_dir, LAUNCHER_FILE, from_start=True), set()
 
     def count(self) -> int:
         for v in self.follow.new():
-            if v.why == "set_aside":
+            if v.why == LAUNCH:
+                self.now.clear()
+            elif v.why == SET_ASIDE:
                 self.now.add(v.gen_id)
-            elif v.why == "retried":
+            elif v.why in (RETRIED, RELEASED):
                 self.now.discard(v.gen_id)
         self.follow.damaged.clear()  # the launcher says those
         return len(self.now)
 
 
 LEARNER_WATCH_DIR = "learners"  # RUN_DIR/learners/rank_R.json: each learner rank's phase and heartbeat
+BEAT_MAX_INTERVAL_S = 5.0
+
+
+def beat_interval_s(learner_timeout_s: float) -> float:
+    """How often a learner rank's heartbeat moves: ten beats within transport.learner_timeout_s, the scale the
+    launcher's watch judges it on, and at least every 5 s."""
+    return min(BEAT_MAX_INTERVAL_S, learner_timeout_s / 10)
 
 
 class LearnerBeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -369,10 +388,12 @@ class LearnerBeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ranks' clocks (other nodes under Ray) never enter its verdict: `beat` must change every few seconds while the
     process lives (a thread of its own), `phase_seq` whenever the rank enters a new phase.
 
-    `phase` says what it does in a few words ("waiting for step 5's batch", "step 5: training", "checkpoint step_4:
-    barrier"); `waits_on`: "generators" while the rank waits for generation (bounded by transport.batch_timeout_s,
-    not by the learner ranks' deadline), else "learners"; `step`: the step it is on; `t`: time.time() on its own
-    clock, for people reading the file."""
+    `phase` says what it does in a few words ("waiting for step 5's batch", "step 5: training", "checkpoint step_4");
+    `waits_on`: "generators" while the rank waits for generation (bounded by transport.batch_timeout_s, which the
+    config keeps below the learner ranks' deadline), "learners" while it works or waits with its peers (a peer waits
+    on it with that deadline), "none" once it is past its last collective (exiting: not judged stuck); `step`: the
+    step it is on; `t`: time.time() on its own clock, for people reading the file. A training step moves
+    `phase_seq` at each micro-batch."""
     rank: int
     pid: int
     beat: int

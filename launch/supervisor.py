@@ -4,8 +4,8 @@
   its own and catches up on the latest version. Under Ray, one whose node is lost is restarted by Ray on any node
   with room;
 - a generator that fails more than cluster.generator_max_failures times within cluster.generator_failure_window_s
-  is set aside: the run goes on with the others, says so once and records it (RUN_DIR/generators_lost.jsonl, which
-  the learner counts as `cluster/generators_set_aside`); its slot is tried again after
+  is set aside: the run goes on with the others, says so once and records it (RUN_DIR/generators_launcher.jsonl,
+  which the learner counts as `cluster/generators_set_aside`); its slot is tried again after
   cluster.generator_retry_after_s (doubled each time), or at once when the generator count is set again. Only when
   every generator the run wants is set aside does the run stop, and then as a graceful stop does: the learners
   write a checkpoint of their last step first (`drain`);
@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import threading
 import time
 
-from common.runfiles import (EXIT_DRAINED, NOT_PLACED, LostGenerator, LostGenerators, PlacementError, learners_ready,
-                             read_generator_target, record_lost_generator)
+from common.runfiles import (EXIT_DRAINED, EXITED, LAUNCH, LAUNCHER_FILE, NOT_PLACED, RELEASED, RETRIED, SET_ASIDE,
+                             LostGenerator, LostGenerators, PlacementError, learners_ready, read_generator_target,
+                             record_lost_generator)
 from launch.progress import Progress, clock
 from launch.roles import RoleSpec
 from launch.watch import LearnerWatch
@@ -39,7 +41,6 @@ from launch.watch import LearnerWatch
 GRACE_S = 10.0
 RESTART_BACKOFF_MAX_S = 60.0
 RETRY_BACKOFF_MAX = 8  # a slot set aside again waits generator_retry_after_s x 2, 4, up to this factor
-SET_ASIDE, RETRIED, EXITED = "set_aside", "retried", "exited"  # the launcher's own lines in generators_lost.jsonl
 
 
 def due(spec: RoleSpec, run_dir: str) -> bool:
@@ -66,6 +67,19 @@ def log_cause(run_dir: str, name: str) -> str:
     return f"{cause[:300]} (full log: {path})"
 
 
+def killed(code: int, run_dir: str, name: str) -> str:
+    """A role killed by a signal that this launcher did not send says so (its log's last line, a progress bar
+    often, would say nothing); "" for any other exit."""
+    if code >= 0:
+        return ""
+    try:
+        sig = signal.Signals(-code).name
+    except ValueError:
+        sig = f"signal {-code}"
+    return (f"killed by {sig}, not by this launcher (the kernel's OOM killer, a preemption, a user?) "
+            f"(its log: {os.path.join(run_dir, 'logs', name + '.log')})")
+
+
 class Supervisor:
     """`poll` once per tick; a run ends when every learner rank has finished (0) or one failed (1)."""
 
@@ -83,6 +97,8 @@ class Supervisor:
         self.stopped: dict[str, str] = {}  # role -> why this supervisor stopped it (a verdict), said at its exit
         self.watch = LearnerWatch(run_dir, len(learners), cfg.transport.learner_timeout_s)
         self.drain = ""  # why this supervisor ended the run with the learners alive: they checkpoint first
+        self.done_at: float | None = None  # when the first learner rank finished the run (exit 0)
+        self.record(None, LAUNCH, "a launch began: slots set aside before it are not any more")
 
     def roles(self) -> list[RoleSpec]:
         return [*self.learners, *self.gens.values()]
@@ -107,6 +123,8 @@ class Supervisor:
             for s in [s for s in self.gens.values()
                       if s.gen_id >= self.target and (not s.running or self.backend.placing(s))]:
                 self.backend.release(s)  # waiting for a (re)start or for room, or finished: no longer wanted
+                if s.set_aside_until:
+                    self.record(s, RELEASED, f"scaled to {self.target} generator(s)")
                 del self.gens[s.gen_id]
             for s in self.gens.values():  # the count was set again (covrl scale, autoscale): set-aside slots now
                 if changed and s.set_aside_until:
@@ -132,7 +150,7 @@ class Supervisor:
         """Stop the process group of every running generator the hub declared lost (matched by pid, so a verdict on
         an incarnation already replaced stops nothing); its exit is then handled as any failure: a restart."""
         for v in self.lost.new():
-            if v.why in ("restarted", SET_ASIDE, RETRIED, EXITED):  # gone already, or this supervisor's own lines
+            if v.why in ("restarted", EXITED):  # replaced already, or it had exited
                 continue
             s = self.gens.get(v.gen_id)
             if s is not None and s.running and self.backend.stop_lost(s, v.pid):
@@ -172,6 +190,8 @@ class Supervisor:
                      f"{self.run_dir} continues from the newest checkpoint")
             return 1
         self.progress.update()
+        if (late := self.late_learners()) is not None:
+            return late
         if all(s.done for s in self.learners):
             # Learners finished: generators got Stop from the hub; give them a moment to exit.
             deadline = time.monotonic() + GRACE_S
@@ -180,6 +200,21 @@ class Supervisor:
                 time.sleep(0.2)
             return 0
         return None
+
+    def late_learners(self) -> int | None:
+        """A learner rank exits 0 only past the last collective, which every rank reaches together: the others have
+        nothing left to do. One still running GRACE_S later (a hang in its interpreter's exit) is left to
+        `backend.close`, and the run is complete (0)."""
+        done = [s for s in self.learners if s.done]
+        if not done or all(s.done for s in self.learners):
+            return None
+        if self.done_at is None:
+            self.done_at = time.monotonic()
+        if time.monotonic() - self.done_at <= GRACE_S:
+            return None
+        late = ", ".join(s.name for s in self.learners if not s.done)
+        self.say(f"{late} did not exit within {GRACE_S:.0f}s after {done[0].name} finished the run; stopping it")
+        return 0
 
     def _exited(self, s: RoleSpec, code: int) -> int | None:
         stopped = self.stopped.pop(s.name, None)  # killed on a verdict: say why rather than its log's last line
@@ -196,14 +231,16 @@ class Supervisor:
         elif code == EXIT_DRAINED or (code != 0 and s.gen_id >= self.target):
             # Drained; or it ended (refused, killed) after the run was scaled below its id: it left, not failed.
             # A fresh one starts on the next tick if the target has grown past its id again.
+            if code != EXIT_DRAINED:
+                self.exited(s, code)  # a draining one that died: what it held is re-issued now
             self.backend.release(s)
             del self.gens[s.gen_id]
         elif code == 0:
             s.done = True
         else:
-            if (pid := self.backend.pid(s)) is not None:  # the hub re-issues what it held now, not at a timeout
-                self.record(s, EXITED, self.backend.describe(s, code), pid)
-            return self._failed(s, self.backend.describe(s, code), stopped or log_cause(self.run_dir, s.name))
+            self.exited(s, code)
+            return self._failed(s, self.backend.describe(s, code), stopped or killed(code, self.run_dir, s.name)
+                                or log_cause(self.run_dir, s.name))
         return None
 
     def _failed(self, s: RoleSpec, how: str, cause: str) -> int | None:
@@ -234,14 +271,22 @@ class Supervisor:
                  f"again in {clock(wait)} or when the generator count is set (covrl scale)")
         return None
 
-    def record(self, s: RoleSpec, why: str, detail: str, pid: int = 0) -> None:
-        """The launcher's line in RUN_DIR/generators_lost.jsonl: a generator process that exited with an error (the
-        hub declares that incarnation lost at once), a slot set aside or tried again (learner rank 0 counts them:
-        `cluster/generators_set_aside`)."""
+    def exited(self, s: RoleSpec, code: int) -> None:
+        """Generator `s`'s process exited with an error: the hub is told which process (its pid, where the backend
+        knows it), and re-issues what it held now rather than at its silence's timeout or its replacement's hello (a
+        generator set aside has no replacement)."""
+        if (pid := self.backend.pid(s)) is not None:
+            self.record(s, EXITED, self.backend.describe(s, code), pid)
+
+    def record(self, s: RoleSpec | None, why: str, detail: str, pid: int = 0) -> None:
+        """A line of RUN_DIR/generators_launcher.jsonl (`common/runfiles.py`, LAUNCHER_FILE): a launch began, a
+        generator process exited with an error, a slot set aside, tried again or released (learner rank 0 counts
+        them: `cluster/generators_set_aside`)."""
+        gen_id = -1 if s is None else s.gen_id
         try:
-            record_lost_generator(self.run_dir, LostGenerator(s.gen_id, "", pid, why, detail, time.time()))
-        except OSError as e:  # the run goes on; the metric then misses this change
-            self.say(f"could not record that {s.name} was {why.replace('_', ' ')} in {self.run_dir}: {e}")
+            record_lost_generator(self.run_dir, LostGenerator(gen_id, "", pid, why, detail, time.time()), LAUNCHER_FILE)
+        except OSError as e:  # the run goes on; the hub and the metric then miss this line
+            self.say(f"could not record {why} of generator {gen_id} in {self.run_dir}/{LAUNCHER_FILE}: {e}")
 
     def say(self, message: str) -> None:
         """A message on stderr, on a line of its own (the progress line is ended first)."""

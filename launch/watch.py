@@ -7,9 +7,12 @@ heartbeat counter its own thread moves every few seconds, and the phase it is in
 over time on its own clock (a rank's clock, on another node under Ray, never enters the verdict):
 - frozen: the heartbeat has not moved for the deadline (SIGSTOP, a swapped-out or stalled node);
 - stuck: the phase has not changed for the deadline while the heartbeat goes on (a hung collective, a wedged
-  kernel). Every phase of a rank is bounded by that deadline by construction: the learner ranks' collectives wait
-  at most learner_timeout_s, and a wait for generation at most transport.batch_timeout_s, which the config keeps
-  below it.
+  kernel). The deadline is already the bound on a phase's length: while one rank works (loads the model, writes
+  its part of a checkpoint, trains a micro-batch), its peers wait for it in a collective that gives up after
+  learner_timeout_s, and a wait for generation gives up after transport.batch_timeout_s, which the config keeps
+  below it. A training step moves the phase at each micro-batch, so only one micro-batch, not a whole step, must
+  fit the deadline. A single rank (no peer) is held to the same bound. Past its last collective a rank is exiting
+  (`waits_on` "none"): not judged stuck.
 A rank with no record yet (still importing) is not judged; a record from another process (a restart) starts over.
 """
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from common.runfiles import LearnerBeat, read_learner_beat
+from common.runfiles import LearnerBeat, beat_interval_s, read_learner_beat
 from launch.progress import clock
 
 
@@ -33,6 +36,7 @@ class LearnerWatch:
     def __init__(self, run_dir: str, ranks: int, deadline_s: float, now=time.monotonic):
         self.run_dir, self.ranks, self.deadline_s, self.now = run_dir, ranks, deadline_s, now
         self.seen: dict[int, Seen] = {}
+        self.live: set[int] = set()  # the ranks last checked: running, not finished
 
     def look(self, ranks: list[int]) -> None:
         """Read each rank's record and note, on our clock, whether its heartbeat and phase moved."""
@@ -55,13 +59,14 @@ class LearnerWatch:
         """One line naming the rank that has not moved on for the deadline, or None. A frozen rank is named before
         ranks stuck waiting for it; among stuck ranks, the one whose phase is oldest (the others wait on it)."""
         self.look(ranks)
+        self.live = set(ranks)
         now, live = self.now(), [self.seen[r] for r in ranks if r in self.seen]
         frozen = [s for s in live if now - s.beat_t > self.deadline_s]
         if frozen:
             s = min(frozen, key=lambda s: s.beat_t)
             return (f"learner{s.beat.rank} (pid {s.beat.pid}) is frozen: no heartbeat for {clock(now - s.beat_t)} "
                     f"(transport.learner_timeout_s={self.deadline_s:g}), last {self.doing(s.beat)}")
-        stuck = [s for s in live if now - s.phase_t > self.deadline_s]
+        stuck = [s for s in live if now - s.phase_t > self.deadline_s and s.beat.waits_on != "none"]
         if stuck:
             s = min(stuck, key=lambda s: s.phase_t)
             others = [f"learner{o.beat.rank}" for o in stuck if o is not s]
@@ -75,7 +80,8 @@ class LearnerWatch:
         the likelier cause, in a few words; "" if none."""
         self.look([r for r in range(self.ranks) if r != failed])
         now = self.now()
-        late = [s for r, s in self.seen.items() if r != failed and now - s.beat_t > max(3 * interval_s(self.deadline_s), 1.0)]
+        late = [s for r, s in self.seen.items()
+                if r != failed and r in self.live and now - s.beat_t > max(3 * beat_interval_s(self.deadline_s), 1.0)]
         if not late:
             return ""
         s = min(late, key=lambda s: s.beat_t)
@@ -86,7 +92,3 @@ class LearnerWatch:
     def doing(b: LearnerBeat) -> str:
         return f"{b.phase!r} at step {b.step}"
 
-
-def interval_s(deadline_s: float) -> float:
-    """How often a rank's heartbeat moves: often enough that a tenth of the deadline sees it move."""
-    return min(5.0, deadline_s / 10)

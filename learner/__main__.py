@@ -62,6 +62,7 @@ def main() -> int:
     path = model_dir(cfg)
     beat.phase("loading the model and building the DeepSpeed engine", 0)
     trainer = Trainer(cfg, path)
+    trainer.progress = beat.advance  # a long step moves the record on, micro-batch by micro-batch
     start, resumed = 0, None
     if args.resume:
         beat.phase("resuming from a checkpoint", 0)
@@ -106,6 +107,7 @@ def main() -> int:
     code = learner.run(start)
     beat.phase(f"final barrier (exit code {code})", learner.trained)
     dist.barrier()
+    beat.phase(f"exiting (exit code {code})", learner.trained, waits_on="none")  # past the last collective
     dist.destroy_process_group()
     beat.close()
     return code

@@ -15,16 +15,11 @@ import time
 
 import msgspec
 
-from common.runfiles import LearnerBeat, learner_beat_path, write_learner_beat
+from common.runfiles import LearnerBeat, beat_interval_s, learner_beat_path, write_learner_beat
 
 log = logging.getLogger("covrl.learner")
 
-BEAT_MAX_INTERVAL_S = 5.0
-
-
-def beat_interval_s(learner_timeout_s: float) -> float:
-    """Often enough for a watch that judges a rank on the scale of transport.learner_timeout_s (ten beats within it)."""
-    return min(BEAT_MAX_INTERVAL_S, learner_timeout_s / 10)
+__all__ = ["Beat", "NoBeat", "beat_interval_s"]
 
 
 class Beat:
@@ -52,6 +47,12 @@ class Beat:
             self.record = msgspec.structs.replace(r, phase_seq=r.phase_seq + 1, phase=text, waits_on=waits_on,
                                                   step=step, t=time.time())
             self._write()
+
+    def advance(self) -> None:
+        """Progress within the phase (a micro-batch trained): `phase_seq` + 1, written with the next beat, so a long
+        step is never taken for a stuck one."""
+        with self.lock:
+            self.record = msgspec.structs.replace(self.record, phase_seq=self.record.phase_seq + 1)
 
     def close(self) -> None:
         """Stop beating (the record stays, with its last phase)."""
@@ -83,6 +84,9 @@ class NoBeat:
     """A learner without a record (tests that do not look at phases)."""
 
     def phase(self, text: str, step: int, waits_on: str = "learners") -> None:
+        pass
+
+    def advance(self) -> None:
         pass
 
     def close(self) -> None:

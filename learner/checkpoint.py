@@ -106,8 +106,9 @@ def disk_full(e: Exception, run_dir: str, final: str, engine) -> DiskFullError |
     is full; None otherwise. The rank that hit the full disk says it; the others time out on their barrier, as they
     do for any rank's failure there (or, reaching the same full disk, say the same)."""
     tmp = final + ".tmp"
-    need = max(checkpoint_need(run_dir, engine), tree_bytes(tmp))
-    if not is_disk_full(e, free_bytes(run_dir), need):
+    total, written = checkpoint_need(run_dir, engine), tree_bytes(tmp)
+    need = max(total, written)
+    if not is_disk_full(e, free_bytes(run_dir), total - written):  # free space now vs what remained to write
         return None
     # The failed write's frames hold torch's open file (its writer object): dropped, so that removing the file
     # below frees its space now rather than at exit. The chain's types and texts stay in the log.

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from common import messages
+from common.checkpoint_dirs import remove_rolling
 from common.config import Config, eval_versions
 from learner.batch import StepBatch, batch_from_config
 from learner.beat import NoBeat
@@ -182,7 +183,7 @@ class Follower:
     def checkpoint_state(self, step: int, world: int) -> tuple[None, None]:
         return None, None
 
-    def close(self, completed: bool, stop: threading.Event | None = None) -> None:
+    def close(self, completed: bool) -> None:
         pass
 
 
@@ -325,11 +326,19 @@ class Lead:
             state["autoscale"] = self.autoscale.policy.state()
         return state, self.hub.snapshot()
 
-    def close(self, completed: bool, stop: threading.Event | None = None) -> None:
+    def close(self, completed: bool) -> None:
+        """A completed run waits for its last version's evaluation even after a stop (a resume would not evaluate it
+        again; a second Ctrl-C ends the launcher's wait instead). Only when a publish already gave up on the
+        generators (`missed`) does the last row go out without it."""
         if completed:
             last = self.cfg.run.steps
-            self.beat.phase(f"closing: waiting for the generation at version {last}", last, waits_on="generators")
-            self.finish_version(last, stop)
+            if not self.missed:
+                self.beat.phase(f"closing: waiting for the generation at version {last}", last, waits_on="generators")
+                self.finish_version(last)
+            elif last in self.held:
+                log.warning("the evaluation of version %d was not waited for (the generators could not serve): its row "
+                            "has no eval metrics", last)
+                self.sink.write(last, self.held.pop(last))
         self.publisher.stop()
         self.hub.stop()
         self.sink.close()
@@ -360,7 +369,7 @@ class Learner:
             code = self.step(step)
             if code is not None:
                 break
-        self.role.close(self.trained == self.cfg.run.steps and not code, self.stop_requested)
+        self.role.close(self.trained == self.cfg.run.steps and not code)
         return code or 0
 
     def step(self, step: int) -> int | None:
@@ -388,8 +397,9 @@ class Learner:
         agreed = Agreed(int(self.ranks.agree(asked)))
         every = self.cfg.run.checkpoint_every_steps
         diverged = self.skipped_in_row >= self.cfg.learner.max_consecutive_skipped_steps
-        if step == self.cfg.run.steps or (every and step % every == 0) or agreed or diverged:
-            self.save_once(step)
+        kept = step == self.cfg.run.steps or (every and step % every == 0) or agreed & ~Agreed.DUE or diverged
+        if kept or Agreed.DUE in agreed:
+            self.save_once(step, rolling=not kept)  # due by time alone: it replaces the last such checkpoint
         if diverged:
             log.error("stopping: the last %d optimizer steps had a non-finite loss or gradient and were skipped "
                       "(learner.max_consecutive_skipped_steps=%d); the weights are those of the last good step, saved "
@@ -397,6 +407,11 @@ class Learner:
                       "covrl resume %s", self.skipped_in_row, self.cfg.learner.max_consecutive_skipped_steps, self.run_dir,
                       step, self.run_dir)
             return EXIT_DIVERGED
+        if Agreed.DEADLINE in agreed and step == self.cfg.run.steps:  # trained to the end: complete, not resumable
+            log.warning("the run is complete (checkpoint of step %d written), but the generation its publish waited for "
+                        "did not finish within transport.batch_timeout_s: %s", step,
+                        getattr(self.role, "missed", "") or "learner rank 0's wait")
+            return 0
         if Agreed.DEADLINE in agreed:
             log.error("stopping (transport.batch_timeout_s passed while the publish waited for generation; checkpoint "
                       "of step %d written): %s; continue with covrl resume %s once generators can serve",
@@ -426,12 +441,19 @@ class Learner:
                   "can serve", kept, halt.detail, self.run_dir)
         return EXIT_BATCH_TIMEOUT
 
-    def save_once(self, step: int) -> bool:
+    def save_once(self, step: int, rolling: bool = False) -> bool:
         """Checkpoint `step` (a collective) unless it is on disk already: written by this launch, or the step it
-        resumed from (or step 0, the base model). True if written."""
+        resumed from (or step 0, the base model). True if written. `rolling`: written only because
+        run.checkpoint_every_s passed; each checkpoint written goes on to remove the older rolling ones (rank 0), so
+        the time-based schedule adds at most one checkpoint on disk to what checkpoint_every_steps keeps."""
         if step == self.saved:
             return False
         self.beat.phase(f"checkpoint step_{step}", step)
-        self.save(step, *self.role.checkpoint_state(step, self.world))
+        state, hub_blob = self.role.checkpoint_state(step, self.world)
+        self.save(step, None if state is None else {**state, "rolling": rolling}, hub_blob)
+        if state is not None:  # rank 0, which writes the run's state
+            for old in remove_rolling(self.run_dir, before=step):
+                log.info("removed checkpoint step_%d: a time-based one (run.checkpoint_every_s), superseded by step_%d",
+                         old, step)
         self.saved, self.saved_at = step, self.clock() if self.clock else 0.0
         return True

@@ -31,6 +31,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -286,6 +287,7 @@ class Trainer:
         self.comm = DataParallel()
         self.objective = Objective(lc, cfg.rollout.max_new_tokens)
         self.ess = offpolicy.EssStepScale(lc.ess_step_scaling, lc.ess_base_ratio)
+        self.progress: Callable[[], None] = lambda: None  # called after each micro-batch (learner/beat.py: advance)
         # Clip-Cov's candidate band, logged for every loss (actor/cov_candidates): the run's, else the published one.
         band = lc.loss if isinstance(lc.loss, ClipCovLoss) else ClipCovLoss()
         self.cov_band = (band.cov_lb, band.cov_ub)
@@ -404,6 +406,7 @@ class Trainer:
         # Nothing in this loop reads a value back from the device (tested): the sums stay there until the step ends.
         for i, (m, k, mb) in enumerate(micro):
             t, met, s = self._backward(batch, survey, gen, poison, m, k, mb, last=k == n_micro[m] - 1)
+            self.progress()
             with torch.no_grad():  # s.start.entropy: the policy *before* this step's updates
                 own = micro_sums(t, met, s.start.entropy, mb.row_tokens, mb.num_seqs)
                 seen.append(s)

@@ -132,6 +132,17 @@ def rows(res: dict) -> list[str]:
             "built-in model, two ZeRO stages",
             f"{cells} (the per-process constants calibrated from the first two runs of 2026-12-07: this checks they "
             f"hold; the activation formula is checked against autograd in the unit tests)", r))
+    if r := res.get("soak"):
+        f, lf = r["faults"], r["learner_freeze"]
+        out.append(_row(
+            "12. soak: 2 learner ranks + 3 generators for about 10 minutes under random faults (generators SIGKILLed "
+            "or SIGSTOPped every 5-12 s, learner rank 1 frozen once), deadlines of seconds",
+            f"{r['steps']} steps in {r['minutes']:.1f} min; {f['generator_killed']} generators killed, "
+            f"{f['generator_frozen']} frozen, {r['set_aside']} slot(s) set aside; the frozen learner rank ended the run "
+            f"{lf['ended_after_s']:.0f} s after the freeze (bound {lf['bound_s']} s), the resumed run back at its step "
+            f"{lf['back_at_its_step_after_s']:.0f} s after it; time lost about {r['lost_s_per_generator_fault']:.1f} s "
+            f"per generator fault against the fault-free pace of {r['baseline_s_per_step']:.2f} s/step (coarse); every "
+            f"step once: {r['every_step_once']}, ledger 0 / 0: {r['ledger_zero']}", r))
     if r := res.get("simulate"):
         k = r["speedup_vs_colocated_sync_min_max_by_k"]
         out.append(_row(

@@ -105,14 +105,14 @@ def check_recovery(run, tmp_path, code, out, err, frozen_pid, frozen_at, frozen_
     hung_pid, hung_at = int(hung_file.read_text()), hung_file.stat().st_mtime
     # The hub's verdicts: exactly the two faults, each for its reason; no healthy generator was declared lost.
     with open(run / "generators_lost.jsonl") as f:
-        lines = [json.loads(line) for line in f]
-    # The launcher's own lines (no incarnation): each faulty process's exit, which the hub takes as a verdict at once
-    # unless it has one already (the frozen and hung ones: the launcher killed them on the hub's verdict). Under Ray
-    # the launcher does not know a generator's pid (its actor runs it, on its node): no such line.
-    launcher = {(v["gen_id"], v["pid"], v["why"]) for v in lines if v["incarnation"] == ""}
+        verdicts = [json.loads(line) for line in f]
+    # The launcher's own account (generators_launcher.jsonl): each faulty process's exit, which the hub takes as a
+    # verdict at once unless it has one already (the frozen and hung ones: the launcher killed them on the hub's
+    # verdict). Under Ray the launcher does not know a generator's pid (its actor runs it, on its node): none.
+    with open(run / "generators_launcher.jsonl") as f:
+        launcher = {(v["gen_id"], v["pid"], v["why"]) for v in map(json.loads, f) if v["why"] != "launch"}
     faulty = [(FROZEN, frozen_pid), (HUNG, hung_pid), *([(KILLED, killed_pid)] if killed_pid is not None else [])]
-    assert launcher == (set() if ray else {(g, pid, "exited") for g, pid in faulty}), lines
-    verdicts = [v for v in lines if v["incarnation"] != ""]
+    assert launcher == (set() if ray else {(g, pid, "exited") for g, pid in faulty}), launcher
     # The dead one is lost once too, for whichever reason came first (the launcher's word that it exited, its weight
     # channel failing at a publish, its replacement's hello, or its silence).
     killed = [v for v in verdicts if v["gen_id"] == KILLED]
@@ -131,6 +131,7 @@ def check_recovery(run, tmp_path, code, out, err, frozen_pid, frozen_at, frozen_
     if killed_pid is not None:  # it had exited already: nothing to stop, a failure to restart
         assert f"gen{KILLED} (pid {killed_pid}) is being stopped" not in err
         assert f"gen{KILLED} exited with code -9; restart in 2s (failure 1 of 3 allowed" in err
+        assert "killed by SIGKILL, not by this launcher" in err  # not its log's last line (a progress bar)
     # Each replacement (a new incarnation) caught up on the learner's weights before generating, then got every
     # later version, checksum for checksum. (The hung one may have received nothing: with run.deterministic the
     # learner's next publish waits for the work it held, so it comes only after the verdict.)

@@ -23,7 +23,7 @@ import pytest
 
 from common.checkpoint_dirs import GOOD, complete_checkpoints, verify
 from common.metrics import read_metrics
-from common.runfiles import LOST_FILE, read_learner_beat
+from common.runfiles import LAUNCHER_FILE, read_learner_beat
 from tests.helpers.paths import REPO
 from tests.helpers.runs import SMALL, launch, stop_gracefully
 
@@ -41,8 +41,8 @@ def crash_env(tmp_path, gen_id: int, after: int, then: int) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(faults), os.environ.get("PYTHONPATH")]))}
 
 
-def lost_lines(run) -> list[dict]:
-    with open(os.path.join(run, LOST_FILE)) as f:
+def launcher_lines(run) -> list[dict]:
+    with open(os.path.join(run, LAUNCHER_FILE)) as f:
         return [json.loads(line) for line in f]
 
 
@@ -61,7 +61,7 @@ def test_a_generator_that_keeps_failing_is_set_aside_and_the_run_trains_every_st
     check_ledger(rows)
     assert p.stderr.count("gen1 set aside: failed 2 times within 10m00s (cluster.generator_max_failures=1)") == 1, p.stderr
     assert "the run goes on with 1 generator(s)" in p.stderr and "gen0 exited" not in p.stderr
-    aside = [v for v in lost_lines(str(run)) if v["why"] == "set_aside"]
+    aside = [v for v in launcher_lines(str(run)) if v["why"] == "set_aside"]
     assert [v["gen_id"] for v in aside] == [1]
     assert rows[-1]["cluster/generators_set_aside"] == 1 and rows[0]["cluster/generators_set_aside"] <= 1
     with open(tmp_path / "gen1.crashed") as f:

@@ -78,6 +78,13 @@ def test_torchs_error_counts_only_when_the_disk_lacks_the_space_and_an_unrelated
     assert is_disk_full(RuntimeError(TORCH_TEXT), free=MiB, need_bytes=5 * MiB)  # errno hidden; the disk says it
     assert not is_disk_full(RuntimeError(TORCH_TEXT), free=10 * 2**30, need_bytes=5 * MiB)  # room: not a full disk
     assert not is_disk_full(KeyError("optimizer"), free=10 * 2**30, need_bytes=5 * MiB)
+    # A peer that died or froze during the write fails this rank's barrier: never a full disk, however little is free.
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 35000ms "
+                        "for recv operation to complete")
+    assert not is_disk_full(gloo, free=MiB, need_bytes=5 * MiB)
+    import torch.distributed as dist
+
+    assert not is_disk_full(dist.DistBackendError("NCCL communicator was aborted"), free=MiB, need_bytes=5 * MiB)
     err = disk_full_error("/r/checkpoints/step_6", MiB, resume_advice("/r", "the previous checkpoint is intact"),
                           need_bytes=5 * MiB + MiB // 2)
     assert isinstance(err, OSError) and err.errno == errno.ENOSPC

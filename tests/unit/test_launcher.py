@@ -326,12 +326,13 @@ def test_a_generator_failing_past_its_limit_within_the_window_is_set_aside_and_t
     """cluster.generator_max_failures = 3: the 4th failure within the window sets the slot aside (said once,
     recorded in generators_lost.jsonl), the others keep serving; failures older than the window do not count; the
     slot is tried again after its backoff, and at once when the count is set again (covrl scale)."""
-    from common.runfiles import LostGenerators
+    from common.runfiles import LAUNCHER_FILE, LostGenerators
 
     run = str(tmp_path)
     write_generator_target(run, 2)
+    follow = LostGenerators(run, LAUNCHER_FILE)
     sup, backend = _supervisor(run)
-    follow = LostGenerators(run)
+    assert [(v.gen_id, v.why) for v in follow.new()] == [(-1, "launch")]
     assert sup.poll() is None and backend.started == ["learner0", "gen0", "gen1"]
     sup.gens[1].failures = [-1e9, -1e9]  # two failures long ago, outside the 600 s window
     backend.pids = {"gen1": 4321}
@@ -369,3 +370,20 @@ def test_a_run_whose_every_generator_is_set_aside_stops_with_the_learners_checkp
     assert _fail(sup, backend, "gen1", 4) == 1
     assert sup.drain == "no generator can serve: all 2 set aside after failing"
     assert "gen1 set aside: failed 4 times" in capsys.readouterr().err
+
+
+def test_the_supervisor_ends_a_complete_run_whose_last_rank_hangs_on_its_way_out(tmp_path, capsys):
+    from launch import supervisor as sv
+    from launch.roles import RoleSpec, generator_spec
+
+    run = str(tmp_path)
+    write_generator_target(run, 1)
+    backend = Backend()
+    learners = [RoleSpec("learner0", "learner", [], {}), RoleSpec("learner1", "learner", [], {})]
+    sup = sv.Supervisor(backend, learners, lambda i, n: generator_spec(run, i), run, Config(), quiet=True)
+    assert sup.poll() is None
+    backend.exits["learner0"] = 0
+    assert sup.poll() is None and sup.done_at is not None
+    sup.done_at -= sv.GRACE_S + 1  # learner1 still runs GRACE_S later
+    assert sup.poll() == 0
+    assert "learner1 did not exit within 10s after learner0 finished the run; stopping it" in capsys.readouterr().err

@@ -128,3 +128,15 @@ def test_a_follower_waits_on_the_generators_while_rank_0_takes_the_batch():
         ("step 2: agreeing on a checkpoint", 2, "learners"),
         ("checkpoint step_2", 2, "learners"),
     ]
+
+
+def test_a_micro_batch_moves_the_phase_with_the_next_beat(tmp_path):
+    beat = Beat(str(tmp_path), rank=0, interval_s=0.05)
+    try:
+        beat.phase("step 1: training", 1)
+        seq = read_learner_beat(str(tmp_path), 0).phase_seq
+        beat.advance()  # not written by itself (one write per micro-batch would be many): the next beat carries it
+        assert _until(lambda: read_learner_beat(str(tmp_path), 0).phase_seq == seq + 1)
+        assert read_learner_beat(str(tmp_path), 0).phase == "step 1: training"
+    finally:
+        beat.close()

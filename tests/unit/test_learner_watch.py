@@ -66,3 +66,20 @@ def test_a_new_process_starts_over_and_a_rank_without_a_record_or_not_watched_is
     clock.t = 200.0
     assert watch.check([1]) is None  # rank 0 finished (not live): not judged
     assert watch.check([0]).startswith("learner0 (pid 555) is frozen")
+
+
+def test_an_exiting_rank_is_not_stuck_a_micro_batch_is_progress_and_a_finished_rank_is_no_suspect(tmp_path):
+    run, clock = str(tmp_path), Clock()
+    watch = LearnerWatch(run, 2, 30.0, now=clock)
+    _beat(run, 0, 1, 1, phase="exiting (exit code 0)", waits_on="none")
+    _beat(run, 1, 1, 1, phase="step 3: training")
+    watch.check([0, 1])
+    for t in range(5, 100, 5):  # rank 0 waits in its interpreter's exit; rank 1 trains micro-batch after micro-batch
+        clock.t = float(t)
+        _beat(run, 0, 1 + t, 1, phase="exiting (exit code 0)", waits_on="none")
+        _beat(run, 1, 1 + t, 1 + t, phase="step 3: training")
+        assert watch.check([0, 1]) is None, f"a live run judged at {t}s"
+    clock.t = 200.0  # rank 0 has finished (not live): its old heartbeat makes it no suspect for rank 1's failure
+    watch.check([1])
+    assert watch.suspect(1) == ""
+

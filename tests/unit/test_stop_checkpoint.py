@@ -101,6 +101,34 @@ def test_the_publish_missing_its_deadline_publishes_checkpoints_that_step_and_ex
     assert any("checkpoint of step 3 written" in e and "0 generators connected" in e for e in error), error
 
 
+def test_a_stop_in_the_last_step_still_waits_for_the_final_evaluation():
+    """The run is complete: a resume would not evaluate its last version again, so the stop does not cut that wait
+    (a second Ctrl-C ends the launcher's wait instead)."""
+    stop = threading.Event()
+
+    def sigterm_during_the_last_step(v, given):
+        if v == 4:
+            stop.set()  # arrives while step 5's batch is being taken; the batch comes
+
+    settings = {**SETTINGS, "eval": {"every_steps": 5}}
+    code, events, saves, sink = _run(settings, on_take=sigterm_during_the_last_step, stop=stop)
+    assert code == 0 and [s for s, _, _ in saves] == [5]
+    assert ("wait_version_done", 5) in events and "eval/arith/acc" in sink.rows[5]
+
+
+def test_a_deadline_in_the_last_steps_publish_completes_the_run():
+    """batch_timeout_s passing in the last step's publish: the run trained every step and is checkpointed, so it is
+    complete (exit 0; a resume would refuse it), the last row written without the evaluation it could not wait for."""
+    def late(v, stop):
+        if v == 4:
+            raise TimeoutError("generation at version 4 not finished after 600s: 0 generators connected (target 1)")
+
+    settings = {**SETTINGS, "eval": {"every_steps": 5}}
+    code, events, saves, sink = _run(settings, on_done=late)
+    assert code == 0 and [s for s, _, _ in saves] == [5]
+    assert ("wait_version_done", 5) not in events and 5 in sink.rows and "eval/arith/acc" not in sink.rows[5]
+
+
 @pytest.mark.parametrize("start, every, expected", [(0, 0, []), (3, 0, []), (0, 2, [2])])
 def test_a_step_is_never_checkpointed_twice_nor_one_this_launch_did_not_train(start, every, expected):
     """A stop while waiting for the first batch of a launch writes nothing (step 0: the base model; a resumed launch:
@@ -153,6 +181,31 @@ def test_a_checkpoint_falls_due_by_rank_0s_clock():
                                   tick=lambda: now.__setitem__(0, now[0] + 40.0))
         assert learner.run(0) == 0
         assert [s for s, _, _ in saves] == expected
+
+
+def test_time_based_checkpoints_roll_and_never_remove_any_other(tmp_path):
+    """A checkpoint written only because run.checkpoint_every_s passed is marked rolling and goes once a newer one is
+    written (rank 0); the final, periodic and stop checkpoints stay: the time-based schedule adds at most one
+    checkpoint on disk."""
+    from common.checkpoint_dirs import DS_TAG, STATE_FILE, complete_checkpoints
+
+    run = str(tmp_path)
+    now, states = [0.0], []
+
+    def save(step, state, blob):
+        states.append((step, state["rolling"]))
+        path = os.path.join(run, "checkpoints", f"step_{step}")
+        os.makedirs(os.path.join(path, DS_TAG))
+        with open(os.path.join(path, STATE_FILE), "w") as f:
+            json.dump({"step": step, **state}, f)
+
+    settings = {**SETTINGS, "run": {**SETTINGS["run"], "steps": 7, "checkpoint_every_s": 100.0,
+                                    "checkpoint_every_steps": 5}}
+    learner, _ = lead_learner(settings, [], [], clock=lambda: now[0], tick=lambda: now.__setitem__(0, now[0] + 40.0))
+    learner.save, learner.run_dir = save, run
+    assert learner.run(0) == 0
+    assert states == [(3, True), (5, False), (7, False)]  # 5: periodic (and it resets the clock); 7: the last
+    assert [s for s, _ in complete_checkpoints(run)] == [5, 7], "the rolling step_3 is superseded and removed"
 
 
 def test_a_follower_follows_rank_0s_clock_through_agree():
