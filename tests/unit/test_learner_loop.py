@@ -25,6 +25,7 @@ from learner.par import ParSchedule
 from learner.trainer import SUM_KEYS, StepStats
 from tests.helpers.groups import rollout_group, sample
 from tests.helpers.hooks import Hooks
+from tests.helpers import learner_standins as standins
 
 CFG = {"run": {"steps": 4, "checkpoint_every_steps": 3}, "rollout": {"groups_per_step": 2, "group_size": 2},
        "eval": {"every_steps": 2}, "learner": {"max_consecutive_skipped_steps": 2}}
@@ -80,19 +81,9 @@ class Hub:
         self.events.append(("hub.stop",))
 
 
-class Publisher:
-    def __init__(self, events, rank0=True):
-        self.events, self.rank0 = events, rank0
-
-    def publish(self, version):
-        self.events.append(("publish", version))
-        return (0.5, 1024, float(version)) if self.rank0 else None
-
+class Publisher(standins.Publisher):
     def counter_values(self):
         return {"weights/joins": 1.0}
-
-    def stop(self):
-        self.events.append(("publisher.stop",))
 
 
 class Sink:
