@@ -92,3 +92,4 @@ def test_a_frozen_peer_fails_a_collective_on_a_deepspeed_style_group_within_the_
                 p.send_signal(signal.SIGCONT)
                 p.kill()
             p.communicate()
+
