@@ -22,6 +22,8 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
+from common.diskspace import tree_bytes
+
 STATE_FILE = "covrl_state.json"  # the run's state: a directory without it is not a checkpoint
 DS_TAG = "deepspeed"  # the engine state's subdirectory
 MANIFEST = "manifest.json"
@@ -85,7 +87,7 @@ def checkpoint_bytes(path: str) -> int:
         manifest = None
     if manifest is not None:
         return sum(e["bytes"] for e in manifest["files"].values())
-    return sum(os.path.getsize(os.path.join(path, rel)) for rel in _files(path))
+    return tree_bytes(path)
 
 
 def step_dirs(run_dir: str) -> list[tuple[int, str]]:

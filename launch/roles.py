@@ -29,7 +29,6 @@ class RoleSpec:
     # learner rank. vLLM measures the GPU's free memory as it starts and fails if another process frees some
     # meanwhile, which a learner does while it loads the model and builds its DeepSpeed engine.
     after_learners: bool = False
-    restarts: int = 0  # the launcher's restarts of this role in this launch
     failures: list[float] = field(default_factory=list)  # monotonic times of its failures within the window
     set_aside: int = 0  # times this generator slot was set aside
     set_aside_until: float = 0.0  # monotonic time its slot is tried again; 0: not set aside

@@ -95,7 +95,7 @@ class Supervisor:
         self.unplaced = ""
         self.lost = LostGenerators(run_dir)  # the hub's verdicts, followed
         self.stopped: dict[str, str] = {}  # role -> why this supervisor stopped it (a verdict), said at its exit
-        self.watch = LearnerWatch(run_dir, len(learners), cfg.transport.learner_timeout_s)
+        self.watch = LearnerWatch(run_dir, cfg.transport.learner_timeout_s)
         self.drain = ""  # why this supervisor ended the run with the learners alive: they checkpoint first
         self.done_at: float | None = None  # when the first learner rank finished the run (exit 0)
         self.record(None, LAUNCH, "a launch began: slots set aside before it are not any more")
@@ -249,7 +249,6 @@ class Supervisor:
         c, now = self.cfg.cluster, time.monotonic()
         s.failures = [t for t in s.failures if now - t <= c.generator_failure_window_s] + [now]
         if len(s.failures) <= c.generator_max_failures:
-            s.restarts += 1
             delay = min(2.0 ** len(s.failures), RESTART_BACKOFF_MAX_S)
             self.say(f"{s.name} {how}; restart in {delay:.0f}s (failure {len(s.failures)} of "
                      f"{c.generator_max_failures} allowed within {clock(c.generator_failure_window_s)}): {cause}")

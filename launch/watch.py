@@ -33,8 +33,8 @@ class Seen:
 
 
 class LearnerWatch:
-    def __init__(self, run_dir: str, ranks: int, deadline_s: float, now=time.monotonic):
-        self.run_dir, self.ranks, self.deadline_s, self.now = run_dir, ranks, deadline_s, now
+    def __init__(self, run_dir: str, deadline_s: float, now=time.monotonic):
+        self.run_dir, self.deadline_s, self.now = run_dir, deadline_s, now
         self.seen: dict[int, Seen] = {}
         self.live: set[int] = set()  # the ranks last checked: running, not finished
 
@@ -78,10 +78,11 @@ class LearnerWatch:
     def suspect(self, failed: int) -> str:
         """When rank `failed` died (a collective's own timeout, often): another rank whose heartbeat had stopped,
         the likelier cause, in a few words; "" if none."""
-        self.look([r for r in range(self.ranks) if r != failed])
+        others = sorted(self.live - {failed})  # a rank that finished (exit 0) is no suspect
+        self.look(others)
         now = self.now()
-        late = [s for r, s in self.seen.items()
-                if r != failed and r in self.live and now - s.beat_t > max(3 * beat_interval_s(self.deadline_s), 1.0)]
+        late = [self.seen[r] for r in others
+                if r in self.seen and now - self.seen[r].beat_t > max(3 * beat_interval_s(self.deadline_s), 1.0)]
         if not late:
             return ""
         s = min(late, key=lambda s: s.beat_t)

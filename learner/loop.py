@@ -393,7 +393,7 @@ class Learner:
         divergence); stop if asked."""
         self.beat.phase(f"step {step}: agreeing on a checkpoint", step)
         asked = ((Agreed.STOP if self.stop_requested.is_set() else 0) | (Agreed.DUE if self.time_due() else 0)
-                 | (Agreed.DEADLINE if getattr(self.role, "missed", "") else 0))
+                 | (Agreed.DEADLINE if self.role.missed else 0))
         agreed = Agreed(int(self.ranks.agree(asked)))
         every = self.cfg.run.checkpoint_every_steps
         diverged = self.skipped_in_row >= self.cfg.learner.max_consecutive_skipped_steps
@@ -407,15 +407,15 @@ class Learner:
                       "covrl resume %s", self.skipped_in_row, self.cfg.learner.max_consecutive_skipped_steps, self.run_dir,
                       step, self.run_dir)
             return EXIT_DIVERGED
+        missed = self.role.missed or "learner rank 0's wait"  # the hub's account on rank 0 only
         if Agreed.DEADLINE in agreed and step == self.cfg.run.steps:  # trained to the end: complete, not resumable
             log.warning("the run is complete (checkpoint of step %d written), but the generation its publish waited for "
-                        "did not finish within transport.batch_timeout_s: %s", step,
-                        getattr(self.role, "missed", "") or "learner rank 0's wait")
+                        "did not finish within transport.batch_timeout_s: %s", step, missed)
             return 0
         if Agreed.DEADLINE in agreed:
             log.error("stopping (transport.batch_timeout_s passed while the publish waited for generation; checkpoint "
                       "of step %d written): %s; continue with covrl resume %s once generators can serve",
-                      step, getattr(self.role, "missed", "") or "learner rank 0's wait", self.run_dir)
+                      step, missed, self.run_dir)
             return EXIT_BATCH_TIMEOUT
         if Agreed.STOP in agreed:
             log.info("stop requested: checkpoint of step %d written; continue with covrl resume %s", step, self.run_dir)

@@ -83,11 +83,16 @@ def init_distributed(timeout_s: float = TransportConfig().learner_timeout_s) -> 
     return dist.get_rank(), dist.get_world_size()
 
 
+def my_groups() -> list:
+    """Every process group this rank is in."""
+    return [pg for pg in list(c10d._world.pg_map) if not c10d._rank_not_in_group(pg)]
+
+
 def bound_every_group(timeout_s: float) -> int:
     """Give every process group this rank is in the deadline `timeout_s` (transport.learner_timeout_s), whatever it
     was made with; call once the groups exist (after the DeepSpeed engine is built). Returns how many were set."""
     deadline = datetime.timedelta(seconds=timeout_s)
-    groups = [pg for pg in list(c10d._world.pg_map) if not c10d._rank_not_in_group(pg)]
+    groups = my_groups()
     for pg in groups:
         c10d._set_pg_timeout(deadline, pg)
     return len(groups)
@@ -97,9 +102,7 @@ def group_deadlines() -> dict[str, float]:
     """What a collective waits at most, in seconds, on each gloo or NCCL backend of every group this rank is in, by
     "<group name>/<device>"."""
     out = {}
-    for pg in list(c10d._world.pg_map):
-        if c10d._rank_not_in_group(pg):
-            continue
+    for pg in my_groups():
         for device in pg._device_types:
             options = getattr(pg._get_backend(device), "options", None)
             if options is not None and hasattr(options, "_timeout"):

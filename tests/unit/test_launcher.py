@@ -134,14 +134,14 @@ def test_generators_scaled_away_while_starting_or_restarting_leave_without_faili
     write_generator_target(run, 3)
     assert sup.poll() is None and backend.started[-2:] == ["gen1", "gen2"]
     backend.exits["gen2"] = 1  # crashed: restart after a backoff
-    assert sup.poll() is None and sup.gens[2].restarts == 1 and not sup.gens[2].running
+    assert sup.poll() is None and len(sup.gens[2].failures) == 1 and not sup.gens[2].running
     write_generator_target(run, 1)
     backend.exits["gen1"] = 1  # refused by the hub: its id is above the target now
     assert sup.poll() is None, "a generator that left after a scale-down must not stop the run"
     assert sorted(sup.gens) == [0] and sorted(backend.released) == ["gen1", "gen2"]
     write_generator_target(run, 3)
     assert sup.poll() is None and sorted(sup.gens) == [0, 1, 2] and backend.started[-2:] == ["gen1", "gen2"]
-    assert all(sup.gens[i].restarts == 0 for i in (1, 2))
+    assert all(sup.gens[i].failures == [] for i in (1, 2))
     backend.exits["gen1"] = EXIT_DRAINED  # drained although wanted again (the hub saw the dip): a fresh one next tick
     assert sup.poll() is None and 1 not in sup.gens
     assert sup.poll() is None and 1 in sup.gens and backend.started[-1] == "gen1"
@@ -259,7 +259,7 @@ def test_a_generator_the_hub_declared_lost_is_stopped_and_restarted(tmp_path, ca
     assert "gen1 (pid 4242) is being stopped: the hub declared it lost (stuck: its main loop" in err
     assert "not a verdict" in err  # a damaged line is said, not fatal
     backend.exits["gen1"] = -9
-    assert sup.poll() is None and sup.gens[1].restarts == 1 and not sup.gens[1].running
+    assert sup.poll() is None and len(sup.gens[1].failures) == 1 and not sup.gens[1].running
     assert ("gen1 exited with code -9; restart in 2s (failure 1 of 3 allowed within 10m00s): the hub declared it lost "
             "(stuck") in capsys.readouterr().err
 
@@ -276,7 +276,7 @@ def test_a_generator_with_no_room_is_said_and_asked_for_again_and_dropped_when_s
     backend.exits["gen1"] = NOT_PLACED
     assert sup.poll() is None
     assert "gen1 could not be placed: no room; asking again" in capsys.readouterr().err
-    assert sup.poll() is None and backend.started[-1] == "gen1" and sup.gens[1].restarts == 0
+    assert sup.poll() is None and backend.started[-1] == "gen1" and sup.gens[1].failures == []
     write_generator_target(run, 1, reason="autoscale: the learner is the bottleneck")
     assert sup.poll() is None and backend.released == ["gen1"] and 1 not in sup.gens
     assert "scaling to 1 generator(s) (was 2): autoscale: the learner is the bottleneck" in capsys.readouterr().err

@@ -8,7 +8,6 @@ its eval results, checkpoints fall when due, a stop or a run of skipped steps en
 import inspect
 import threading
 
-import numpy as np
 import pytest
 import torch
 
@@ -35,38 +34,19 @@ def _group(rewards):
     return rollout_group([sample([5, 6, 7], r) for r in rewards])
 
 
-class Ready:
-    def __init__(self, group):
-        self.group = group
-        self.rewards = np.array([s.reward for s in group.samples])
-
-
-class Hub:
+class Hub(standins.Hub):
     def __init__(self, events):
-        self.events, self.taken = events, 0
+        super().__init__(events)
+        self.taken = 0
 
     def take_batch(self, version, timeout_s, stop=None):
-        self.events.append(("take_batch", version))
         self.taken += 2
-        return [Ready(_group([1, 0])), Ready(_group([0, 1]))]
-
-    def wait_version_done(self, version, timeout_s, stop=None):
-        self.events.append(("wait_version_done", version))
-        return 0.25
-
-    def set_version(self, version):
-        self.events.append(("set_version", version))
-
-    def take_eval(self, version):
-        return {"eval/arith/acc": version / 10}, []
+        return super().take_batch(version, timeout_s, stop)
 
     def stats(self):
         # Generation busy 1000 s per batch taken up to step 2, then never again: idle = the whole interval.
         return BrokerStats(filtered_groups=self.taken // 4, gen_tokens=6 * self.taken, counters={"hub/lost_prompts": 0.0},
                            gen_busy_s=1000.0 * min(self.taken, 4))
-
-    def snapshot(self):
-        return b"hub"
 
     def restore(self, blob):
         self.events.append(("hub.restore", blob))
@@ -76,9 +56,6 @@ class Hub:
 
     def start(self):
         self.events.append(("hub.start",))
-
-    def stop(self):
-        self.events.append(("hub.stop",))
 
 
 class Publisher(standins.Publisher):

@@ -20,7 +20,7 @@ def _beat(run, rank, beat, seq, phase="step 3: training", pid=None, waits_on="le
 
 def test_a_frozen_rank_is_named_after_the_deadline_before_the_ranks_that_wait_for_it(tmp_path):
     run, clock = str(tmp_path), Clock()
-    watch = LearnerWatch(run, 2, 30.0, now=clock)
+    watch = LearnerWatch(run, 30.0, now=clock)
     _beat(run, 0, 1, 1)
     _beat(run, 1, 1, 1)
     assert watch.check([0, 1]) is None
@@ -37,7 +37,7 @@ def test_a_frozen_rank_is_named_after_the_deadline_before_the_ranks_that_wait_fo
 
 def test_a_rank_stuck_in_one_phase_is_named_the_oldest_first(tmp_path):
     run, clock = str(tmp_path), Clock()
-    watch = LearnerWatch(run, 2, 30.0, now=clock)
+    watch = LearnerWatch(run, 30.0, now=clock)
     _beat(run, 0, 1, 1, phase="checkpoint step_2")
     _beat(run, 1, 1, 1, phase="checkpoint step_2")
     watch.check([0, 1])
@@ -57,7 +57,7 @@ def test_a_rank_stuck_in_one_phase_is_named_the_oldest_first(tmp_path):
 
 def test_a_new_process_starts_over_and_a_rank_without_a_record_or_not_watched_is_not_judged(tmp_path):
     run, clock = str(tmp_path), Clock()
-    watch = LearnerWatch(run, 2, 30.0, now=clock)
+    watch = LearnerWatch(run, 30.0, now=clock)
     _beat(run, 0, 1, 1)
     watch.check([0, 1])  # rank 1 has no record yet (still importing torch)
     clock.t = 100.0
@@ -70,7 +70,7 @@ def test_a_new_process_starts_over_and_a_rank_without_a_record_or_not_watched_is
 
 def test_an_exiting_rank_is_not_stuck_a_micro_batch_is_progress_and_a_finished_rank_is_no_suspect(tmp_path):
     run, clock = str(tmp_path), Clock()
-    watch = LearnerWatch(run, 2, 30.0, now=clock)
+    watch = LearnerWatch(run, 30.0, now=clock)
     _beat(run, 0, 1, 1, phase="exiting (exit code 0)", waits_on="none")
     _beat(run, 1, 1, 1, phase="step 3: training")
     watch.check([0, 1])
