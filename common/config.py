@@ -110,6 +110,10 @@ class RewardConfig(_Section):
     # (the format DAPO-Math-17k prompts ask for).
     extract: Literal["boxed", "boxed_or_answer_line"] = "boxed"
     format_score: Fraction01 = 0.0  # reward of a wrong answer that is well-formed (an answer was found); 0: off
+    # What a completion is graded as: "math", its extracted answer against the ground truth (math-verify); or
+    # "grid_path", the whole completion as a walk that must be a shortest path (common/gridpath.py; the study's
+    # `grid` task, whose ground truths read "(x,y)->(x,y) on WxH")
+    verifier: Literal["math", "grid_path"] = "math"
 
 
 class EvalConfig(_Section):
@@ -557,6 +561,9 @@ def check(cfg: Config) -> None:
     d = cfg.data
     if d.task == "files" and not d.train_files:
         raise ConfigError("data.task = \"files\" needs data.train_files, e.g. --set 'data.train_files=[\"train.parquet\"]'")
+    if d.task == "arith" and cfg.reward.verifier != "math":
+        raise ConfigError(f"reward.verifier = \"{cfg.reward.verifier}\" grades walks, but data.task is \"arith\" (math "
+                          "answers); set reward.verifier = \"math\", or data.task = \"files\" with a grid dataset")
     if d.task == "arith" and d.train_files:
         raise ConfigError("data.train_files is set but data.task is \"arith\"; set data.task = \"files\" to train on them")
     for path in d.train_files + d.eval_files:

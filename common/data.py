@@ -77,6 +77,12 @@ def _file_prompts(cfg: Config, tokenizer, paths, lengths: Counter, records: Reco
                                           system_prompt=d.system_prompt)
             except DatasetError as e:
                 raise DatasetError(f"{path}: row {i}: {e}") from None
+            if cfg.reward.verifier == "grid_path":  # every row must be gradable as a walk, checked before any run
+                from common.gridpath import parse_ground_truth
+                try:
+                    parse_ground_truth(rec.answer)
+                except ValueError as e:
+                    raise DatasetError(f"{path}: row {i}: {e} (reward.verifier = \"grid_path\")") from None
             if (ids := _fit(tokenizer, text, chat, cfg, f"{path}: row {i}", lengths)) is not None:
                 source = stem if d.data_source_from == "file" else rec.data_source
                 out.append(Prompt(text, rec.answer, source, tuple(ids)))

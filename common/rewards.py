@@ -371,11 +371,15 @@ class RewardPool:
     def from_config(cls, reward) -> "RewardPool":
         """The pool a run's `reward` config section asks for (common/config.py RewardConfig holds the defaults;
         this file runs standalone as the worker script, so it does not import the config)."""
-        return cls(reward.workers, reward.timeout_s, extract=reward.extract, format_score=reward.format_score)
+        return cls(reward.workers, reward.timeout_s, extract=reward.extract, format_score=reward.format_score,
+                   verifier=reward.verifier)
 
-    def __init__(self, workers: int, timeout_s: float, *, extract: str, format_score: float) -> None:
+    def __init__(self, workers: int, timeout_s: float, *, extract: str, format_score: float,
+                 verifier: str = "math") -> None:
         """``extract``: see ``extract_answer``. ``format_score``: the reward of a wrong answer that was found
-        (a well-formed attempt), in [0, 1); a missing answer, a timeout or an error stay 0.0."""
+        (a well-formed attempt), in [0, 1); a missing answer, a timeout or an error stay 0.0. ``verifier``:
+        ``"math"`` grades the extracted answer (fast path, else math-verify in a worker); ``"grid_path"`` grades
+        the whole completion as a walk (common/gridpath.py) in the caller, so no answer ever reaches a worker."""
         if workers < 1:
             raise ValueError(f"RewardPool needs workers >= 1, got {workers}; use score() to grade in-process")
         if not timeout_s > 0:
@@ -386,7 +390,13 @@ class RewardPool:
         if not 0.0 <= format_score < 1.0:
             raise ValueError(f"format_score={format_score} must be in [0, 1): a full 1.0 is reserved for correct answers")
         extract_answer("", extract)  # validates the mode now, not at the first batch
-        self.extract, self.format_score = extract, float(format_score)
+        if verifier not in ("math", "grid_path"):
+            raise ValueError(f"verifier={verifier!r}: use \"math\" or \"grid_path\"")
+        self._walk_score = None
+        if verifier == "grid_path":  # imported here, never in the worker script (stdlib + msgspec only)
+            from common.gridpath import walk_score
+            self._walk_score = walk_score
+        self.extract, self.format_score, self.verifier = extract, float(format_score), verifier
         self.timeout_s = float(timeout_s)
         self.scored = 0
         self.timeouts = 0
@@ -463,6 +473,10 @@ class RewardPool:
         found = [False] * len(pairs)
         for i, (completion, ground_truth) in enumerate(pairs):
             try:
+                if self._walk_score is not None:
+                    found[i], verdict = self._walk_score(completion, ground_truth)
+                    self._finish(results, i, ScoreResult(verdict, "ok"))
+                    continue
                 answer, verdict = _prepare(completion, ground_truth, self.extract)
             except (TypeError, ValueError) as exc:  # a bad dataset row scores as an error, not a crash
                 self._finish(results, i, ScoreResult(0.0, "error", repr(exc)))

@@ -111,3 +111,21 @@ def study_lr(meta: dict) -> str | None:
     overrides = [*meta.get("overrides", {}).get("preset", []), *meta.get("overrides", {}).get("user", [])]
     lrs = [o.split("=", 1)[1] for o in overrides if o.startswith("learner.lr=")]
     return lrs[-1] if lrs else None
+
+
+# The grid study's arms (`covrl study --preset grid`, docs/study-grid/PLAN.md): the dose study's GRPO, KL-Cov and
+# its random control and Clip-Cov at their published doses, and the positive control: GRPO with an entropy bonus
+# whose coefficient the pilots chose by the plan's rule (mean entropy over steps 51-100 about twice GRPO's).
+GRID_ENTROPY_COEF = 0.01
+GRID_ARMS: dict[str, Arm] = {
+    "grpo": ARMS["grpo"],
+    "kl_cov": Arm(KL_COV, "kl_cov", "KL-Cov, published 7B dose (kl_fraction 2e-3)"),
+    "kl_cov_random": Arm([*KL_COV, *RANDOM], "kl_cov", "KL-Cov's count, random tokens",
+                         "control: the same count drawn uniformly"),
+    "clip_cov": Arm(CLIP_COV, "clip_cov", "Clip-Cov, published dose (cov_fraction 2e-4)"),
+    "grpo_ent": Arm([*GRPO, f"learner.entropy_coef={GRID_ENTROPY_COEF}"], "grpo",
+                    f"GRPO + entropy bonus {GRID_ENTROPY_COEF}", "positive control: a direct entropy bonus"),
+}
+# The plan's two primary contrasts (AUC of the training batch's entropy), paired by seed, and the positive control.
+GRID_PRIMARY = {"P1": ("kl_cov", "kl_cov_random"), "P2": ("kl_cov", "grpo")}
+GRID_POSITIVE = ("grpo_ent", "grpo")

@@ -37,8 +37,9 @@ from dataclasses import dataclass
 
 from common.config import ConfigError, load_config
 from study.archive import has_run, read_run
-from study.arms import ARMS, STALENESS_ARMS, STALENESS_LAGS, parse_run, run_name, staleness_steps
+from study.arms import ARMS, GRID_ARMS, STALENESS_ARMS, STALENESS_LAGS, parse_run, run_name, staleness_steps
 from study.dose_report import write_dose_report
+from study.grid_report import write_grid_report
 from study.staleness_report import write_staleness_report
 from study.report import write_report
 
@@ -66,6 +67,14 @@ PRESETS["dose"] = {"steps": 60, "overrides": [
 PRESETS["staleness"] = {"steps": 64, "overrides": [
     *PRESETS["chain"]["overrides"][:4], "learner.mini_batches=8", "eval.k=2", "learner.lr=5e-5"]}
 
+# The grid study (docs/study-grid/PLAN.md): the choice-dense task (study/grid.py; base model: covrl warmstart --task
+# grid), 8 updates a batch, the entropy change on every micro-batch (the premise gates read it), pass@8 evaluations.
+PRESETS["grid"] = {"steps": 100, "overrides": [
+    "model.path=assets/grid-base", "data.task=files", "data.train_files=['assets/grid-base/train.jsonl']",
+    "data.eval_files=['assets/grid-base/eval.jsonl']", "data.instruction=", "reward.verifier=grid_path",
+    "rollout.max_new_tokens=32", "learner.mini_batches=8", "learner.entropy_delta_stride=1", "eval.every_steps=10",
+    "eval.k=8", "learner.lr=5e-5"]}
+
 
 # Methods: the config overrides that make each method; published defaults, unchanged (no per-method tuning).
 METHODS = {
@@ -87,12 +96,15 @@ def method_overrides(name: str) -> list[str]:
     """The overrides of a method (METHODS) or of a dose- or staleness-study arm (study/arms.py)."""
     if name in METHODS:
         return METHODS[name]
-    return ARMS[name].overrides if name in ARMS else STALENESS_ARMS[name].overrides
+    for arms in (ARMS, GRID_ARMS, STALENESS_ARMS):
+        if name in arms:
+            return arms[name].overrides
+    raise KeyError(name)
 
 
 def default_methods(preset: str) -> list[str]:
     """What a preset runs when --methods is not given."""
-    return list(ARMS) if preset == "dose" else list(STALENESS_ARMS) if preset == "staleness" else list(METHODS)
+    return {"dose": list(ARMS), "staleness": list(STALENESS_ARMS), "grid": list(GRID_ARMS)}.get(preset, list(METHODS))
 
 
 class StudyError(ValueError):
@@ -133,7 +145,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--preset", default="arith", help=f"one of {', '.join(PRESETS)} (default arith)")
     ap.add_argument("--methods", help=f"comma-separated, in run order (default all: {','.join(METHODS)}; with "
                                       f"--preset dose, the arms of study/arms.py: {','.join(ARMS)}; with --preset "
-                                      f"staleness: {','.join(STALENESS_ARMS)})")
+                                      f"staleness: {','.join(STALENESS_ARMS)}; with --preset grid: "
+                                      f"{','.join(GRID_ARMS)})")
     ap.add_argument("--steps", type=int, help="learner steps per method (default: the preset's)")
     ap.add_argument("--study-dir", help="output directory (default runs/study-<YYYYmmdd-HHMMSS>)")
     ap.add_argument("--gens", type=int, default=1, help="generator processes per run (default 1)")
@@ -159,11 +172,11 @@ def make_plan(args: argparse.Namespace, command: str, now: datetime.datetime) ->
         raise StudyError(f"unknown --preset {args.preset!r}; valid presets: {', '.join(PRESETS)}")
     default = default_methods(args.preset)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods is not None else default
-    unknown = [m for m in methods if m not in METHODS and m not in ARMS and m not in STALENESS_ARMS]
+    unknown = [m for m in methods if m not in METHODS and m not in ARMS and m not in STALENESS_ARMS and m not in GRID_ARMS]
     if unknown or not methods:
         raise StudyError(f"unknown method(s) {', '.join(unknown) or '(none given)'} in --methods; "
                          f"valid methods: {', '.join(METHODS)}; dose-study arms: {', '.join(ARMS)}; staleness-study "
-                         f"arms: {', '.join(STALENESS_ARMS)}")
+                         f"arms: {', '.join(STALENESS_ARMS)}; grid-study arms: {', '.join(GRID_ARMS)}")
     if len(set(methods)) != len(methods):
         raise StudyError(f"--methods lists a method twice ({args.methods}); each method runs once per study")
     steps = args.steps if args.steps is not None else PRESETS[args.preset]["steps"]
@@ -213,11 +226,14 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def run_names(plan: Plan) -> list[str]:
-    """Every run of the study in run order: each method at each seed, then the staleness axis. The staleness
+    """Every run of the study in run order: each method at each seed, then the staleness axis (the grid preset:
+    every method at the first seed, then at the next). The staleness
     preset runs every method at every forced lag and seed instead: seed by seed, method by method, lag by lag
     (<method>@k<k>@s<seed>)."""
     if plan.preset == "staleness":
         return [run_name(m, seed, k) for seed in plan.seeds for m in plan.methods for k in plan.staleness]
+    if plan.preset == "grid":  # seed by seed (docs/study-grid/PLAN.md), so a partial study has whole seeds
+        return [run_name(m, None if i == 0 else seed) for i, seed in enumerate(plan.seeds) for m in plan.methods]
     names = [run_name(m, None if i == 0 else seed) for m in plan.methods for i, seed in enumerate(plan.seeds)]
     return names + [run_name(m, k=k) for m in plan.staleness_methods for k in plan.staleness]
 
@@ -242,7 +258,7 @@ def run_variant(name: str) -> list[str]:
     """What the report lists as a run's own overrides: its method's, and its seed or staleness if it varies them."""
     method, seed, k = parse_run(name)
     extra = ([f"run.seed={seed}"] if seed is not None else []) + ([f"rollout.max_staleness_steps={k}"] if k is not None else [])
-    known = method in METHODS or method in ARMS or method in STALENESS_ARMS
+    known = method in METHODS or method in ARMS or method in STALENESS_ARMS or method in GRID_ARMS
     return [*(method_overrides(method) if known else []), *extra]
 
 
@@ -495,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         path = write_dose_report(plan.study_dir, runs, meta)
     elif preset == "staleness":
         path = write_staleness_report(plan.study_dir, runs, meta)
+    elif preset == "grid":
+        path = write_grid_report(plan.study_dir, runs, meta)
     else:
         path = write_report(plan.study_dir, runs, meta, method_overrides={r: run_variant(r) for r in runs})
     print(f"study: report {path}")

@@ -1,6 +1,6 @@
 """Build the tiny, partially competent `arith` base model that RL starts from.
 
-    covrl warmstart [--task arith|chain] [--out assets/<task>-base] [--seed 0] [--steps N]
+    covrl warmstart [--task arith|chain|grid] [--out assets/<task>-base] [--seed 0] [--steps N]
                                                                      (or: python -m study.warmstart ...)
 
 Steps: train a byte-level BPE on arith texts; random-init a tiny Qwen2; SFT it
@@ -226,13 +226,16 @@ def last_boxed(text: str) -> str | None:
 
 
 @torch.no_grad()
-def sample_responses(model, tok, questions: list[str], batch_size: int = 64) -> list[list[int]]:
-    """Temperature-1 samples (no top-k/top-p), continuing from the separately tokenised prompt."""
+def sample_responses(model, tok, questions: list[str], batch_size: int = 64,
+                     instruction: str | None = None) -> list[list[int]]:
+    """Temperature-1 samples (no top-k/top-p), continuing from the separately tokenised prompt (rendered with
+    `instruction`, None: the template's default)."""
     eos = tok.eos_token_id
     model.eval()
     responses = []
+    render = render_prompt if instruction is None else (lambda q: render_prompt(q, instruction))
     for start in range(0, len(questions), batch_size):
-        prompts = [tok(render_prompt(q)).input_ids for q in questions[start : start + batch_size]]
+        prompts = [tok(render(q)).input_ids for q in questions[start : start + batch_size]]
         width = max(len(p) for p in prompts)
         input_ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts])  # left-padded [B, P]
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, P]
@@ -259,9 +262,10 @@ def accuracy(model, tok, problems: list[Problem]) -> tuple[float, float, dict[in
     return sum(correct) / len(correct), sum(map(len, responses)) / len(responses), per_level, per_style
 
 
-def save_atomic(out: Path, model, tok, report: dict, data: dict[str, list[Problem]] | None = None) -> None:
+def save_atomic(out: Path, model, tok, report: dict, data: dict[str, list] | None = None,
+                write=write_jsonl) -> None:
     """Write beside `out`, then rename into place: readers never see a half-written model.
-    `data`: {file name: problems} written as jsonl beside it."""
+    `data`: {file name: problems} written as jsonl beside it by `write` (the task's)."""
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -270,7 +274,7 @@ def save_atomic(out: Path, model, tok, report: dict, data: dict[str, list[Proble
     tok.save_pretrained(tmp)
     (tmp / "warmstart.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     for name, problems in (data or {}).items():
-        write_jsonl(problems, tmp / name)
+        write(problems, tmp / name)
     if out.exists():  # a non-empty directory cannot be replaced in one rename; move it aside first
         os.replace(out, old)
     os.replace(tmp, out)
@@ -279,8 +283,9 @@ def save_atomic(out: Path, model, tok, report: dict, data: dict[str, list[Proble
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="covrl warmstart", description=__doc__.split("\n")[0])
-    parser.add_argument("--task", choices=("arith", "chain"), default="arith",
-                        help="arith: the demo's base model; chain: the entropy study's (study/chain.py), which also "
+    parser.add_argument("--task", choices=("arith", "chain", "grid"), default="arith",
+                        help="arith: the demo's base model; grid: the entropy-mechanism study's (study/grid.py, "
+                        "study/grid_warmstart.py); chain: the earlier studies' (study/chain.py); chain and grid also "
                         "writes train.jsonl and eval.jsonl beside the model")
     parser.add_argument("--out", help="default assets/<task>-base")
     parser.add_argument("--seed", type=int, default=0)
@@ -291,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--direct-fraction", type=float,
                         help=f"share of SFT solutions in the direct style (default {DIRECT_FRACTION} for arith, "
                         f"{CHAIN_DIRECT_FRACTION} for chain)")
+    parser.add_argument("--flaw-fraction", type=float,
+                        help="grid only: share of SFT walks with one or two wrong moves (default study/grid.py's "
+                        "FLAW_FRACTION)")
     parser.add_argument(
         "--eval-problems",
         type=int,
@@ -299,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         "for quick smoke runs only, the committed asset is measured on the full sets",
     )
     args = parser.parse_args(argv)
+    if args.task == "grid":
+        from study.grid_warmstart import build_grid
+
+        return build_grid(args)
     chain = args.task == "chain"
     args.out = args.out or f"assets/{args.task}-base"
     args.steps = args.steps if args.steps is not None else (CHAIN_DEFAULT_STEPS if chain else DEFAULT_STEPS)

@@ -1,0 +1,333 @@
+"""The report of the grid study (`covrl study --preset grid`): STUDY_DIR/report.md and its PNGs.
+
+Everything it judges was fixed before the runs in docs/study-grid/PLAN.md: the premise gates of the pilots
+(study/premise.py), the positive control's dose, the endpoints (entropy AUC: the mean `actor/entropy` over the
+run's steps; end entropy; per-response entropy AUC; held-out avg@8 and pass@8, the mean of the last 2 evaluations)
+and the verdict rules: the positive control first (95 %), then the two primary contrasts at Bonferroni's 97.5 %,
+paired by seed, each able to come out "not shown" or the other way. `render` is pure; `write_grid_report` writes
+the plots and report.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+from dataclasses import dataclass
+
+from study.archive import has_run, read_run
+from study.arms import GRID_ARMS, GRID_POSITIVE, GRID_PRIMARY, parse_run
+from study.lawfit import key_series, merge_rows, row_value
+from study.premise import cov_entropy_correlation, gates_table
+from study.dose_report import fmt  # the one formatter of the study reports
+from study.stats import diff_interval, min_detectable_effect, t_interval
+
+END_STEPS = 10  # end entropy: the mean of the last 10 steps
+LAST_EVALS = 2  # held-out avg@8 and pass@8: the evaluations at steps 90 and 100
+PRIMARY_LEVEL = 0.975  # Bonferroni over the plan's two primary contrasts
+LEVEL = 0.95
+SOURCE = "grid"
+PLOTS = ["entropy_by_arm.png", "pass_by_arm.png", "entropy_per_response_by_arm.png"]
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    auc: float  # mean actor/entropy over the run's steps
+    end: float  # mean actor/entropy of the last END_STEPS steps
+    per_response_auc: float | None
+    acc: float | None  # eval/grid/acc (avg@k), mean of the last LAST_EVALS evaluations
+    pass_k: float | None  # eval/grid/pass@k, the same evaluations
+    tokens: float  # tokens the loss selected a step
+    share: float | None  # share of the step's summed covariance they carried
+    corr: float  # corr over steps of actor/cov_mean with actor/entropy_delta (gate G5's figure)
+    steps: int
+
+
+def bounds(lo: float, hi: float, digits: int = 4, sign: bool = False) -> str:
+    return f"[{fmt(lo, digits, sign=sign)}, {fmt(hi, digits, sign=sign)}]"
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def endpoints(rows: list[dict], responses_per_step: int) -> Endpoints | None:
+    """The plan's endpoints of one run; None when it has no training rows."""
+    rows = merge_rows(rows)
+    entropy = [h for _, h in key_series(rows, "actor/entropy")]
+    if not entropy:
+        return None
+    evals = [r for r in rows if row_value(r, f"eval/{SOURCE}/acc") is not None][-LAST_EVALS:]
+    pass_keys = sorted({k for r in evals for k in r if k.startswith(f"eval/{SOURCE}/pass@")})
+    train = [r for r in rows if row_value(r, "actor/entropy") is not None]
+    tokens = [row_value(r, "actor/cov_selected_frac") * row_value(r, "response_length/mean") * responses_per_step
+              for r in train if row_value(r, "response_length/mean") is not None
+              and row_value(r, "actor/cov_selected_frac") is not None]
+    per_response = [h for _, h in key_series(rows, "actor/entropy_per_response")]
+    return Endpoints(
+        auc=sum(entropy) / len(entropy), end=sum(entropy[-END_STEPS:]) / len(entropy[-END_STEPS:]),
+        per_response_auc=_mean(per_response),
+        acc=_mean([row_value(r, f"eval/{SOURCE}/acc") for r in evals]) if len(evals) == LAST_EVALS else None,
+        pass_k=_mean([v for r in evals if pass_keys and (v := row_value(r, pass_keys[-1])) is not None])
+        if len(evals) == LAST_EVALS else None,
+        tokens=_mean(tokens) or 0.0, share=_mean([v for _, v in key_series(rows, "actor/cov_selected_share")]),
+        corr=cov_entropy_correlation(rows)[0], steps=len(entropy))
+
+
+# ---------------------------------------------------------------------------
+# Arms, contrasts, verdicts
+# ---------------------------------------------------------------------------
+
+Arms = dict[str, dict[int, Endpoints]]
+
+
+def by_arm(rows: dict[str, list[dict]], first_seed: int, responses_per_step: int) -> Arms:
+    out: Arms = {}
+    for name, run_rows in rows.items():
+        arm, seed, _ = parse_run(name)
+        ends = endpoints(run_rows, responses_per_step)
+        if ends is not None:
+            out.setdefault(arm, {})[first_seed if seed is None else seed] = ends
+    return out
+
+
+@dataclass(frozen=True)
+class Contrast:
+    a: str
+    b: str
+    mean: float
+    lo: float
+    hi: float
+    mde: float
+    seeds: list[int]
+    level: float
+
+    @property
+    def sign(self) -> int:
+        """+1 when the interval lies above 0, -1 below, 0 when it includes 0 (or there are too few seeds)."""
+        return 1 if self.lo > 0 else -1 if self.hi < 0 else 0
+
+    def text(self, digits: int = 4) -> str:
+        return (f"{fmt(self.mean, digits, sign=True)} {bounds(self.lo, self.hi, digits, sign=True)} "
+                f"({round(100 * self.level, 1):g} %, MDE {fmt(self.mde, digits)}, seeds {','.join(map(str, self.seeds))})")
+
+
+def contrast(arms: Arms, a: str, b: str, value, level: float = LEVEL) -> Contrast | None:
+    """value(arm a) - value(arm b), paired by the seeds both have and both measured; None with fewer than 2."""
+    seeds = sorted(s for s in set(arms.get(a, {})) & set(arms.get(b, {}))
+                   if value(arms[a][s]) is not None and value(arms[b][s]) is not None)
+    if len(seeds) < 2:
+        return None
+    xa, xb = [value(arms[a][s]) for s in seeds], [value(arms[b][s]) for s in seeds]
+    mean, lo, hi = diff_interval(xa, xb, paired=True, level=level)
+    diffs = [x - y for x, y in zip(xa, xb)]
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1))
+    return Contrast(a, b, mean, lo, hi, min_detectable_effect(sd, len(seeds), level=level), seeds, level)
+
+
+def positive_control(arms: Arms) -> tuple[Contrast | None, bool]:
+    """(PC, whether the endpoint moved): the entropy bonus's AUC above GRPO's at 95 %."""
+    pc = contrast(arms, *GRID_POSITIVE, lambda e: e.auc)
+    return pc, pc is not None and pc.sign > 0
+
+
+def primary(arms: Arms) -> dict[str, Contrast | None]:
+    return {name: contrast(arms, a, b, lambda e: e.auc, PRIMARY_LEVEL) for name, (a, b) in GRID_PRIMARY.items()}
+
+
+def contrast_verdict(name: str, c: Contrast | None) -> str:
+    words = {"P1": ("the covariance choice holds entropy", "random tokens hold more"),
+             "P2": ("KL-Cov holds entropy above GRPO", "KL-Cov holds entropy below GRPO")}[name]
+    if c is None:
+        return "undetermined: fewer than 2 seeds of both arms"
+    return words[0] if c.sign > 0 else words[1] if c.sign < 0 else "not shown"
+
+
+def mechanism_verdict(p1: Contrast | None, p2: Contrast | None, moved: bool) -> str:
+    """The plan's rule 2, read only when the positive control moved the endpoint (rule 1)."""
+    if not moved:
+        return "undetermined: the endpoint did not move under a direct entropy bonus (rule 1)"
+    if p1 is None or p2 is None:
+        return "undetermined: a primary contrast has fewer than 2 seeds"
+    if p1.sign > 0 and p2.sign > 0:
+        return "supported here: KL-Cov holds entropy above GRPO and above its random-token control"
+    if p2.sign > 0:
+        return ("contradicted: KL-Cov holds entropy above GRPO but not above random tokens of the same count, so the "
+                "effect is the penalty or the count, not the covariance choice")
+    return "contradicted: KL-Cov does not hold entropy above GRPO here" + (
+        " (its entropy is below GRPO's)" if p2.sign < 0 else " (not shown, see P2's MDE)")
+
+
+# ---------------------------------------------------------------------------
+# Text
+# ---------------------------------------------------------------------------
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                     + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def ci(values: list[float], digits: int = 4) -> str:
+    if not values:
+        return "n/a"
+    mean, lo, hi = t_interval(values)
+    return f"{fmt(mean, digits)} {bounds(lo, hi, digits)}" if len(values) > 1 else fmt(mean, digits)
+
+
+def section_arms(arms: Arms) -> str:
+    rows = []
+    for arm in [a for a in GRID_ARMS if a in arms] + [a for a in arms if a not in GRID_ARMS]:
+        seeds = arms[arm]
+        pick = lambda f: [v for e in seeds.values() if (v := f(e)) is not None]  # noqa: E731
+        rows.append([f"`{arm}`", GRID_ARMS[arm].label if arm in GRID_ARMS else "", str(len(seeds)),
+                     ci(pick(lambda e: e.auc)), ci(pick(lambda e: e.end)), ci(pick(lambda e: e.per_response_auc), 3),
+                     ci(pick(lambda e: e.acc), 3), ci(pick(lambda e: e.pass_k), 3),
+                     fmt(_mean(pick(lambda e: e.tokens)), 3), fmt(_mean(pick(lambda e: e.share)), 3)])
+    return "\n".join(["## 3. Every arm (means over seeds, 95 % t-intervals)", "",
+                      md_table(["arm", "what", "seeds", "entropy AUC", "end entropy", "per-response entropy AUC",
+                                "held-out avg@8", "pass@8", "tokens selected a step", "their share of the covariance"],
+                               rows)])
+
+
+def section_verdicts(arms: Arms) -> str:
+    pc, moved = positive_control(arms)
+    p = primary(arms)
+    lines = ["## 4. Verdicts (docs/study-grid/PLAN.md)", "",
+             f"- **Rule 1, the positive control** (PC = AUC(`{GRID_POSITIVE[0]}`) - AUC(`{GRID_POSITIVE[1]}`)): "
+             + ("undetermined (fewer than 2 seeds)" if pc is None else
+                f"{pc.text()}: " + ("the endpoint can move" if moved else "**the endpoint did not move**"))]
+    for name, c in p.items():
+        a, b = GRID_PRIMARY[name]
+        lines.append(f"- **Rule 2, {name}** = AUC(`{a}`) - AUC(`{b}`): "
+                     + (f"{c.text()}: **{contrast_verdict(name, c)}**" if c else contrast_verdict(name, c)))
+    lines.append(f"- **Cui et al.'s mechanism on this task: {mechanism_verdict(p['P1'], p['P2'], moved)}.**")
+    return "\n".join(lines)
+
+
+def section_secondary(arms: Arms) -> str:
+    """Rule 3: every arm against GRPO on every endpoint, and KL-Cov against random on pass@8 (95 %, uncorrected)."""
+    measures = {"entropy AUC": lambda e: e.auc, "end entropy": lambda e: e.end,
+                "per-response entropy AUC": lambda e: e.per_response_auc, "held-out avg@8": lambda e: e.acc,
+                "pass@8": lambda e: e.pass_k}
+    rows = []
+    pairs = [(a, "grpo") for a in GRID_ARMS if a != "grpo"] + [("kl_cov", "kl_cov_random")]
+    for a, b in pairs:
+        if a not in arms or b not in arms:
+            continue
+        cells = [(c.text(4 if "entropy" in m and "response" not in m else 3) if (c := contrast(arms, a, b, f)) else "n/a")
+                 for m, f in measures.items()]
+        rows.append([f"`{a}` - `{b}`", *cells])
+    return "\n".join(["## 5. Secondary contrasts (rule 3: 95 %, paired by seed, uncorrected)", "",
+                      md_table(["contrast", *measures], rows)])
+
+
+def section_premise_in_runs(arms: Arms) -> str:
+    """Rule 4: G5's correlation in each run, by arm."""
+    rows = []
+    for arm, seeds in arms.items():
+        rs = [e.corr for e in seeds.values() if math.isfinite(e.corr)]
+        rows.append([f"`{arm}`", ", ".join(fmt(r, 3, sign=True) for r in rs), ci(rs, 3)])
+    return "\n".join(["## 6. The premise in the study's own runs (rule 4, secondary)", "",
+                      "Pearson r over steps of `actor/cov_mean` with `actor/entropy_delta`, per run and its mean over "
+                      "seeds; the mechanism predicts it negative.", "",
+                      md_table(["arm", "r per seed", "mean [95 % CI]"], rows)])
+
+
+def implementation_checks(arms: Arms) -> str:
+    k, r = arms.get("kl_cov", {}), arms.get("kl_cov_random", {})
+    lines = ["## 7. Implementation checks (they cannot fail as science)", ""]
+    if k and r:
+        lines.append(f"- KL-Cov selected {fmt(_mean([e.tokens for e in k.values()]), 3)} tokens a step, its random "
+                     f"control {fmt(_mean([e.tokens for e in r.values()]), 3)}; they carried "
+                     f"{fmt(_mean([e.share for e in k.values() if e.share is not None]), 3)} and "
+                     f"{fmt(_mean([e.share for e in r.values() if e.share is not None]), 3)} of the step's covariance.")
+    return "\n".join(lines)
+
+
+def section_pilots(pilots: dict[str, list[dict]]) -> str:
+    if not pilots:
+        return "## 1. The premise gates (pilots)\n\nNo pilot found in `pilots/`."
+    lines = ["## 1. The premise gates (pilots, docs/study-grid/PLAN.md)", ""]
+    for name, rows in pilots.items():
+        lines += [f"### `{name}`", "", *gates_table(rows), ""]
+        h = [v for _, v in key_series(merge_rows(rows), "actor/entropy")]
+        if len(h) >= 100:
+            lines.append(f"Mean `actor/entropy` over steps 51-100: {fmt(sum(h[50:100]) / 50, 4)}.")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def section_header(meta: dict, names: list[str], done: list[str], now: datetime.datetime) -> str:
+    missing = [n for n in names if n not in done]
+    return "\n".join([
+        "# The grid study: can the covariance choice hold entropy where the mechanism can show itself?", "",
+        f"Rendered {now:%Y-%m-%d %H:%M} from {len(done)} complete runs"
+        + (f"; missing: {', '.join(missing)}" if missing else "") + ". Command: `" + meta.get("command", "?") + "`.",
+        "The plan, its gates, endpoints and rules: [PLAN.md](PLAN.md) (committed before the runs).", ""])
+
+
+def section_base(base: dict | None) -> str:
+    if not base:
+        return ""
+    m = base.get("measured", {})
+    return "\n".join(["## 2. The base model (assets/grid-base/warmstart.json)", "",
+                      f"Flaw fraction {base.get('flaw_fraction')}, {base.get('steps')} SFT steps. " + "; ".join(
+                          f"{name}: " + ", ".join(f"{k} {v}" for k, v in r.items()) for name, r in m.items()), ""])
+
+
+def render(arms: Arms, pilots: dict[str, list[dict]], meta: dict, names: list[str], done: list[str],
+           now: datetime.datetime, base: dict | None = None) -> str:
+    parts = [section_header(meta, names, done, now), section_pilots(pilots), section_base(base), section_arms(arms),
+             section_verdicts(arms), section_secondary(arms), section_premise_in_runs(arms),
+             implementation_checks(arms), "", "![entropy by arm](entropy_by_arm.png)", "![pass@8 by arm](pass_by_arm.png)",
+             "![per-response entropy by arm](entropy_per_response_by_arm.png)", ""]
+    return "\n\n".join(p for p in parts if p)
+
+
+def _mean_curve(runs: list[list[dict]], key: str) -> list[tuple[float, float]]:
+    by_step: dict[int, list[float]] = {}
+    for rows in runs:
+        for s, v in key_series(merge_rows(rows), key):
+            by_step.setdefault(s, []).append(v)
+    return [(s, sum(v) / len(v)) for s, v in sorted(by_step.items()) if len(v) == len(runs)]
+
+
+def write_plots(study_dir: str, rows: dict[str, list[dict]]) -> None:
+    from study.plots import plot_lines
+
+    by: dict[str, list[list[dict]]] = {}
+    for name, r in rows.items():
+        by.setdefault(parse_run(name)[0], []).append(r)
+    for path, key, ylabel in ((PLOTS[0], "actor/entropy", "token entropy (nats)"),
+                              (PLOTS[1], f"eval/{SOURCE}/pass@8", "held-out pass@8"),
+                              (PLOTS[2], "actor/entropy_per_response", "entropy per response (nats)")):
+        series = {arm: _mean_curve(runs, key) for arm, runs in by.items()}
+        plot_lines({"": series}, os.path.join(study_dir, path), xlabel="step", ylabel=ylabel,
+                   title=f"{ylabel}, mean over seeds")
+
+
+def read_pilots(study_dir: str) -> dict[str, list[dict]]:
+    root = os.path.join(study_dir, "pilots")
+    if not os.path.isdir(root):
+        return {}
+    return {n: read_run(os.path.join(root, n)) for n in sorted(os.listdir(root))
+            if os.path.isfile(os.path.join(root, n, "metrics.jsonl"))}
+
+
+def write_grid_report(study_dir: str, names: list[str], meta: dict, now: datetime.datetime | None = None) -> str:
+    done = [n for n in names if has_run(os.path.join(study_dir, n))]
+    rows = {n: read_run(os.path.join(study_dir, n)) for n in done}
+    per_step = meta.get("responses_per_step", 128)
+    arms = by_arm(rows, (meta.get("seeds") or [0])[0], per_step)
+    base_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "grid-base",
+                             "warmstart.json")
+    base = json.load(open(base_path)) if os.path.isfile(base_path) else None
+    if rows:
+        write_plots(study_dir, rows)
+    text = render(arms, read_pilots(study_dir), meta, names, done, now or datetime.datetime.now(), base)
+    path = os.path.join(study_dir, "report.md")
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+    return path

@@ -1,0 +1,135 @@
+"""The grid task (the entropy-mechanism study's regime) and its verifier: walks are graded as shortest paths, the
+task is deterministic and held out, every move is one token, and a bad ground truth is refused before a run."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import Counter
+from random import Random
+
+import pytest
+
+from common.config import ConfigError, load_config
+from common.datasets import DatasetError, read_records
+from common.gridpath import ground_truth, parse_ground_truth, walk_score
+from common.rewards import RewardPool
+from study.grid import (DATA_SOURCE, EVAL_SIZE, MAX_MOVES, MIN_MOVES, SIZE, GridTask, Walk, all_walks, flawed_walk,
+                        inside, render, sft_text, shortest_walk, write_jsonl)
+
+TRUTH = "(3,7)->(9,1) on 10x10"  # 6 right, 6 up
+
+
+def test_a_shortest_walk_scores_one_in_any_order():
+    for moves in ("R U R U U R R U U R U R", "R R R R R R U U U U U U", "U U U U U U R R R R R R"):
+        assert walk_score(" " + moves, TRUTH) == (True, 1.0)
+
+
+@pytest.mark.parametrize("moves, well_formed", [
+    ("R U R U U R R U U R U", True),  # one move short: the goal is missed
+    ("R U R U U R R U U R U R R L", True),  # a detour: the goal is reached two moves late
+    ("R U R U U R R U U R U L", True),  # a swap: a wrong move in a walk of the right length
+    ("D D D R U R U U R R U U R U R", True),  # leaves the grid (y = 10) on the third move
+    ("R U R U U R R U U R U R x", False),  # a word that is not a move
+    ("The answer is \\boxed{12}", False),
+    ("", False),
+])
+def test_anything_but_a_shortest_walk_scores_zero(moves, well_formed):
+    assert walk_score(moves, TRUTH) == (well_formed, 0.0)
+
+
+def test_the_walk_may_not_leave_the_grid_even_if_it_comes_back():
+    # from (0,0) to (2,2): "L R R R D D" is not shortest anyway; a 1x.. grid edge case: leaving at x = -1
+    assert walk_score(" L R R R D D", "(0,0)->(2,2) on 3x3") == (True, 0.0)
+    assert walk_score(" R R D D", "(0,0)->(2,2) on 3x3") == (True, 1.0)
+
+
+@pytest.mark.parametrize("bad", ["12", "(3,7)->(9,1)", "(3,7)->(10,1) on 10x10", "(3,7)->(9,1) on 0x10", ""])
+def test_a_bad_ground_truth_is_named(bad):
+    with pytest.raises(ValueError, match="grid_path ground truth|outside"):
+        parse_ground_truth(bad)
+
+
+def test_ground_truth_round_trips():
+    assert parse_ground_truth(ground_truth((3, 7), (9, 1), (10, 10))) == ((3, 7), (9, 1), (10, 10))
+
+
+def test_reward_pool_grades_walks_in_the_caller_with_format_score():
+    with RewardPool(1, 5.0, extract="boxed", format_score=0.1, verifier="grid_path") as pool:
+        results = pool.score_batch([(" R U R U U R R U U R U R", TRUTH), (" R U", TRUTH), ("R?", TRUTH), (" R", "12")])
+    assert [r.reward for r in results] == [1.0, 0.1, 0.0, 0.0]  # a well-formed wrong walk earns the format score
+    assert [r.status for r in results] == ["ok", "ok", "ok", "error"]  # a bad ground truth is an error, not a crash
+    with pytest.raises(ValueError, match="verifier"):
+        RewardPool(1, 5.0, extract="boxed", format_score=0.0, verifier="walks")
+
+
+def test_the_task_has_every_walk_once_and_holds_out_its_eval_set():
+    walks = all_walks()
+    assert len(walks) == len(set(walks)) == 3536
+    assert all(MIN_MOVES <= w.distance <= MAX_MOVES and w.start[0] != w.goal[0] and w.start[1] != w.goal[1]
+               for w in walks)
+    task = GridTask(seed=0)
+    held, train = task.eval_sets()[DATA_SOURCE], task.train()
+    assert len(held) == EVAL_SIZE and not set(held) & set(train) and len(held) + len(train) == len(walks)
+    assert GridTask(seed=0).train() == train and GridTask(seed=1).eval_sets() != task.eval_sets()
+
+
+def test_random_shortest_walks_are_shortest_and_cover_every_order():
+    walk = Walk((0, 0), (2, 2))
+    rng = Random(0)
+    seen = Counter(render(shortest_walk(walk, rng)) for _ in range(3000))
+    assert set(seen) == {render(list(p)) for p in set(itertools.permutations("RRDD"))}  # all 6 orders
+    assert min(seen.values()) > 3000 / 6 * 0.8  # uniform: each about 500
+    assert all(walk_score(text, walk.answer) == (True, 1.0) for text in seen)
+
+
+def test_flawed_walks_stay_on_the_grid_and_never_score():
+    rng = Random(1)
+    for w in GridTask(seed=0).train()[:300]:
+        moves = flawed_walk(w, rng)
+        assert inside(w, moves) and walk_score(render(moves), w.answer) == (True, 0.0)
+        assert len(moves) in (w.distance, w.distance + 2, w.distance + 4)
+
+
+def test_sft_texts_are_seeded_and_flawed_at_the_asked_rate():
+    walks = GridTask(seed=0).train()[:1000]
+    texts = [sft_text(w, 0, i, 0.55) for i, w in enumerate(walks)]
+    assert texts == [sft_text(w, 0, i, 0.55) for i, w in enumerate(walks)]
+    flawed = sum(walk_score(t, w.answer)[1] == 0.0 for t, w in zip(texts, walks)) / len(walks)
+    assert 0.50 < flawed < 0.60
+
+
+def test_every_move_is_one_token_under_the_study_tokenizer():
+    from study.tokenizer import train_bpe_tokenizer
+
+    walks = GridTask(seed=0).train()[:300]
+    tok = train_bpe_tokenizer([w.question for w in walks] + [sft_text(w, 0, i) for i, w in enumerate(walks)], 300)
+    for w in walks[:20]:
+        moves = shortest_walk(w, Random(2))
+        assert len(tok(render(moves)).input_ids) == len(moves)
+
+
+def test_the_files_load_as_a_run_reads_them_and_bad_rows_are_refused(tmp_path):
+    walks = GridTask(seed=0).eval_sets()[DATA_SOURCE][:5]
+    path = tmp_path / "walks.jsonl"
+    write_jsonl(walks, path)
+    records = read_records(str(path))
+    assert [r.answer for r in records] == [w.answer for w in walks] and {r.data_source for r in records} == {"grid"}
+    cfg = load_config(None, ["data.task=files", f"data.train_files=['{path}']", "reward.verifier=grid_path",
+                             "data.instruction="])
+    from common.data import PromptSource
+    from study.tokenizer import train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer([w.question for w in walks], 300)
+    assert len(PromptSource(cfg, tok)) == 5
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "Walk.", "reward_model": {"ground_truth": "7"}}) + "\n")
+    cfg = load_config(None, ["data.task=files", f"data.train_files=['{bad}']", "reward.verifier=grid_path"])
+    with pytest.raises(DatasetError, match=r"bad.jsonl: row 0: not a grid_path ground truth"):
+        PromptSource(cfg, tok)
+
+
+def test_the_walk_verifier_needs_a_walk_dataset():
+    with pytest.raises(ConfigError, match="reward.verifier"):
+        load_config(None, ["reward.verifier=grid_path"])  # the built-in arith task has math answers
+    assert SIZE == 10
