@@ -133,3 +133,18 @@ def test_the_walk_verifier_needs_a_walk_dataset():
     with pytest.raises(ConfigError, match="reward.verifier"):
         load_config(None, ["reward.verifier=grid_path"])  # the built-in arith task has math answers
     assert SIZE == 10
+
+
+def test_the_committed_base_model_meets_the_plans_targets_and_holds_out_its_walks():
+    import os
+
+    from tests.helpers.paths import REPO
+
+    base = os.path.join(REPO, "assets", "grid-base")
+    report = json.load(open(os.path.join(base, "warmstart.json")))
+    held = report["measured"]["grid"]
+    assert 0.30 <= held["accuracy"] <= 0.50 and held["pass@8"] >= 0.8  # docs/study-grid/PLAN.md's targets
+    assert held["token_entropy"] >= 0.4 and held["well_formed"] > 0.9
+    task = GridTask(seed=report["seed"])
+    assert [r.answer for r in read_records(os.path.join(base, "eval.jsonl"))] == [w.answer for w in task.eval_sets()["grid"]]
+    assert [r.answer for r in read_records(os.path.join(base, "train.jsonl"))] == [w.answer for w in task.train()]
