@@ -300,7 +300,7 @@ def write_plots(study_dir: str, rows: dict[str, list[dict]]) -> None:
     for name, r in rows.items():
         by.setdefault(parse_run(name)[0], []).append(r)
     for path, key, ylabel in ((PLOTS[0], "actor/entropy", "token entropy (nats)"),
-                              (PLOTS[1], f"eval/{SOURCE}/pass@8", "held-out pass@8"),
+                              (PLOTS[1], f"eval/{SOURCE}/pass@k", "held-out pass@8"),
                               (PLOTS[2], "actor/entropy_per_response", "entropy per response (nats)")):
         series = {arm: _mean_curve(runs, key) for arm, runs in by.items()}
         plot_lines({"": series}, os.path.join(study_dir, path), xlabel="step", ylabel=ylabel,
@@ -308,11 +308,19 @@ def write_plots(study_dir: str, rows: dict[str, list[dict]]) -> None:
 
 
 def read_pilots(study_dir: str) -> dict[str, list[dict]]:
+    """{"<pilot>/<run>": rows} of every pilot: each STUDY_DIR/pilots/<pilot> is a study directory of its own (runs in
+    its runs.tar.xz or as directories, named in its study.json)."""
     root = os.path.join(study_dir, "pilots")
-    if not os.path.isdir(root):
-        return {}
-    return {n: read_run(os.path.join(root, n)) for n in sorted(os.listdir(root))
-            if os.path.isfile(os.path.join(root, n, "metrics.jsonl"))}
+    out: dict[str, list[dict]] = {}
+    for pilot in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        meta_path = os.path.join(root, pilot, "study.json")
+        if not os.path.isfile(meta_path):
+            continue
+        meta = json.load(open(meta_path))
+        for run in meta.get("runs") or meta.get("methods") or []:
+            if has_run(os.path.join(root, pilot, run)):
+                out[f"{pilot}/{run}"] = read_run(os.path.join(root, pilot, run))
+    return out
 
 
 def write_grid_report(study_dir: str, names: list[str], meta: dict, now: datetime.datetime | None = None) -> str:

@@ -26,7 +26,7 @@ def synthetic_run(*, start=0.6, half_at=30.0, coupling=-0.5, top10=0.1, length=1
                      "actor/cov_selected_frac": selected, "response_length/mean": n,
                      "actor/cov_selected_share": 0.3 if selected else 0.0})
         if s % 10 == 0:
-            rows.append({"step": s, "eval/grid/acc": acc, "eval/grid/pass@8": min(1.0, acc + 0.2)})
+            rows.append({"step": s, "eval/grid/acc": acc, "eval/grid/pass@k": min(1.0, acc + 0.2)})
     return rows
 
 
