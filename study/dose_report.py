@@ -6,8 +6,13 @@ first step at or below half the first 10 % mean; censored at the last step), hel
 evaluations over the data sources), and the dose it received (tokens a step and share of the step's summed
 covariance, as measured). Per arm: means over seeds with 95 % t-intervals; per contrast: the paired-by-seed
 difference with its 95 % t-interval and the minimum detectable effect at the seeds used. The mechanism is claimed
-for a method only where both pre-registered contrasts exclude 0; every verdict can come out "does not hold".
-`render` is pure; `write_dose_report` writes the plots and report.md.
+for a method only where both pre-registered contrasts exclude 0; every verdict can come out "does not hold". Jin et
+al.'s off-policy factor can hold only as "confounded" (more updates a batch are also more optimizer steps).
+
+Two sections are readings after the fact, not rules of PLAN.md, and say so: the law against the clock (3.1), and
+each arm against GRPO on the on-policy held-out entropy (4.1, the staleness study's endpoint; its trust-region
+reading is also what the staleness report reads its rule 2 with). `render` is pure; `write_dose_report` writes the
+plots and report.md; every figure prints through study.stats.fmt.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from study.archive import read_run
 from study.arms import ARMS, LADDERS, OFF_POLICY, RANDOM_CONTROLS, parse_run, study_lr
 from study.lawfit import (EvalPoint, eval_lengths, judge_law, key_series, mean_eval_acc, merge_rows, row_value,
                           run_eval_points)
-from study.stats import diff_interval, min_detectable_effect, t_interval, t_quantile
+from study.stats import bounds, diff_interval, fmt, min_detectable_effect, t_interval, t_quantile
 
 HEAD_TAIL = 0.1  # end entropy: the last 10 % of steps; the half-entropy reference: the first 10 %
 LAST_EVALS = 3  # held-out accuracy: mean of the last 3 evaluations
@@ -40,7 +45,7 @@ class Endpoints:
     dose_share: float | None  # share of the step's summed covariance they carried (mean over steps)
     clipfrac: float
     entropy_per_response: tuple[float, float] | None  # first 10 % -> last 10 %
-    eval_entropy: float | None  # on-policy held-out entropy at the last evaluation (mean over data sources)
+    eval_entropy: float | None  # on-policy held-out entropy (mean over data sources), mean of the last 3 evaluations
 
 
 def mean_or_none(xs: list[float]) -> float | None:
@@ -65,15 +70,14 @@ def endpoints(rows: list[dict], responses_per_step: int) -> Endpoints | None:
     tokens = [row_value(r, "actor/cov_selected_frac") * row_value(r, "response_length/mean") * responses_per_step
               for r in train if row_value(r, "response_length/mean") is not None]
     per_response = [h for _, h in key_series(rows, "actor/entropy_per_response")]
-    eval_rows = [r for r in rows if mean_eval_acc(r) is not None]
-    last_eval = [v for k, v in (eval_rows[-1].items() if eval_rows else [])
-                 if k.startswith("eval/") and k.endswith("/entropy") and isinstance(v, float)]
+    on_policy = [p.entropy for p in on_policy_points("", rows)]
     return Endpoints(
         end_entropy=end, half_step=below[0] if below else entropy[-1][0], censored=not below,
         acc=mean_or_none(evals[-LAST_EVALS:]) if len(evals) >= LAST_EVALS else None,
         dose_tokens=mean_or_none(tokens) or 0.0, dose_share=mean_or_none([v for _, v in key_series(rows, "actor/cov_selected_share")]),
         clipfrac=mean_or_none([v for _, v in key_series(rows, "actor/pg_clipfrac")]) or 0.0,
-        entropy_per_response=_head_tail(per_response) if per_response else None, eval_entropy=mean_or_none(last_eval))
+        entropy_per_response=_head_tail(per_response) if per_response else None,
+        eval_entropy=mean_or_none(on_policy[-LAST_EVALS:]) if len(on_policy) >= LAST_EVALS else None)
 
 
 # ---------------------------------------------------------------------------
@@ -100,23 +104,6 @@ def by_arm(rows: dict[str, list[dict]], first_seed: int, responses_per_step: int
 # ---------------------------------------------------------------------------
 # Statistics and their text
 # ---------------------------------------------------------------------------
-
-def fmt(x: float | None, digits: int = 4, sign: bool = False) -> str:
-    """`x` with `digits` decimals (a leading + if `sign`); a value that is not 0 but would print as 0 there gets two
-    significant figures instead (`.2g`: 7e-06, 6.7e-06), so an interval that excludes 0 by 7e-06 never reads as one
-    that touches it. -0.0 prints as 0."""
-    if x is None or math.isnan(x):
-        return "n/a"
-    x += 0.0
-    if x != 0 and round(x, digits) == 0:
-        return f"{x:+.2g}" if sign else f"{x:.2g}"
-    return f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"
-
-
-def bounds(lo: float | None, hi: float | None, digits: int = 4) -> str:
-    """An interval as `[lo, hi]`, each end written by `fmt`."""
-    return f"[{fmt(lo, digits)}, {fmt(hi, digits)}]"
-
 
 def ci_text(values: list[float], digits: int = 4) -> str:
     if not values:
@@ -276,14 +263,26 @@ def claim_mechanism(arms: dict[str, dict[int, Endpoints]], method: str) -> str:
 
 
 def claim_off_policy(arms: dict[str, dict[int, Endpoints]]) -> str:
-    """PLAN.md (Jin et al.): 16 updates per batch end lower in entropy than 1 and halve it in fewer steps."""
+    """PLAN.md (Jin et al.): 16 updates per batch end lower in entropy than 1 and halve it in fewer steps. The rule
+    cannot hold cleanly: at a fixed lr, u updates a batch are also u times the optimizer steps, so what it finds is
+    the factor and the step count together. Where it holds the verdict says "confounded: holds as run", and names
+    the end entropies by updates per batch when they do not fall at every step of the ladder."""
     many, one = OFF_POLICY[16], OFF_POLICY[1]
     end = contrast(arms, many, one, end_entropy, f"end entropy, {many} − {one}")
     half = contrast(arms, many, one, half_step, f"steps to half entropy, {many} − {one}")
     by_k = "; ".join(f"{k} updates: end entropy {ci_text([e.end_entropy for e in arms[a].values()])}, steps to half "
                      f"{ci_text([float(e.half_step) for e in arms[a].values()], 1)}" for k, a in OFF_POLICY.items() if a in arms)
-    holds = end.excludes_zero(-1) and half.excludes_zero(-1)
-    return (f"Jin et al.: more off-policy updates per batch make entropy fall faster: {_verdict(holds, end, half)}. {by_k}. "
+    verdict = _verdict(end.excludes_zero(-1) and half.excludes_zero(-1), end, half)
+    if verdict == "**holds**":
+        means = {k: mean_or_none([e.end_entropy for e in arms[a].values()]) for k, a in OFF_POLICY.items() if a in arms}
+        ladder = list(means.values())
+        monotone = all(a > b for a, b in zip(ladder, ladder[1:]))
+        verdict = (f"**confounded: holds as run**, but {max(OFF_POLICY)} updates a batch are also {max(OFF_POLICY) // min(OFF_POLICY)}x "
+                   f"the optimizer steps of {min(OFF_POLICY)} at the same lr, so the rule cannot tell more off-policy "
+                   f"updates from more steps" + ("" if monotone else
+                   "; and end entropy is not monotone in updates per batch (" +
+                   ", ".join(f"{fmt(h)} at {k}" for k, h in means.items()) + ")"))
+    return (f"Jin et al.: more off-policy updates per batch make entropy fall faster: {verdict}. {by_k}. "
             f"{end.text()}; {half.text(1)}.")
 
 
@@ -307,6 +306,74 @@ def section_against_grpo(arms: dict[str, dict[int, Endpoints]]) -> str:
                       "(two-sided 5 %, power 80 %) at the seeds used: a difference smaller than it can not be told from "
                       "seed noise here.", "",
                       md_table(["arm", "end entropy diff [95 % CI]", "MDE", "accuracy diff [95 % CI]", "MDE", "seeds"], rows)])
+
+
+def on_policy_entropy(e: Endpoints) -> float | None:
+    return e.eval_entropy
+
+
+# KL-Cov at its published dose, its random-token control (the same count, no covariance choice) and PPO with clip 1
+# and no selection (the Cov methods' trust region alone): the arms that tell covariance selection from the trust region.
+TRUST_REGION_ARMS = ("kl_cov", "kl_cov_random", "ppo_clip1")
+
+
+def trust_region_contrasts(arms: dict[str, dict[int, Endpoints]]) -> dict[str, Contrast]:
+    """On the on-policy end entropy, paired by seed: each of TRUST_REGION_ARMS and each other rung of the updates
+    ladder (GRPO's own clip) minus GRPO, and ("choice") KL-Cov minus its random-token control."""
+    names = [*TRUST_REGION_ARMS, *(a for a in OFF_POLICY.values() if a != "grpo")]
+    kl, rnd = RANDOM_CONTROLS["kl_cov"]
+    return ({a: contrast(arms, a, "grpo", on_policy_entropy, f"{a} − grpo") for a in names}
+            | {"choice": contrast(arms, kl, rnd, on_policy_entropy, f"{kl} − {rnd}")})
+
+
+def trust_region_reading(cs: dict[str, Contrast]) -> str:
+    """Whether the arms without a covariance choice move the on-policy end entropy above GRPO's as KL-Cov does, and
+    whether arms with GRPO's own clip do too (then GRPO's runs sit low on this endpoint and the trust region is the
+    reading the controls point to, not a cause they isolate)."""
+    def num(a: str) -> str:
+        return f"{fmt(cs[a].mean, sign=True)} {bounds(cs[a].lo, cs[a].hi)}"
+    kl, rnd, ppo = TRUST_REGION_ARMS
+    numbers = (f"KL-Cov's random-token control {num(rnd)}, PPO with clip 1 and no selection {num(ppo)}; KL-Cov at "
+               f"its published dose {num(kl)}, KL-Cov minus its random control {num('choice')} (MDE {fmt(cs['choice'].mde)})")
+    if not (cs[rnd].excludes_zero(1) and cs[ppo].excludes_zero(1)):
+        return f"the arms with no covariance choice are not both shown above GRPO on this endpoint ({numbers})"
+    same_clip = [a for a in OFF_POLICY.values() if a in cs and cs[a].excludes_zero(1)]
+    spread = ("" if not same_clip else
+              ". But GRPO with its own clip at other updates a batch ends above it too ("
+              + ", ".join(f"{a} {num(a)}" for a in same_clip) + "): GRPO's runs sit low on this endpoint, so the trust "
+              "region is what the controls point to, not a cause they isolate")
+    return (f"the arms with no covariance choice end above GRPO on this endpoint, by about as much as KL-Cov ("
+            f"{numbers}): an on-policy entropy above GRPO's here comes with the wider trust region (KL-Cov drops PPO's "
+            f"clip; clip 1 widens it), not with the covariance choice{spread}")
+
+
+def section_on_policy(arms: dict[str, dict[int, Endpoints]]) -> str:
+    """Every arm against GRPO on the on-policy end entropy: the staleness study's primary endpoint, read here after
+    the fact (PLAN.md's endpoint is `actor/entropy`)."""
+    rows = []
+    for arm in ARMS:
+        if arm == "grpo" or arm not in arms:
+            continue
+        h = contrast(arms, arm, "grpo", on_policy_entropy, "on-policy end entropy")
+        rows.append([arm, ci_text([v for e in arms[arm].values() if (v := e.eval_entropy) is not None]),
+                     f"{fmt(h.mean, sign=True)} {bounds(h.lo, h.hi)}", fmt(h.mde), str(h.n)])
+    grpo = ci_text([v for e in arms.get("grpo", {}).values() if (v := e.eval_entropy) is not None])
+    return "\n".join([
+        "## 4.1 Each arm against GRPO on the on-policy end entropy (post hoc: not in PLAN.md)", "",
+        "Added 2026-12-07, after every result of this study and of the staleness study had been seen: the staleness "
+        "study's primary endpoint (the held-out samples' own entropy, `eval/<ds>/entropy`, mean over the data sources "
+        f"and over the last {LAST_EVALS} evaluations), on these runs, to read that study's lag-0 difference between "
+        f"KL-Cov and GRPO. GRPO: {grpo}. Paired-by-seed differences (arm − GRPO) with 95 % t-intervals and the MDE, "
+        f"uncorrected for the table's {len(rows)} comparisons.", "",
+        md_table(["arm", "on-policy end entropy", "diff [95 % CI]", "MDE", "seeds"], rows), "",
+        f"Reading: {trust_region_reading(trust_region_contrasts(arms))}."])
+
+
+def study_arms(study_dir: str, names: list[str], meta: dict) -> tuple[dict[str, list[dict]], dict[str, dict[int, Endpoints]]]:
+    """(each run's metrics rows by name, {arm: {seed: endpoints}}) of a dose study's runs, each read once."""
+    rows = {n: read_run(os.path.join(study_dir, n)) for n in names}
+    first_seed = (meta.get("seeds") or [0])[0]
+    return rows, by_arm(rows, first_seed, responses_per_step=meta.get("responses_per_step", 128))
 
 
 def reproduces_pilot(study_dir: str, first_run: str, pilot_dir: str | None) -> str | None:
@@ -367,7 +434,9 @@ def section_law(on_policy: dict[str, list[EvalPoint]], batch: dict[str, list[Eva
     held-out entropy, computed on the very samples the accuracy is scored on, and the training batch's entropy of the
     same version, measured on other samples."""
     return "\n".join([
-        "## 3.1 The law R = −a·exp(H) + b against the clock", "",
+        "## 3.1 The law R = −a·exp(H) + b against the clock (post hoc: not in PLAN.md)", "",
+        "PLAN.md names no analysis of the law: this section was added after the runs, so its verdicts are readings of "
+        "data already seen, not tests fixed before it.", "",
         f"- {law_line('H = on-policy held-out entropy of the evaluated version (`eval/<ds>/entropy`)', on_policy)}",
         f"- {law_line('H = the training batch entropy of the same version (`actor/entropy`, as in the chain study)', batch)}",
         "", "How to read them: the doses did not move end entropy (section 3), so the spread of entropy across runs at "
@@ -382,7 +451,8 @@ def render(arms: dict[str, dict[int, Endpoints]], meta: dict, now: datetime.date
            pilot_dirs: dict[str, str], law_points: tuple[dict, dict] = ({}, {}), pilot_check: str | None = None) -> str:
     return "\n\n".join([
         section_header(meta, now, names), section_pilots(pilot_dirs), section_arms(arms), section_verdicts(arms),
-        section_law(*law_points), section_against_grpo(arms), implementation_checks(arms, pilot_check),
+        section_law(*law_points), section_against_grpo(arms), section_on_policy(arms),
+        implementation_checks(arms, pilot_check),
         "## 6. Plots\n\n" + "\n\n".join(f"![{p.removesuffix('.png')}]({p})" for p in PLOTS)]) + "\n"
 
 
@@ -430,8 +500,7 @@ def study_pilots(study_dir: str) -> dict[str, str]:
 def write_dose_report(study_dir: str, names: list[str], meta: dict, now: datetime.datetime | None = None) -> str:
     """Write STUDY_DIR/report.md and its PNGs; returns the report path."""
     first_seed = (meta.get("seeds") or [0])[0]
-    rows = {n: read_run(os.path.join(study_dir, n)) for n in names}  # each run's metrics, read once
-    arms = by_arm(rows, first_seed, responses_per_step=meta.get("responses_per_step", 128))
+    rows, arms = study_arms(study_dir, names, meta)
     write_plots(study_dir, rows, arms, first_seed)
     path = os.path.join(study_dir, "report.md")
     tmp = f"{path}.tmp-{os.getpid()}"

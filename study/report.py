@@ -14,9 +14,10 @@ construction is listed apart, as an implementation check. The rules:
 - A staleness axis with one seed per k cannot separate k from seed noise: its findings are "undetermined".
 
 Seeds are runs `<method>@s<seed>`, staleness runs `<method>@k<k>` (study/runs.py names them). A missing run or key
-never raises, it reads n/a with the reason. `render_report` is pure (no I/O); `write_report` writes the PNGs and
-report.md (atomically). The runner passes in the overrides that make each method, so this module imports nothing of
-it; `covrl study --report-only --study-dir DIR` rewrites a study's report.
+never raises, it reads n/a with the reason; every figure prints through study.stats.fmt and bounds (a value that is
+not 0 never reads as 0). `render_report` is pure (no I/O); `write_report` writes the PNGs and report.md
+(atomically). The runner passes in the overrides that make each method, so this module imports nothing of it;
+`covrl study --report-only --study-dir DIR` rewrites a study's report.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from study.lawfit import (
     within_step_points,
     train_points,
 )
-from study.stats import diff_interval, min_detectable_effect, t_interval
+from study.stats import bounds, diff_interval, fmt, min_detectable_effect, t_interval
 
 # The runs the law is claimed for: the PPO-clip loss without a covariance intervention (GRPO, clip-higher, PAR, and
 # their seed and staleness variants). Clip-Cov and KL-Cov change how entropy turns into reward on purpose.
@@ -141,7 +142,7 @@ def early_check(points: list[tuple[float, float]]) -> str:
         fit, rmse = early_prediction([h for h, _ in points], [r for _, r in points], k=early_k(len(points)))
     except ValueError as e:
         return f"{MISSING} ({e})"
-    return f"fit on first {fit.n} of {len(points)}: RMSE {rmse:.4f} on the other {len(points) - fit.n}"
+    return f"fit on first {fit.n} of {len(points)}: RMSE {fmt(rmse)} on the other {len(points) - fit.n}"
 
 
 def variant(name: str) -> tuple[str, str | None]:
@@ -254,9 +255,9 @@ class Comparison:
         n = len(self.diffs)
         same = (f"; {self.identical} of {n} seed(s) bit-identical to grpo (difference exactly 0)"
                 if self.identical else "")
-        return (f"mean {self.mean:+.{digits}f}, {_pc(LEVEL)} CI {_ci(self.lo, self.hi, digits)} over {n} seed(s) "
-                f"(per seed {', '.join(f'{d:+.{digits}f}' for d in self.diffs)}{same}); minimum detectable effect "
-                f"at {n} seed(s) {_f(None if math.isnan(self.mde) else self.mde, digits)} (two-sided {_pc(1 - LEVEL)}, "
+        return (f"mean {fmt(self.mean, digits, sign=True)}, {_pc(LEVEL)} CI {_ci(self.lo, self.hi, digits)} over {n} "
+                f"seed(s) (per seed {', '.join(fmt(d, digits, sign=True) for d in self.diffs)}{same}); minimum "
+                f"detectable effect at {n} seed(s) {fmt(self.mde, digits)} (two-sided {_pc(1 - LEVEL)}, "
                 f"{_pc(POWER)} power, from the sd of the differences)")
 
 
@@ -299,26 +300,18 @@ def _final_acc(run: MethodRun) -> float | None:
 # Formatting
 # ---------------------------------------------------------------------------
 
-def _f(x: float | None, digits: int = 4) -> str:
-    return MISSING if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
-
-
 def _pc(fraction: float) -> str:
     """0.95 -> '95 %' (the report's spelling of a percentage)."""
     return f"{100 * fraction:g} %"
 
 
-def _sgn(x: float, digits: int = 4) -> str:
-    """x with its sign, and no "-0.0000" for a value that rounds to zero."""
-    return f"{round(x, digits) + 0.0:+.{digits}f}"
-
-
 def _ci(lo: float, hi: float, digits: int = 4) -> str:
-    return MISSING if math.isnan(lo) else f"[{lo:+.{digits}f}, {hi:+.{digits}f}]"
+    """A signed interval by study.stats.bounds, or n/a without one."""
+    return MISSING if math.isnan(lo) else bounds(lo, hi, digits, sign=True)
 
 
 def _arrow(pair: tuple[float, float] | None, digits: int = 4) -> str:
-    return MISSING if pair is None else f"{_f(pair[0], digits)} → {_f(pair[1], digits)}"
+    return MISSING if pair is None else f"{fmt(pair[0], digits)} → {fmt(pair[1], digits)}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -327,7 +320,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _pct(start: float, end: float) -> str:
-    return f"{100 * (end - start) / abs(start):+.1f} %" if start else "n/a %"
+    return f"{fmt(100 * (end - start) / abs(start), 1, sign=True)} %" if start else "n/a %"
 
 
 def _verdict(ok: bool) -> str:
@@ -344,7 +337,7 @@ def _mean_ci(values: list[float], digits: int = 4) -> str:
     if not values:
         return MISSING
     mean, lo, hi = t_interval(values, LEVEL)
-    return f"{mean:.{digits}f} (one seed)" if math.isnan(lo) else f"{mean:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+    return f"{fmt(mean, digits)} (one seed)" if math.isnan(lo) else f"{fmt(mean, digits)} {bounds(lo, hi, digits)}"
 
 
 def response_entropy_span(rows: list[dict]) -> tuple[tuple[float, float], bool] | None:
@@ -376,7 +369,7 @@ def section_header(study: Study, meta: dict, now: datetime.datetime, method_over
              f"- Overrides shared by every method: {shared}", "",
              _table(["method", "method overrides", "status", "wall-clock (s)", "metrics rows", "duplicate of"],
                     [[r.name, ", ".join(f"`{o}`" for o in method_overrides.get(r.name, [])),
-                      status.get(r.name, MISSING), _f(wall.get(r.name), 1), str(len(r.rows)),
+                      status.get(r.name, MISSING), fmt(wall.get(r.name), 1), str(len(r.rows)),
                       study.duplicates.get(r.name, "")] for r in study.runs])]
     lines += ["", duplicates_note(study)]
     notes = data_notes(study.runs)
@@ -418,7 +411,7 @@ def _training_row(r: MethodRun) -> list[str]:
     resp = MISSING
     if per_resp and per_resp[0]:
         (a, b), logged = per_resp
-        resp = f"{a:.3f} → {b:.3f} ({_pct(a, b)}){'' if logged else ' ≈'}"
+        resp = f"{fmt(a, 3)} → {fmt(b, 3)} ({_pct(a, b)}){'' if logged else ' ≈'}"
     return [r.name, str(len(key_series(r.rows, "actor/entropy"))),
             _arrow(head_tail_means([v for _, v in key_series(r.rows, "critic/score/mean")])),
             f"{_arrow(span)} ({_pct(*span)})" if span else MISSING, resp,
@@ -435,7 +428,7 @@ def section_summary(runs: list[MethodRun]) -> str:
         cells = [r.name, span]
         cells += [_arrow(_first_last(ev, f"eval/{ds}/acc")) for ds in sources]
         cells.append(_arrow((mean_eval_acc(ev[0]), mean_eval_acc(ev[-1])) if ev else None))
-        cells += [_f(row_value(ev[-1], k) if ev else None) for k in pkeys]
+        cells += [fmt(row_value(ev[-1], k) if ev else None) for k in pkeys]
         ev_rows.append(cells)
     ev_header = (["method", "evals"] + [f"acc {ds} first → last" for ds in sources] + ["mean acc first → last"]
                  + [f"{k.removeprefix('eval/')} last" for k in pkeys])
@@ -466,7 +459,7 @@ def _fit_rows(study: Study, points_by_run: dict[str, list[tuple[float, float]]])
         fit, why = try_fit(pts)
         if name in study.duplicates:
             why = f"duplicate of {study.duplicates[name]}: left out of the pooled fits"
-        rows.append([name, str(len(pts))] + ([_f(fit.a), _f(fit.b), _f(fit.r2, 3), _f(fit.ceiling), why] if fit
+        rows.append([name, str(len(pts))] + ([fmt(fit.a), fmt(fit.b), fmt(fit.r2, 3), fmt(fit.ceiling), why] if fit
                                              else [MISSING] * 4 + [why]))
     return rows
 
@@ -492,9 +485,9 @@ def law_vs_clock(j: LawJudgement | None) -> str:
     if j is None:
         return f"{head}\n\n{MISSING} (fewer than {MIN_FIT_POINTS} GRPO-family eval points, or no spread in entropy or step)."
     forms = {"exp(H)": "exp(H)", "H (linear)": "H", "eval response length": "(mean eval response length)"}
-    rows = [[m, f"acc = a·{forms.get(m, m.removeprefix('time: '))} + b", _f(r2, 3)] for m, r2 in j.r2.items()]
+    rows = [[m, f"acc = a·{forms.get(m, m.removeprefix('time: '))} + b", fmt(r2, 3)] for m, r2 in j.r2.items()]
     rows.append(["shuffled pairing (control)", f"run i's accuracy against run j's exp(H) at the same step, mean over "
-                 f"{j.runs - 1} cyclic shifts of the runs", _f(j.shuffled_r2, 3)])
+                 f"{j.runs - 1} cyclic shifts of the runs", fmt(j.shuffled_r2, 3)])
     lo, hi = j.entropy_range
     return "\n".join([
         head, "",
@@ -503,12 +496,12 @@ def law_vs_clock(j: LawJudgement | None) -> str:
         f"climbs as well as the law does; so does another run's entropy.", "",
         _table(["model", "form", "R²"], rows), "",
         f"Across runs at equal step: exp(H) and accuracy demeaned within each step evaluated in ≥ {MIN_RUNS_PER_STEP} "
-        f"runs ({j.within_steps} steps, {j.within_points} points): Pearson r = {_f(j.within_r, 3)}, two-sided "
-        f"permutation p = {_f(j.within_p, 4)} ({PERMUTATIONS:,} shuffles of accuracy across runs within each step, "
+        f"runs ({j.within_steps} steps, {j.within_points} points): Pearson r = {fmt(j.within_r, 3)}, two-sided "
+        f"permutation p = {fmt(j.within_p, 4)} ({PERMUTATIONS:,} shuffles of accuracy across runs within each step, "
         f"seed 0). The law predicts r < 0: at a step, the run with the lower entropy has the higher accuracy.", "",
-        f"Exponential or linear: over H in [{lo:.3f}, {hi:.3f}], exp(H) and 1 + H differ by at most "
-        f"{100 * j.exp_linear_gap:.2f} % (relative); " + (
-            f"the exponential form is not tested (indistinguishable from linear over H in [{lo:.3f}, {hi:.3f}])."
+        f"Exponential or linear: over H in {bounds(lo, hi, 3)}, exp(H) and 1 + H differ by at most "
+        f"{fmt(100 * j.exp_linear_gap, 2)} % (relative); " + (
+            f"the exponential form is not tested (indistinguishable from linear over H in {bounds(lo, hi, 3)})."
             if not j.exp_form_tested else "the data can tell the two forms apart (compare the R² of exp(H) and H).")])
 
 
@@ -518,9 +511,9 @@ def _early_row(study: Study, name: str, pts: list, judged: dict) -> list[str]:
         return [MISSING] * 5 + ["no (too few points)"]
     why = ("yes" if name in judged else f"no (duplicate of {study.duplicates[name]})" if name in study.duplicates
            else "no (outside the GRPO family)" if not in_family(name) else "no")
-    return [f"{e.predicted:.4f}", f"{e.final:.4f}", _sgn(e.error),
-            f"{2 * e.pi_half / e.acc_range:.1f}×" if e.pi_half is not None and e.acc_range else MISSING,
-            MISSING if e.pooled_predicted is None else _sgn(e.final - e.pooled_predicted), why]
+    return [fmt(e.predicted), fmt(e.final), fmt(e.error, sign=True),
+            f"{fmt(2 * e.pi_half / e.acc_range, 1)}×" if e.pi_half is not None and e.acc_range else MISSING,
+            MISSING if e.pooled_predicted is None else fmt(e.final - e.pooled_predicted, sign=True), why]
 
 
 def section_early(study: Study, eval_pts: dict, train_pts: dict, bias: EarlyBias | None) -> str:
@@ -547,7 +540,7 @@ def section_cov(study: Study, cov_pts: dict) -> str:
     rows = []
     for name, pts in list(cov_pts.items()) + [("pooled (all methods, distinct runs)", pooled)]:
         r = pearson([c for c, _ in pts], [d for _, d in pts])
-        rows.append([name, str(len(pts)), _f(r, 3) if r is not None else f"{MISSING} (needs ≥ 3 points that vary)"])
+        rows.append([name, str(len(pts)), fmt(r, 3) if r is not None else f"{MISSING} (needs ≥ 3 points that vary)"])
     return "\n".join([
         "## 5. Covariance check", "",
         "Pearson correlation, per step, of actor/cov_mean (mean Cov(log π, A) of the batch) with "
@@ -592,13 +585,13 @@ def claim_collapse(by: dict[str, MethodRun]) -> str:
     if per_resp and per_resp[0]:
         (a, b), logged = per_resp
         resp = (f"; entropy per response {'' if logged else '(≈ token entropy × mean response length) '}"
-                f"{a:.3f} → {b:.3f} ({_pct(a, b)}): the rest of the per-token fall is responses growing longer")
+                f"{fmt(a, 3)} → {fmt(b, 3)} ({_pct(a, b)}): the rest of the per-token fall is responses growing longer")
     return (f"(a) Entropy collapse and plateau under GRPO. Paper: without entropy control, GRPO's policy entropy "
             f"falls sharply and its performance saturates. Measured: grpo entropy per token (mean of the first → last "
-            f"10 % of steps) {h0:.4f} → {h1:.4f} ({_pct(h0, h1)}){resp}; mean eval accuracy (mean of the last third "
-            f"of the evals) gained {total:+.4f} over the first eval, and {late:+.4f} over the middle third (a plateau: "
-            f"a gain of at least {PLATEAU_MIN_GAIN:.2f}, less than {_pc(PLATEAU_SHARE)} of it in the last third): "
-            f"{_verdict(h1 < h0 and flat)}.")
+            f"10 % of steps) {fmt(h0)} → {fmt(h1)} ({_pct(h0, h1)}){resp}; mean eval accuracy (mean of the last third "
+            f"of the evals) gained {fmt(total, sign=True)} over the first eval, and {fmt(late, sign=True)} over the "
+            f"middle third (a plateau: a gain of at least {fmt(PLATEAU_MIN_GAIN, 2)}, less than {_pc(PLATEAU_SHARE)} of "
+            f"it in the last third): {_verdict(h1 < h0 and flat)}.")
 
 
 def claim_vs_grpo(study: Study, title: str, paper: str, method: str, value, endpoint: str) -> str:
@@ -616,17 +609,17 @@ def claim_law(j: LawJudgement | None) -> str:
     with accuracy is negative with p < 0.05."""
     if j is None:
         return "(d) The entropy–performance law fits: skipped (too few GRPO-family eval points; see section 3.1)."
-    clock = ", ".join(f"{m.removeprefix('time: ')} {j.r2[m]:.3f}" for m in j.time_models)
-    others = ", ".join(f"{m} {r2:.3f}" for m, r2 in j.r2.items() if m != "exp(H)" and m not in j.time_models)
+    clock = ", ".join(f"{m.removeprefix('time: ')} {fmt(j.r2[m], 3)}" for m in j.time_models)
+    others = ", ".join(f"{m} {fmt(r2, 3)}" for m, r2 in j.r2.items() if m != "exp(H)" and m not in j.time_models)
     verdict = ("**holds**" if j.holds else "**does not hold at this scale: cannot tell the law from a clock**")
     lo, hi = j.entropy_range
     form = ("" if j.exp_form_tested else f" The exponential form is not tested (indistinguishable from linear over H in "
-            f"[{lo:.3f}, {hi:.3f}]: exp(H) and 1 + H differ by at most {100 * j.exp_linear_gap:.2f} %).")
+            f"{bounds(lo, hi, 3)}: exp(H) and 1 + H differ by at most {fmt(100 * j.exp_linear_gap, 2)} %).")
     return (f"(d) The entropy–performance law fits. Paper: R = −a·exp(H) + b fits held-out accuracy (R² ≈ 0.96–0.99 "
             f"per model family). Measured on the {j.n} eval points of the {j.runs} distinct GRPO-family runs: R² of "
-            f"exp(H) {j.r2['exp(H)']:.3f}; time-only models {clock}; {others}; shuffled pairing (another run's "
-            f"entropy at the same step) {j.shuffled_r2:.3f}. Across runs at equal step: r = {j.within_r:.3f}, "
-            f"permutation p = {j.within_p:.3f} ({j.within_steps} steps, {j.within_points} points). Holds only if "
+            f"exp(H) {fmt(j.r2['exp(H)'], 3)}; time-only models {clock}; {others}; shuffled pairing (another run's "
+            f"entropy at the same step) {fmt(j.shuffled_r2, 3)}. Across runs at equal step: r = {fmt(j.within_r, 3)}, "
+            f"permutation p = {fmt(j.within_p, 3)} ({j.within_steps} steps, {j.within_points} points). Holds only if "
             f"exp(H)'s R² beats every time-only model's and the within-step r is negative with p < 0.05: "
             f"{verdict}.{form}")
 
@@ -645,16 +638,16 @@ def claim_early(bias: EarlyBias | None) -> str:
     pi = ""
     if widths:
         pi = (f" The final lies inside the early fit's 95 % prediction interval in {inside} of {len(errs)} runs; the "
-              f"interval's width is {min(widths):.1f}–{max(widths):.1f}× each run's whole accuracy range" +
+              f"interval's width is {fmt(min(widths), 1)}–{fmt(max(widths), 1)}× each run's whole accuracy range" +
               (", so that count cannot fail here." if min(widths) >= 1 else "."))
-    pooled_s = (f" One early fit pooled over these runs' first points: errors {min(pooled):+.4f} to {max(pooled):+.4f}."
-                if pooled else "")
+    pooled_s = (f" One early fit pooled over these runs' first points: errors {fmt(min(pooled), sign=True)} to "
+                f"{fmt(max(pooled), sign=True)}." if pooled else "")
     return (f"(h) Early points predict the final accuracy. Paper: a fit on the first 15 % of training predicts the "
             f"final performance (RMSE ~1 %). Measured over the {len(errs)} distinct GRPO-family runs, final − "
-            f"predicted: {', '.join(f'{e.run} {_sgn(e.error)}' for e in bias.runs)}; mean {_sgn(bias.mean)}, "
+            f"predicted: {', '.join(f'{e.run} {fmt(e.error, sign=True)}' for e in bias.runs)}; mean {fmt(bias.mean, sign=True)}, "
             f"{_pc(LEVEL)} CI {_ci(bias.lo, bias.hi)}; {above} of {len(errs)} above the prediction, sign test p = "
-            f"{bias.sign_p:.4f}; mean absolute error {bias.mae:.4f}. Holds when the mean absolute error is ≤ "
-            f"{EARLY_MAE:.2f} and the sign test finds no bias (p ≥ {EARLY_SIGN_P}): {verdict}.{pooled_s}{pi}")
+            f"{fmt(bias.sign_p)}; mean absolute error {fmt(bias.mae)}. Holds when the mean absolute error is ≤ "
+            f"{fmt(EARLY_MAE, 2)} and the sign test finds no bias (p ≥ {EARLY_SIGN_P}): {verdict}.{pooled_s}{pi}")
 
 
 def claim_cov(pooled_r: float | None, n_steps: int) -> str:
@@ -665,8 +658,8 @@ def claim_cov(pooled_r: float | None, n_steps: int) -> str:
                 f"actor/entropy_delta; need ≥ 3 that vary).")
     bound = 2 / math.sqrt(n_steps)
     return (f"(e) Covariance drives entropy change. Paper: steps whose log-prob/advantage covariance is high lower "
-            f"entropy, so the correlation is negative. Measured pooled Pearson r = {pooled_r:.3f} over {n_steps} "
-            f"steps of the distinct runs (negative beyond chance at r < −{bound:.3f}): {_verdict(pooled_r < -bound)}.")
+            f"entropy, so the correlation is negative. Measured pooled Pearson r = {fmt(pooled_r, 3)} over {n_steps} "
+            f"steps of the distinct runs (negative beyond chance at r < −{fmt(bound, 3)}): {_verdict(pooled_r < -bound)}.")
 
 
 def check_par_active(by: dict[str, MethodRun]) -> str:
@@ -677,7 +670,7 @@ def check_par_active(by: dict[str, MethodRun]) -> str:
     lams = [v for _, v in key_series(by["par"].rows, "actor/par_lambda")]
     down = sum(b < a for a, b in zip(lams, lams[1:]))
     return (f"PAR's entropy-guided schedule is active: λ (the weight of positive-advantage tokens) went down on {down} "
-            f"of {len(lams) - 1} steps, ranged {min(lams):.2f}–{max(lams):.2f}, mean {sum(lams) / len(lams):.2f}: "
+            f"of {len(lams) - 1} steps, ranged {fmt(min(lams), 2)}–{fmt(max(lams), 2)}, mean {fmt(sum(lams) / len(lams), 2)}: "
             f"{'passes' if down > 0 else 'fails'}. Cannot fail by construction: the schedule lowers λ after every step "
             f"whose entropy is under its target (a fraction of the first steps' entropy) and raises it otherwise, so "
             f"any run whose entropy falls below the target, as claim (a) finds, moves λ down.")
@@ -737,16 +730,16 @@ def claim_par_zero(study: Study) -> str:
     verdict = "**undetermined** (one seed: no interval)" if math.isnan(hi) else _verdict(clearly)
     negative = ("" if clearly or math.isnan(hi) else
                 f" With positive-advantage tokens at weight 0, entropy still fell, and not detectably less than under "
-                f"GRPO (the interval allows a fall up to {-lo:.0f} points smaller, or none): Jin et al.'s mechanism claim "
+                f"GRPO (the interval allows a fall up to {fmt(-lo, 0)} points smaller, or none): Jin et al.'s mechanism claim "
                 f"is not supported at this scale, not refuted.")
-    per = "; ".join(f"{n}: λ = 0 on {len(z)} of {t} steps ({step_ranges(z)}), entropy fell {p:.0f} % vs {g:.0f} % "
+    per = "; ".join(f"{n}: λ = 0 on {len(z)} of {t} steps ({step_ranges(z)}), entropy fell {fmt(p, 0)} % vs {fmt(g, 0)} % "
                     f"for the same-seed grpo run" for n, z, t, p, g in rows)
     return (f"{title}. Paper (Jin et al. 2025): entropy collapse is driven by the positive-advantage tokens, so a "
             f"step that gives them weight λ = 0 (training only on negative-advantage tokens) lowers entropy less. "
             f"Measured, over exactly the steps with λ = 0, the summed same-batch entropy change of the updates "
             f"(−Σ actor/entropy_delta, each the entropy change of one update on its own batch, in % of actor/entropy at "
             f"the first such step), PAR against the same-seed GRPO run "
-            f"over the same step numbers: {per}. PAR − GRPO: mean {mean:+.1f} points, {_pc(LEVEL)} CI "
+            f"over the same step numbers: {per}. PAR − GRPO: mean {fmt(mean, 1, sign=True)} points, {_pc(LEVEL)} CI "
             f"{_ci(lo, hi, 1)} over {len(rows)} seed(s). Holds when PAR's fall is clearly smaller (interval below 0): "
             f"{verdict}.{negative}")
 
@@ -801,8 +794,8 @@ def section_seeds(study: Study) -> str:
         for endpoint, value in (("final mean eval accuracy", _final_acc), ("entropy, last 10 % of steps", _end_entropy)):
             c = compare_to_grpo(study, m, value)
             if c is not None:
-                cmp_rows.append([f"{m} − grpo", endpoint, str(len(c.diffs)), f"{c.mean:+.4f}", _ci(c.lo, c.hi),
-                                 _f(None if math.isnan(c.mde) else c.mde), str(c.identical)])
+                cmp_rows.append([f"{m} − grpo", endpoint, str(len(c.diffs)), fmt(c.mean, sign=True), _ci(c.lo, c.hi),
+                                 fmt(c.mde), str(c.identical)])
     return "\n".join([
         head, "", f"Mean over seeds [{_pc(LEVEL)} t-interval, n − 1 degrees of freedom]; a run marked (= other) "
         "repeats that run's trajectory:", "",
@@ -819,7 +812,7 @@ def _seed_spread(study: Study, method: str, value) -> str:
     values = [v for r in seed_runs(study.runs).get(method, []) if (v := value(r)) is not None]
     if len(values) < 2:
         return "unknown (one seed)"
-    return f"sd {_sd(values):.4f} ({min(values):.4f}–{max(values):.4f}) over {len(values)} seeds"
+    return f"sd {fmt(_sd(values))} ({fmt(min(values))}–{fmt(max(values))}) over {len(values)} seeds"
 
 
 def section_staleness(study: Study) -> str:
@@ -835,12 +828,12 @@ def section_staleness(study: Study) -> str:
         for k, r in pairs:
             span, fin = entropy_span(r.rows), final_eval(r.rows)
             covs = [v for _, v in key_series(r.rows, "actor/cov_mean")]
-            rows.append([m, r.name, f"{k:.0f}", _arrow(span), _pct(*span) if span else MISSING,
-                         _f(sum(covs) / len(covs) if covs else None), _f(fin[1] if fin else None)])
-            ends.append(_f(span[1] if span else None))
-            accs.append(_f(fin[1] if fin else None))
+            rows.append([m, r.name, f"{fmt(k, 0)}", _arrow(span), _pct(*span) if span else MISSING,
+                         fmt(sum(covs) / len(covs) if covs else None), fmt(fin[1] if fin else None)])
+            ends.append(fmt(span[1] if span else None))
+            accs.append(fmt(fin[1] if fin else None))
         findings.append(
-            f"- {m}: end entropy by k ({', '.join(f'{k:.0f}' for k, _ in pairs)}) {', '.join(ends)}; final mean eval "
+            f"- {m}: end entropy by k ({', '.join(f'{fmt(k, 0)}' for k, _ in pairs)}) {', '.join(ends)}; final mean eval "
             f"accuracy {', '.join(accs)}: **undetermined** (one seed per k; the seed spread of the plain runs is "
             f"{_seed_spread(study, m, _end_entropy)} in end entropy and {_seed_spread(study, m, _final_acc)} in final "
             f"accuracy).")
@@ -905,7 +898,7 @@ def write_plots(study_dir: str, runs: list[MethodRun]) -> list[str]:
                            "over the GRPO family)", within=list(zip(xs, ys))),
         plot_scatter({r.name: cov_points(r.rows) for r in study.distinct}, out(study_dir, "cov_vs_entropy_delta.png"),
                      xlabel="actor/cov_mean", ylabel="actor/entropy_delta", title="covariance vs entropy change per step"),
-    ] + ([plot_lines({m: {f"k={k:.0f} ({r.name})": key_series(r.rows, "actor/entropy") for k, r in pairs}
+    ] + ([plot_lines({m: {f"k={fmt(k, 0)} ({r.name})": key_series(r.rows, "actor/entropy") for k, r in pairs}
                       for m, pairs in stale.items()}, out(study_dir, STALENESS_PLOT), xlabel="step",
                      ylabel="actor/entropy", title="entropy vs step at each staleness bound k")]
          if (stale := staleness_runs(runs)) else [])

@@ -1,5 +1,6 @@
 """Small statistics for the study reports: Student t quantiles and intervals, the exact sign test,
-the minimum detectable effect, R^2 of a straight-line fit, and a seeded permutation test.
+the minimum detectable effect, R^2 of a straight-line fit, a seeded permutation test, and the one number
+formatter (`fmt`, `bounds`) every report prints its figures with.
 
 Pure numpy and math (scipy is not a dependency). The t distribution's CDF is computed from the
 regularized incomplete beta function (Lentz's continued fraction, Numerical Recipes 6.4), and its
@@ -7,7 +8,8 @@ inverse by bisection, to about 1e-10 in t: far tighter than any interval printed
 
 Conventions: every interval is two-sided at `level` (0.95: the 2.5 % and 97.5 % quantiles); a
 sample too small for an interval gives nan bounds rather than an error, so a report can print
-"n/a" beside its mean. Degrees of freedom may be fractional (Welch).
+"n/a" beside its mean. Degrees of freedom may be fractional (Welch). A figure that is not 0 never
+prints as 0 (`fmt`): an interval that excludes 0 by 7e-06 must not read as one that touches it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,23 @@ import numpy as np
 
 _EPS = 1e-15
 _TINY = 1e-300
+
+
+def fmt(x: float | None, digits: int = 4, sign: bool = False) -> str:
+    """`x` with `digits` decimals (a leading + if `sign`); a value that is not 0 but would print as 0 there gets two
+    significant figures instead (`.2g`: 7e-06, 6.7e-06), so an interval that excludes 0 by 7e-06 never reads as one
+    that touches it. -0.0 prints as 0; None and nan print as n/a."""
+    if x is None or math.isnan(x):
+        return "n/a"
+    x += 0.0
+    if x != 0 and round(x, digits) == 0:
+        return f"{x:+.2g}" if sign else f"{x:.2g}"
+    return f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"
+
+
+def bounds(lo: float | None, hi: float | None, digits: int = 4, sign: bool = False) -> str:
+    """An interval as `[lo, hi]`, each end written by `fmt` (with its sign if `sign`)."""
+    return f"[{fmt(lo, digits, sign)}, {fmt(hi, digits, sign)}]"
 
 
 def _beta_cf(a: float, b: float, x: float) -> float:

@@ -94,7 +94,16 @@ def test_off_policy_claim_flips_with_the_data():
         return base | {OFF_POLICY[16]: {s: dose_report.Endpoints(end16 + 0.001 * s, half16 + s, False, 0.8, 0, None, 0,
                                                                  None, None) for s in range(3)}}
 
-    assert "**holds**" in dose_report.claim_off_policy(arms(0.02, 10))
+    # The rule holds, but 16 updates a batch are also 16x the optimizer steps of 1: the verdict says it is confounded.
+    holds = dose_report.claim_off_policy(arms(0.02, 10))
+    assert "**confounded: holds as run**, but 16 updates a batch are also 16x the optimizer steps of 1" in holds
+    assert "not monotone" not in holds  # two rungs, falling
+    # With the middle rungs, end entropy that does not fall at every rung is named (the dose study's 1, 4, 8, 16).
+    middle = {a: {s: dose_report.Endpoints(h + 0.001 * s, 12, False, 0.8, 0, None, 0, None, None) for s in range(3)}
+              for a, h in ((OFF_POLICY[4], 0.018), (OFF_POLICY[8], 0.019))}
+    ladder = dose_report.claim_off_policy(arms(0.02, 10) | middle)
+    assert "end entropy is not monotone in updates per batch (0.0410 at 1, 0.0190 at 4, 0.0200 at 8, 0.0210 at 16)" in ladder
+    assert "**holds**" not in ladder
     assert "does not hold" in dose_report.claim_off_policy(arms(0.04, 20))  # no difference
     assert "does not hold" in dose_report.claim_off_policy(arms(0.02, 25))  # lower at the end but slower to halve
 
@@ -246,3 +255,39 @@ def test_an_interrupted_parallel_study_stops_and_records_every_run(tmp_path, mon
     assert "interrupted while running grpo, kl_cov" in capsys.readouterr().err
     meta = json.load(open(tmp_path / "study.json"))
     assert set(meta["status"]) == {"grpo", "kl_cov"} and all(v.startswith("failed") for v in meta["status"].values()), meta
+
+
+def test_the_on_policy_reading_tells_the_trust_region_from_the_covariance_choice():
+    """Section 4.1 (post hoc): the on-policy end entropy of each arm minus GRPO's. The trust-region reading needs both
+    arms without a covariance choice (the random control, PPO clip 1) above GRPO; arms with GRPO's own clip above it
+    too mean GRPO's runs sit low, which the reading then says."""
+    grpo, noise = (0.030, 0.031, 0.029), (0.0, 0.0005, -0.0004)
+
+    def arms(**effects):
+        ends = {"grpo": 0.0} | {a: effects.get(a, 0.0) for a in ("kl_cov", "kl_cov_random", "ppo_clip1", "grpo_mb1",
+                                                                 "grpo_mb4", "grpo_mb16")}
+        return {a: {s: dose_report.Endpoints(0.03, 10, False, 0.8, 0, None, 0, None,
+                                             g + d + (n if a != "grpo" else 0.0))
+                    for s, (g, n) in enumerate(zip(grpo, noise))} for a, d in ends.items()}
+
+    both = dose_report.trust_region_reading(dose_report.trust_region_contrasts(
+        arms(kl_cov=0.005, kl_cov_random=0.005, ppo_clip1=0.004)))
+    assert both.startswith("the arms with no covariance choice end above GRPO on this endpoint")
+    assert "comes with the wider trust region" in both and "sit low" not in both
+    assert "PPO with clip 1 and no selection +0.0040 [" in both and "KL-Cov minus its random control" in both
+    one = dose_report.trust_region_reading(dose_report.trust_region_contrasts(arms(kl_cov=0.005, kl_cov_random=0.005)))
+    assert one.startswith("the arms with no covariance choice are not both shown above GRPO")
+    low = dose_report.trust_region_reading(dose_report.trust_region_contrasts(
+        arms(kl_cov=0.005, kl_cov_random=0.005, ppo_clip1=0.004, grpo_mb16=0.004)))
+    assert "GRPO's runs sit low on this endpoint" in low and "grpo_mb16 +0.0040 [" in low and "grpo_mb1 " not in low
+    section = dose_report.section_on_policy(arms(kl_cov=0.005, kl_cov_random=0.005, ppo_clip1=0.004))
+    assert section.startswith("## 4.1 Each arm against GRPO on the on-policy end entropy (post hoc: not in PLAN.md)")
+    assert "| kl_cov_random | 0.0350 [" in section and "uncorrected for the table's 6 comparisons" in section
+
+
+def test_on_policy_end_entropy_is_the_mean_of_the_last_three_evaluations():
+    rows = rows_for([0.1] * 20, evals={5: 0.5, 10: 0.6, 15: 0.6, 20: 0.7})
+    for r, h in zip([r for r in rows if "eval/a/acc" in r], (0.12, 0.05, 0.04, 0.03, 0.02)):
+        r |= {"eval/a/entropy": h, "eval/b/entropy": h + 0.01}
+    e = dose_report.endpoints(rows, responses_per_step=8)
+    assert e.eval_entropy == pytest.approx((0.045 + 0.035 + 0.025) / 3)  # steps 10, 15, 20; mean over the 2 sources

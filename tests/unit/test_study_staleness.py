@@ -5,6 +5,7 @@ either way."""
 import datetime
 import json
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -12,6 +13,7 @@ from study import runs as study_runs
 from study.arms import parse_run, run_name, staleness_steps
 from study import staleness_report as sr
 from study.dose_report import Contrast
+from study.stats import t_interval
 
 
 def _rows(k: int, steps: int, *, entropy0=0.2, entropy_end=0.05, acc=(0.4, 0.6, 0.7), kl=0.01, capfrac=0.001,
@@ -212,7 +214,8 @@ def test_ess_before_collapse_rule_both_ways():
     fell = {s: _lag_run("grpo_tis", s, 8, 0.2 + 0.01 * s) for s in range(3)}
     held = {s: _lag_run("kl_cov_tis", s, None, 0.6 + 0.01 * s) for s in range(3)}
     text = sr.section_ess_collapse({"grpo_tis@k4": fell, "kl_cov_tis@k4": held})
-    assert "k = 4: lowest ESS before collapse -0.4000" in text and "VCPO's claim: holds" in text
+    assert ("k = 4: 3 collapsed, 3 did not; lowest ESS before step 8 (the earliest collapse), collapsed minus not: "
+            "-0.4000 [") in text and "VCPO's claim: holds." in text
     higher = {s: _lag_run("grpo_tis", s, 8, 0.9 + 0.01 * s) for s in range(3)}
     assert "VCPO's claim: does not hold (the collapsed runs' ESS was higher)" in sr.section_ess_collapse(
         {"grpo_tis@k4": higher, "kl_cov_tis@k4": held})
@@ -222,6 +225,138 @@ def test_ess_before_collapse_rule_both_ways():
     early = {s: _lag_run("grpo_tis", s, 1, 0.2) for s in range(3)}  # collapsed before any ESS reading
     assert "undetermined (too few ESS readings)" in sr.section_ess_collapse({"grpo_tis@k4": early, "kl_cov_tis@k4": held})
     assert "k = 0: 0 collapsed, 0 did not: undetermined" in text
+
+
+def _ess_run(method, seed, collapse, ess):
+    """A lag-4 run of 16 steps whose offpolicy/ess_seq at step s is ess(s)."""
+    return sr.LagRun(method, 4, seed, 16, 0.05, 16, True, 0.6, collapse, {}, None,
+                     [(s, ess(s)) for s in range(1, 17)], True)
+
+
+def test_ess_before_collapse_reads_every_run_over_the_same_steps():
+    """PLAN.md rule 6: "the lowest ESS before the collapse step (before the same step in the non-collapsed runs)".
+    One run collapses at step 8; three collapse at 16 after their ESS fell from step 8 on; three never collapse. Over
+    the steps every run shares (1-7, before the earliest collapse) the collapsed runs' ESS is not lower: not shown.
+    The unequal windows (each collapsed run up to its own collapse, the survivors up to step 8) saw the late fall and
+    said "holds"; the report gives that reading beside the corrected one."""
+    fell = {"grpo_tis@k4": {0: _ess_run("grpo_tis", 0, 8, lambda s: 0.55)},
+            "kl_cov_tis@k4": {i: _ess_run("kl_cov_tis", i, 16, lambda s, i=i: 0.6 + 0.01 * i if s < 8 else 0.2 + 0.01 * i)
+                              for i in range(3)}}
+    held = {"grpo_ess@k4": {i: _ess_run("grpo_ess", i, None, lambda s, i=i: 0.6 + 0.01 * i) for i in range(3)}}
+    step, equal, unequal = sr.ess_before_collapse([r for c in (fell | held).values() for r in c.values()])
+    # Steps 1-7: collapsed minima 0.55, 0.60, 0.61, 0.62 (mean 0.595) against 0.60, 0.61, 0.62 (mean 0.61).
+    assert step == 8 and equal[0] == pytest.approx(-0.015) and equal[1] < 0 < equal[2]
+    # Unequal: 0.55, 0.20, 0.21, 0.22 (mean 0.295) against the same survivors: -0.315, and the interval lies below 0.
+    assert unequal[0] == pytest.approx(-0.315) and unequal[2] < 0
+    text = sr.section_ess_collapse(fell | held)
+    assert "k = 4: 4 collapsed, 3 did not; lowest ESS before step 8 (the earliest collapse), collapsed minus not: -0.0150" in text
+    assert "VCPO's claim: not shown (the interval includes 0). The unequal windows read -0.3150 [" in text
+    assert "]: holds.\n- k = 16" in text and "made after seeing the data" in text
+
+
+def test_ess_before_collapse_counts_each_trajectory_once():
+    """Rule 6 pools methods: a run that repeats another's trajectory (M2PO that never masked, the lag budget at lag 0)
+    is one observation. Three survivors of which one is a duplicate leave two: undetermined."""
+    fell = {s: _lag_run("grpo_tis", s, 8, 0.2 + 0.01 * s) for s in range(3)}
+    held = {s: _lag_run("kl_cov_tis", s, None, 0.6 + 0.01 * s) for s in range(2)}
+    twin = {0: replace(_lag_run("kl_cov_m2po", 0, None, 0.6), duplicate_of="kl_cov_tis@k4@s0")}
+    text = sr.section_ess_collapse({"grpo_tis@k4": fell, "kl_cov_tis@k4": held, "kl_cov_m2po@k4": twin})
+    assert "k = 4: 3 collapsed, 2 did not (distinct runs; 1 duplicates counted once): undetermined (needs 3 of each)" in text
+    counted = {"grpo_tis@k4": fell, "kl_cov_tis@k4": held, "kl_cov_m2po@k4": {0: _lag_run("kl_cov_m2po", 0, None, 0.6)}}
+    assert "k = 4: 3 collapsed, 3 did not; lowest ESS" in sr.section_ess_collapse(counted)
+
+
+def test_a_comparison_with_all_but_one_seed_identical_cannot_fail():
+    # n - 1 differences exactly 0 and one x: the mean is x / n, the half-width t·|x| / n with t > 1, whatever x is.
+    for x in (1e-9, -0.3, 5.0):
+        for n in (2, 3, 5):
+            mean, lo, hi = t_interval([0.0] * (n - 1) + [x])
+            assert lo < 0 < hi and mean == pytest.approx(x / n)
+    assert sr.cannot_fail(3, 3) and sr.cannot_fail(2, 3) and not sr.cannot_fail(1, 3) and not sr.cannot_fail(1, 1)
+    assert "a run minus itself: 0" in sr.why_cannot_fail(3, 3)
+    assert "2 of the 3 per-seed differences are exactly 0" in sr.why_cannot_fail(2, 3)
+
+
+def test_steps_to_half_entropy_leaves_the_table_only_when_every_run_of_a_lag_shares_it():
+    def run(method, k, seed, half):
+        return sr.LagRun(method, k, seed, 64, 0.03, half, False, 0.7, None, {}, None, [], True, first_eval=8)
+
+    pinned = sr.by_cell([run(m, k, s, 8) for m in ("grpo_tis", "kl_cov_tis") for k in (0, 4) for s in range(3)])
+    assert sr.half_step_by_lag(pinned) == {0: 8, 4: 8}
+    assert "| steps to half |" not in sr.section_endpoints(pinned)
+    check = sr.implementation_checks(pinned)
+    assert "steps to half entropy (a plan endpoint no verdict rule uses) takes one value in every run of a lag: step 8 " \
+           "at k = 0 and 4; that is the first evaluation after step 0 in every run" in check
+    spread = sr.by_cell([run("grpo_tis", 0, s, 8 + 8 * s) for s in range(3)])
+    assert sr.half_step_by_lag(spread) is None and "steps to half" in sr.section_endpoints(spread)
+    assert "steps to half entropy" not in sr.implementation_checks(spread)
+
+
+def _d0_cells(kl_cov_gain):
+    """GRPO + TIS and KL-Cov + TIS at lag 0 (and 64, equal there), 3 seeds; KL-Cov's on-policy end entropy higher by
+    `kl_cov_gain` with a little seed noise."""
+    noise = (0.0, 0.0012, -0.0010)
+    runs = [sr.LagRun(m, k, s, 64, 0.03 + 0.001 * s + (kl_cov_gain + noise[s] if m == "kl_cov_tis" and k == 0 else 0.0),
+                      8, False, 0.7, None, {}, None, [], True)
+            for m in ("grpo_tis", "kl_cov_tis") for k in (0, 64) for s in range(3)]
+    return sr.by_cell(runs)
+
+
+def test_rule_2_reads_its_lag_0_difference_beside_the_dose_studys_controls():
+    controls = ("5e-5", {a: Contrast(a, 3, d, d - 0.003, d + 0.003, 0.004) for a, d in
+                         (("kl_cov", 0.0046), ("kl_cov_random", 0.0058), ("ppo_clip1", 0.0043), ("grpo_mb1", 0.0),
+                          ("grpo_mb4", 0.0), ("grpo_mb16", 0.0), ("choice", -0.0012))})
+    text = sr.section_kl_cov(_d0_cells(0.003), controls)
+    assert "**KL-Cov fails under staleness**" in text
+    reading = text.split("Reading (2026-12-07, written after the data; the verdict above stands as rule 2 gives it): ")[1]
+    assert reading.startswith("D_0 = +0.0031 [0.0003, 0.0058] is not shown to be covariance selection") and "the chain task at lr 5e-5" in reading
+    assert "KL-Cov's random-token control +0.0058 [0.0028, 0.0088]" in reading and "wider trust region" in reading
+    assert "D_0 does not survive Bonferroni's correction within rule 2 (m = 8: corrected [" in reading
+    strong = sr.section_kl_cov(_d0_cells(0.03), None)
+    assert "D_0 survives Bonferroni's correction" in strong and "its controls are not read here" in strong
+    assert "Reading (" not in sr.section_kl_cov(_d0_cells(0.0), controls)  # D_0 not above 0: nothing to read
+    assert sr.dose_controls("/nonexistent") is None
+
+
+def _with_score(name, steps_of, score, **kw):
+    method, k, seed = sr.parse_name(name)
+    rows = _rows(k, steps_of[name], kl=0.001 * (k + 1) * (1 + 0.1 * seed), capfrac=1e-4 * (k + 1) * (1 + 0.1 * seed), **kw)
+    return [r | {"critic/score/mean": score + 0.001 * r["step"]} if "actor/entropy" in r else r for r in rows]
+
+
+def test_duplicates_are_found_from_the_runs_and_their_comparisons_become_checks(tmp_path):
+    """M2PO on-policy repeats TIS to the bit, and at lag 4 it never fired in seeds 0 and 1: those runs are found as
+    duplicates from their trajectories (actor/entropy and critic/score/mean), named in the report, and the comparisons
+    they make cannot fail, so they are implementation checks, not verdicts."""
+    names = [f"{m}@k{k}@s{s}" for s in (0, 1, 2) for m in ("grpo_tis", "kl_cov_tis", "kl_cov_m2po", "grpo_m2po")
+             for k in (0, 4, 16, 64)]
+    steps_of = {n: staleness_steps(sr.parse_name(n)[1], 8) for n in names}
+    meta = _study(tmp_path, names, steps_of)
+    for name in names:
+        method, k, seed = sr.parse_name(name)
+        own = k > 4 or (k == 4 and seed == 2)  # M2PO acts: a trajectory of its own
+        base = {"kl_cov_m2po": "kl_cov_tis", "grpo_m2po": "grpo_tis"}.get(method, method) if not own else method
+        score = {"grpo_tis": 0.1, "kl_cov_tis": 0.2, "kl_cov_m2po": 0.3, "grpo_m2po": 0.4}[base] + 0.01 * seed + 0.001 * k
+        kw = {"entropy_end": 0.06} if base.startswith("kl_cov") else {}
+        rows = _with_score(name, steps_of, score, **kw)
+        with open(tmp_path / name / "metrics.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    text = open(sr.write_staleness_report(str(tmp_path), names, meta, dose_dir=str(tmp_path / "no-dose"))).read()
+    assert ("10 of the 48 runs repeat an earlier run's actor/entropy and critic/score/mean at every step (bit-identical "
+            "duplicates: kl_cov_m2po@k0 = kl_cov_tis@k0 (seeds 0, 1, 2); kl_cov_m2po@k4 = kl_cov_tis@k4 (seeds 0, 1); "
+            "grpo_m2po@k0 = grpo_tis@k0 (seeds 0, 1, 2); grpo_m2po@k4 = grpo_tis@k4 (seeds 0, 1)), so they hold 38 "
+            "distinct trajectories") in text
+    rule3 = text.split("## 4.")[1].split("## 5.")[0]
+    assert "k = 0: not a verdict: KL-Cov + M2PO ran KL-Cov + TIS's trajectory at 3 of 3 seeds, so no outcome could differ" in rule3
+    assert "k = 4: not a verdict: KL-Cov + M2PO ran KL-Cov + TIS's trajectory at 2 of 3 seeds, so its intervals cannot exclude 0" in rule3
+    assert rule3.count("Verdict") == 2  # k = 16 and 64 only
+    assert "| grpo_m2po | 4 | not a comparison: grpo_tis's runs at 2 of 3 seeds (section 9) |" in text
+    checks = text.split("## 9.")[1].split("## 10.")[0]
+    assert "M2PO with KL-Cov (rule 3) at k = 0 cannot fail: its runs are the other arm's at 3 of 3 seeds" in checks
+    assert "grpo_m2po - grpo_tis (rule 4) at k = 4 cannot fail: its runs are the other arm's at 2 of 3 seeds" in checks
+    rule6 = text.split("## 8.")[1].split("## 9.")[0]
+    assert "k = 0: 0 collapsed, 6 did not (distinct runs; 6 duplicates counted once)" in rule6
+    assert "k = 4: 0 collapsed, 8 did not (distinct runs; 4 duplicates counted once)" in rule6
 
 
 def test_archive_keeps_every_complete_run_any_invocation_asked_for(tmp_path):
