@@ -81,7 +81,11 @@ from hardware import fatbin
 REPO = Path(__file__).resolve().parent.parent
 SIZES_FILE = REPO / "hardware" / "kit_sizes.json"
 BUDGET_BYTES = 60 * 2**20  # the device tool carries at most 64 MiB per command; 4 MiB stay for what is untracked
-SPARE_BYTES = 8 * 2**20  # kept free under the budget by the tracked tree + the larger kit (tests/unit/test_gpu_kit.py)
+# Kept free under the budget by the tracked tree + the larger kit (tests/unit/test_gpu_kit.py). 8 MiB until
+# 2026-12-07; 3 MiB since the grid study's base model (assets/grid-base, 4.4 MB, issue 50) took the rest: the third
+# model asset the CPU studies need beside arith's and chain's. The next addition of that size must retire one
+# (a study asset rebuilds to the byte with `covrl warmstart --task ...`) or shrink the kit.
+SPARE_BYTES = 3 * 2**20
 FORMAT = 2  # bump when the kit's layout or contents change, so `build` redoes every archive
 XZ_PRESET = 9 | lzma.PRESET_EXTREME
 MTIME = 1_767_225_600  # 2026-01-01: every member gets it, so equal inputs give equal archives
@@ -740,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
     u = sub.add_parser("unpack", help="extract the kit into a site folder (on the GPU machine)")
     u.add_argument("--kit", type=Path, default=Path(".kit"))
     u.add_argument("--target", type=Path, required=True)
-    c = sub.add_parser("check", help="tracked tree + kit against the 60 MiB travel budget and its 8 MiB spare")
+    c = sub.add_parser("check", help="tracked tree + kit against the 60 MiB travel budget and its 3 MiB spare")
     c.add_argument("--kit", type=Path, default=Path(".kit"))
     c.add_argument("--tree-bytes", type=int, default=None, help="instead of summing `git ls-files`")
     args = ap.parse_args(argv)

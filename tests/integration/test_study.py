@@ -83,7 +83,7 @@ def test_grid_study_end_to_end_tiny_budget(tmp_path):
         held.write_text("".join(f.readlines()[:8]))
     study = tmp_path / "grid"
     cmd = [sys.executable, "-m", "study.runs", "--preset", "grid", "--steps", "2", "--methods", "grpo,kl_cov_random",
-           "--study-dir", str(study), "--set", "rollout.groups_per_step=4", "--set", "eval.k=2",
+           "--study-dir", str(study), "--set", "rollout.groups_per_step=8", "--set", "rollout.group_size=4", "--set", "eval.k=2",
            "--set", "eval.every_steps=1", "--set", f"data.eval_files=['{held}']"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
