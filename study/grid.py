@@ -34,6 +34,10 @@ SIZE = 10  # the grid is SIZE x SIZE; coordinates are single digits (one token e
 MIN_MOVES, MAX_MOVES = 8, 14
 EVAL_SIZE = 128
 FLAW_FRACTION = 0.55  # share of the warm start's walks with one or two wrong moves
+# Amendment 1 of docs/study-grid/PLAN.md: a walk's chance of a flaw grows with how often it changes axis, so which of
+# two equally short moves the model takes decides how likely it errs later (0: the first base model's uniform flaws).
+SWITCH_COUPLING = 0.8
+MEAN_SWITCH_RATIO = 0.46  # about the mean switch ratio of a uniformly random shortest walk of the task (a test checks)
 _OPPOSITE = {"R": "L", "L": "R", "D": "U", "U": "D"}
 
 
@@ -83,11 +87,12 @@ def inside(walk: Walk, moves: list[str]) -> bool:
     return True
 
 
-def flawed_walk(walk: Walk, rng: Random) -> list[str]:
-    """A shortest walk with one or two wrong moves: each a detour (a wrong move, undone later: the goal is reached two
-    moves late) or a swap (a move replaced by a wrong one: the goal is missed), and the walk stays on the grid."""
+def flawed_walk(walk: Walk, rng: Random, order: list[str] | None = None) -> list[str]:
+    """A shortest walk (`order`, else a random one) with one or two wrong moves: each a detour (a wrong move, undone
+    later: the goal is reached two moves late) or a swap (a move replaced by a wrong one: the goal is missed), and the
+    walk stays on the grid."""
     for _ in range(100):
-        moves = shortest_walk(walk, rng)
+        moves = list(order) if order is not None else shortest_walk(walk, rng)
         for _ in range(rng.choice((1, 2))):
             i = rng.randrange(len(moves))
             right = set(walk.needed())
@@ -126,10 +131,25 @@ class GridTask:
         return {DATA_SOURCE: list(self._eval)}
 
 
-def sft_text(walk: Walk, seed: int, index: int, flaw_fraction: float = FLAW_FRACTION) -> str:
-    """SFT example `index`'s response: a random shortest walk, or with probability `flaw_fraction` a flawed one."""
+def switch_ratio(moves: list[str]) -> float:
+    """The share of adjacent move pairs that change axis: 0 for an L-shaped walk, 1 for a full zig-zag."""
+    axis = ["x" if m in "RL" else "y" for m in moves]
+    return sum(a != b for a, b in zip(axis, axis[1:])) / max(len(moves) - 1, 1)
+
+
+def flaw_probability(moves: list[str], flaw_fraction: float = FLAW_FRACTION, coupling: float = SWITCH_COUPLING) -> float:
+    """The chance that the warm start's walk of this shape is flawed: `flaw_fraction` at the mean switch ratio, more
+    for zig-zags and less for L-shapes by `coupling` (docs/study-grid/PLAN.md amendment 1), within [0.05, 0.95]."""
+    return min(0.95, max(0.05, flaw_fraction + coupling * (switch_ratio(moves) - MEAN_SWITCH_RATIO)))
+
+
+def sft_text(walk: Walk, seed: int, index: int, flaw_fraction: float = FLAW_FRACTION,
+             coupling: float = SWITCH_COUPLING) -> str:
+    """SFT example `index`'s response: a random shortest walk, flawed with `flaw_probability` of its shape."""
     rng = Random(f"grid/{seed}/sft/{index}")
-    return render(flawed_walk(walk, rng) if rng.random() < flaw_fraction else shortest_walk(walk, rng))
+    order = shortest_walk(walk, rng)
+    return render(flawed_walk(walk, rng, order) if rng.random() < flaw_probability(order, flaw_fraction, coupling)
+                  else order)
 
 
 def write_jsonl(walks: list[Walk], path: Path) -> None:
