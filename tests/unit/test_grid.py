@@ -148,3 +148,27 @@ def test_the_committed_base_model_meets_the_plans_targets_and_holds_out_its_walk
     task = GridTask(seed=report["seed"])
     assert [r.answer for r in read_records(os.path.join(base, "eval.jsonl"))] == [w.answer for w in task.eval_sets()["grid"]]
     assert [r.answer for r in read_records(os.path.join(base, "train.jsonl"))] == [w.answer for w in task.train()]
+
+
+def test_flaws_follow_the_walks_shape_as_amendment_1_says():
+    from study.grid import MEAN_SWITCH_RATIO, flaw_probability, switch_ratio
+
+    assert switch_ratio(list("RRRUUU")) == pytest.approx(1 / 5) and switch_ratio(list("RURURU")) == 1.0
+    assert flaw_probability(list("RURURURURURU")) == 0.95  # a full zig-zag: clipped
+    assert flaw_probability(list("RRRRRRUUUUUU")) == pytest.approx(0.55 + 0.8 * (1 / 11 - 0.46))
+    assert flaw_probability(list("RURURU"), coupling=0.0) == 0.55  # no coupling: the first base model's rule
+    rng = Random(3)
+    ratios = [switch_ratio(shortest_walk(w, rng)) for w in GridTask(seed=0).train()]
+    assert abs(sum(ratios) / len(ratios) - MEAN_SWITCH_RATIO) < 0.01  # the constant is the task's mean
+
+
+def test_the_entropy_profile_splits_every_sampled_token_by_its_state():
+    import os
+
+    from study.grid_entropy import KINDS, profile
+    from tests.helpers.paths import REPO
+
+    out = profile(os.path.join(REPO, "assets", "grid-base"), samples=1, limit=12)
+    assert sum(out[k]["share"] for k in KINDS) == pytest.approx(1.0, abs=1e-3) and out["tokens"] > 12 * 8
+    assert out["tie"]["share"] > 0.2 and 0 < out["tie"]["entropy"] < 1.4 and 0 <= out["tie"]["skew"] <= 1
+    assert out["entropy"] == pytest.approx(sum(out[k]["share"] * out[k]["entropy"] for k in KINDS), abs=2e-3)
