@@ -248,22 +248,52 @@ def implementation_checks(arms: Arms) -> str:
 def section_pilots(pilots: dict[str, list[dict]]) -> str:
     if not pilots:
         return "## 1. The premise gates (pilots)\n\nNo pilot found in `pilots/`."
-    lines = ["## 1. The premise gates (pilots, docs/study-grid/PLAN.md)", ""]
+    from study.premise import gates
+
+    summary = []
+    for name, rows in pilots.items():
+        gs = gates(rows)
+        h = [v for _, v in key_series(merge_rows(rows), "actor/entropy")]
+        late = sum(h[50:100]) / 50 if len(h) >= 100 else None
+        summary.append([f"`{name}`", *("passes" if g.passed else "n/a" if g.passed is None else "**fails**" for g in gs),
+                        fmt(late, 3)])
+    lines = ["## 1. The premise gates (pilots, docs/study-grid/PLAN.md)", "",
+             "Every pilot is seed 0 of the study's setting, 100 steps; `v1` / `v2` name the base model (PLAN.md "
+             "amendment 1). The last column is the mean `actor/entropy` of steps 51-100, which the positive control's "
+             "dose is chosen on.", "",
+             md_table(["pilot / run", "G1", "G2", "G3", "G4", "G5", "entropy, steps 51-100"], summary), ""]
     for name, rows in pilots.items():
         lines += [f"### `{name}`", "", *gates_table(rows), ""]
-        h = [v for _, v in key_series(merge_rows(rows), "actor/entropy")]
-        if len(h) >= 100:
-            lines.append(f"Mean `actor/entropy` over steps 51-100: {fmt(sum(h[50:100]) / 50, 4)}.")
-            lines.append("")
     return "\n".join(lines)
+
+
+def section_profile(study_dir: str) -> str:
+    """Post hoc: where the entropy sits (study/grid_entropy.py), from the JSON files it wrote beside the report."""
+    files = sorted(f for f in os.listdir(study_dir) if f.startswith("entropy_by_position") and f.endswith(".json"))
+    if not files:
+        return ""
+    rows = []
+    for f in files:
+        for r in json.load(open(os.path.join(study_dir, f))):
+            rows.append([r["model"], fmt(r["entropy"], 3),
+                         *(f"{fmt(100 * r[k]['share'], 3)} % / {fmt(r[k]['entropy'], 3)}" for k in ("tie", "forced", "off course")),
+                         fmt(r["tie"]["p_wrong"], 3), fmt(r["tie"]["skew"], 3)])
+    return "\n".join([
+        "## 2b. Where the entropy sits (post hoc, not in the plan: `python -m study.grid_entropy`)", "",
+        "Held-out walks sampled at temperature 1 (4 a prompt), each token by the state it was drawn in: a tie (two "
+        "moves equally short), forced (one right move), off course (after a wrong move). Share of the tokens / mean "
+        "entropy in nats; at ties, the probability on wrong moves and the evenness gap between the two right moves "
+        "(|p1 - p2| / (p1 + p2): 0 even, 1 collapsed).", "",
+        md_table(["model", "token entropy", "tie", "forced", "off course", "tie: p(wrong)", "tie: evenness gap"], rows)])
 
 
 def section_header(meta: dict, names: list[str], done: list[str], now: datetime.datetime) -> str:
     missing = [n for n in names if n not in done]
     return "\n".join([
         "# The grid study: can the covariance choice hold entropy where the mechanism can show itself?", "",
-        f"Rendered {now:%Y-%m-%d %H:%M} from {len(done)} complete runs"
-        + (f"; missing: {', '.join(missing)}" if missing else "") + ". Command: `" + meta.get("command", "?") + "`.",
+        f"Rendered {now:%Y-%m-%d %H:%M} from {len(done)} complete study runs"
+        + (f"; missing: {', '.join(missing)}" if missing else "")
+        + (". Command: `" + meta["command"] + "`." if meta.get("command") else " (none started) and the pilots."),
         "The plan, its gates, endpoints and rules: [PLAN.md](PLAN.md) (committed before the runs).", ""])
 
 
@@ -276,10 +306,17 @@ def section_base(base: dict | None) -> str:
                           f"{name}: " + ", ".join(f"{k} {v}" for k, v in r.items()) for name, r in m.items()), ""])
 
 
+NOT_RUN = ("## 3. The study: not run", "",
+           "No pilot passed every gate, so by the plan no study run started: the primary contrasts, the positive "
+           "control and the secondary endpoints are not measured. The gates' figures above are the result.")
+
+
 def render(arms: Arms, pilots: dict[str, list[dict]], meta: dict, names: list[str], done: list[str],
-           now: datetime.datetime, base: dict | None = None) -> str:
-    parts = [section_header(meta, names, done, now), section_pilots(pilots), section_base(base), section_arms(arms),
-             section_verdicts(arms), section_secondary(arms), section_premise_in_runs(arms),
+           now: datetime.datetime, base: dict | None = None, profile: str = "") -> str:
+    head = [section_header(meta, names, done, now), section_pilots(pilots), section_base(base), profile]
+    if not arms:
+        return "\n\n".join(p for p in [*head, "\n".join(NOT_RUN), ""] if p)
+    parts = [*head, section_arms(arms), section_verdicts(arms), section_secondary(arms), section_premise_in_runs(arms),
              implementation_checks(arms), "", "![entropy by arm](entropy_by_arm.png)", "![pass@8 by arm](pass_by_arm.png)",
              "![per-response entropy by arm](entropy_per_response_by_arm.png)", ""]
     return "\n\n".join(p for p in parts if p)
@@ -333,9 +370,27 @@ def write_grid_report(study_dir: str, names: list[str], meta: dict, now: datetim
     base = json.load(open(base_path)) if os.path.isfile(base_path) else None
     if rows:
         write_plots(study_dir, rows)
-    text = render(arms, read_pilots(study_dir), meta, names, done, now or datetime.datetime.now(), base)
+    text = render(arms, read_pilots(study_dir), meta, names, done, now or datetime.datetime.now(), base,
+                  section_profile(study_dir))
     path = os.path.join(study_dir, "report.md")
     with open(path + ".tmp", "w") as f:
         f.write(text)
     os.replace(path + ".tmp", path)
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m study.grid_report STUDY_DIR: the report from its pilots and whatever study runs it holds."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m study.grid_report", description=main.__doc__)
+    ap.add_argument("study_dir")
+    args = ap.parse_args(argv)
+    meta_path = os.path.join(args.study_dir, "study.json")
+    meta = json.load(open(meta_path)) if os.path.isfile(meta_path) else {}
+    print(write_grid_report(args.study_dir, meta.get("runs", []), meta))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
