@@ -276,7 +276,7 @@ def section_profile(study_dir: str) -> str:
     for f in files:
         for r in json.load(open(os.path.join(study_dir, f))):
             rows.append([r["model"], fmt(r["entropy"], 3),
-                         *(f"{fmt(100 * r[k]['share'], 3)} % / {fmt(r[k]['entropy'], 3)}" for k in ("tie", "forced", "off course")),
+                         *(f"{100 * r[k]['share']:.1f} % / {fmt(r[k]['entropy'], 3)}" for k in ("tie", "forced", "off course")),
                          fmt(r["tie"]["p_wrong"], 3), fmt(r["tie"]["skew"], 3)])
     return "\n".join([
         "## 2b. Where the entropy sits (post hoc, not in the plan: `python -m study.grid_entropy`)", "",

@@ -120,3 +120,12 @@ def test_the_report_renders_every_section_from_runs_and_pilots():
     assert "supported here" in text and "| G5 |" in text
     e = arms_of(rows)["kl_cov"][0]
     assert e.tokens == pytest.approx(0.004 * 12.0 * 128, rel=0.01) and e.acc == 0.7 and e.pass_k == pytest.approx(0.9)
+
+
+def test_without_study_runs_the_report_says_the_study_did_not_run_and_shows_every_pilots_gates():
+    failing = synthetic_run(coupling=+0.5)
+    text = gr.render({}, {"v1-lr5e-5/grpo": failing, "v2-lr5e-5/grpo": synthetic_run()}, {}, [], [],
+                     datetime.datetime(2026, 12, 7))
+    assert "## 3. The study: not run" in text and "## 4. Verdicts" not in text
+    assert "| `v1-lr5e-5/grpo` | passes | passes | passes | passes | **fails** |" in text
+    assert "| `v2-lr5e-5/grpo` | passes | passes | passes | passes | passes |" in text
