@@ -3,9 +3,9 @@
     ground truth  "(3,7)->(9,1) on 10x10"      start (x, y), goal (x, y), grid width x height
     completion    " R U R U U R R U U R U R"   moves, whitespace-separated: R x+1, L x-1, D y+1, U y-1
 
-Reward 1.0 when every word of the completion is a move, the walk never leaves the grid, ends on the goal, and takes
-exactly |dx| + |dy| moves (the Manhattan distance: the grid has no walls, so that is the shortest walk's length);
-else 0.0. A completion with anything but moves in it (an answer sentence, a stray token) scores 0.0. The study's
+Reward 1.0 when every word of the completion is a move and the walk ends on the goal in exactly |dx| + |dy| moves
+(the Manhattan distance: the grid has no walls, so that is the shortest walk's length; such a walk stays in the box
+between start and goal, so inside the grid); else 0.0. A completion with anything but moves in it (an answer sentence, a stray token) scores 0.0. The study's
 task (study/grid.py) makes every response token a real choice: at most steps two moves are equally short.
 
 Stdlib only: common/rewards.py scores with it in the caller (microseconds a completion, no worker), and its worker
@@ -45,15 +45,14 @@ def parse_moves(completion: str) -> list[str] | None:
 
 def walk_score(completion: str, truth: str) -> tuple[bool, float]:
     """(well formed: the completion is nothing but moves, reward): 1.0 for a shortest walk from start to goal."""
-    start, goal, (w, h) = parse_ground_truth(truth)
+    start, goal, _ = parse_ground_truth(truth)
     moves = parse_moves(completion)
     if not moves:
         return False, 0.0
-    x, y = start
-    for m in moves:
-        dx, dy = MOVES[m]
-        x, y = x + dx, y + dy
-        if not (0 <= x < w and 0 <= y < h):
-            return True, 0.0
+    x = start[0] + sum(MOVES[m][0] for m in moves)
+    y = start[1] + sum(MOVES[m][1] for m in moves)
     shortest = abs(goal[0] - start[0]) + abs(goal[1] - start[1])
+    # A walk of exactly the shortest length that ends on the goal never leaves the box between start and goal, so it
+    # never leaves the grid: no bounds check can change a reward. A well-formed wrong walk (off the grid or not) is
+    # "well formed" for reward.format_score.
     return True, float((x, y) == goal and len(moves) == shortest)

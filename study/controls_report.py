@@ -66,7 +66,7 @@ def _arm_line(label: str, runs: dict) -> str:
     ent = [r.end_entropy for r, _ in runs.values() if r.end_entropy is not None]
     collapses = [r.collapse_step for r, _ in runs.values()]
     m, lo, hi = t_interval(acc)
-    return (f"| {label} | {len(runs)} | {fmt(m, 3)} [{fmt(lo, 3)}, {fmt(hi, 3)}] | {fmt(sum(ent) / len(ent), 4)} | "
+    return (f"| {label} | {len(runs)} | {fmt(m, 3)} [{fmt(lo, 3)}, {fmt(hi, 3)}] | {fmt(sum(ent) / len(ent), 4) if ent else 'n/a'} | "
             f"{sum(c is not None for c in collapses)}/{len(runs)} ({', '.join('-' if c is None else str(c) for c in collapses)}) |")
 
 
@@ -80,6 +80,8 @@ def render(controls: str, study: str, now: datetime.datetime) -> str:
     ess, tis64 = _runs(study, "grpo_ess", 64), _runs(study, "grpo_tis", 64)
     acc = lambda r: r.acc  # noqa: E731
     at64 = [a for _, rows in c2.values() if (a := _acc_at(rows, 64)) is not None]
+    short = [r.acc for s in SEEDS if has_run(p := os.path.join(study, f"grpo_tis@k0@s{s}"))
+             and (r := run_endpoints(f"grpo_tis@k0@s{s}", read_run(p), 64)).acc is not None]
     lines = [
         "# The staleness study's two controls (PLAN.md amendment 6)", "",
         f"Rendered {now:%Y-%m-%d %H:%M} from the archived runs: C1 {len(c1)}/3, C2 {len(c2)}/3 complete. The study's "
@@ -100,10 +102,11 @@ def render(controls: str, study: str, now: datetime.datetime) -> str:
                    "the smaller step alone lowers it")),
         _contrast("L = C2 (lag 0) - GRPO + TIS at lag 64, both 256 steps", c2, tis64, acc,
                   ("the lag-64 fall is a lag effect beyond the run length", "the lag-64 fall is not separable from the run length here",
-                   "lag 0 ends lower than lag 64 at equal length")),
+                   "the lag-64 fall is not separable from the run length here (lag 0 ends lower)")),
         "",
-        f"C2 at step 64: held-out accuracy {fmt(sum(at64) / len(at64), 3) if at64 else 'n/a'} (the study's 64-step lag-0 "
-        "runs ended at 0.788); descriptive, not a verdict.",
+        f"C2 at step 64: held-out accuracy {fmt(sum(at64) / len(at64), 3) if at64 else 'n/a'} (its evaluation there, "
+        f"mean over seeds; the study's 64-step lag-0 runs ended at {fmt(sum(short) / len(short), 3) if short else 'n/a'}, "
+        "the mean of their last 3 evaluations); descriptive, not a verdict.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -7,7 +7,8 @@ in: a *tie* (both coordinates still differ from the goal's: two moves are equall
 done: one move is right), *at goal* (the walk should stop), or *off course* (after a wrong move). For each kind: its
 share of the tokens, its mean entropy, the probability the model puts on the wrong moves, and, at ties, how evenly it
 splits between the two right moves (the mean |p(x-move) - p(y-move)| over their sum: 0 is an even split, 1 a
-collapsed one). Deterministic (seeded, one thread).
+collapsed one). Off course, "p_wrong" is the mass on moves that do not bring the walk closer to the goal (at the goal
+cell, every move), a description of the state rather than an error. Deterministic (seeded, one thread).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from study.archive import has_run, read_run
 from study.arms import GRID_ARMS, GRID_POSITIVE, GRID_PRIMARY, parse_run
 from study.lawfit import key_series, merge_rows, row_value
-from study.premise import cov_entropy_correlation, gates_table
+from study.premise import cov_entropy_correlation, gates, gates_table
 from study.dose_report import fmt  # the one formatter of the study reports
 from study.stats import diff_interval, min_detectable_effect, t_interval
 
@@ -136,9 +136,12 @@ def primary(arms: Arms) -> dict[str, Contrast | None]:
     return {name: contrast(arms, a, b, lambda e: e.auc, PRIMARY_LEVEL) for name, (a, b) in GRID_PRIMARY.items()}
 
 
-def contrast_verdict(name: str, c: Contrast | None) -> str:
+def contrast_verdict(name: str, c: Contrast | None, moved: bool = True) -> str:
+    """Rule 2's words for one primary contrast; every one is undetermined when rule 1's positive control failed."""
     words = {"P1": ("the covariance choice holds entropy", "random tokens hold more"),
              "P2": ("KL-Cov holds entropy above GRPO", "KL-Cov holds entropy below GRPO")}[name]
+    if not moved:
+        return "undetermined: the endpoint did not move under a direct entropy bonus (rule 1)"
     if c is None:
         return "undetermined: fewer than 2 seeds of both arms"
     return words[0] if c.sign > 0 else words[1] if c.sign < 0 else "not shown"
@@ -200,26 +203,29 @@ def section_verdicts(arms: Arms) -> str:
     for name, c in p.items():
         a, b = GRID_PRIMARY[name]
         lines.append(f"- **Rule 2, {name}** = AUC(`{a}`) - AUC(`{b}`): "
-                     + (f"{c.text()}: **{contrast_verdict(name, c)}**" if c else contrast_verdict(name, c)))
+                     + (f"{c.text()}: **{contrast_verdict(name, c, moved)}**" if c else contrast_verdict(name, c, moved)))
     lines.append(f"- **Cui et al.'s mechanism on this task: {mechanism_verdict(p['P1'], p['P2'], moved)}.**")
     return "\n".join(lines)
 
 
 def section_secondary(arms: Arms) -> str:
-    """Rule 3: every arm against GRPO on every endpoint, and KL-Cov against random on pass@8 (95 %, uncorrected)."""
-    measures = {"entropy AUC": lambda e: e.auc, "end entropy": lambda e: e.end,
-                "per-response entropy AUC": lambda e: e.per_response_auc, "held-out avg@8": lambda e: e.acc,
-                "pass@8": lambda e: e.pass_k}
+    """Rule 3 as the plan lists it (95 %, uncorrected): Clip-Cov - GRPO on the entropy AUC; every arm - GRPO on end
+    entropy, per-response entropy AUC, held-out avg@8 and pass@8; KL-Cov - random on pass@8. The primary contrasts
+    and the positive control are not repeated here at another level."""
+    measures = {"end entropy": lambda e: e.end, "per-response entropy AUC": lambda e: e.per_response_auc,
+                "held-out avg@8": lambda e: e.acc, "pass@8": lambda e: e.pass_k}
+    cell = lambda c, digits: c.text(digits) if c else "n/a"  # noqa: E731
     rows = []
-    pairs = [(a, "grpo") for a in GRID_ARMS if a != "grpo"] + [("kl_cov", "kl_cov_random")]
-    for a, b in pairs:
-        if a not in arms or b not in arms:
-            continue
-        cells = [(c.text(4 if "entropy" in m and "response" not in m else 3) if (c := contrast(arms, a, b, f)) else "n/a")
-                 for m, f in measures.items()]
-        rows.append([f"`{a}` - `{b}`", *cells])
+    if "clip_cov" in arms and "grpo" in arms:
+        rows.append(["`clip_cov` - `grpo`", "entropy AUC", cell(contrast(arms, "clip_cov", "grpo", lambda e: e.auc), 4)])
+    for a in [a for a in GRID_ARMS if a != "grpo" and a in arms and "grpo" in arms]:
+        for m, f in measures.items():
+            rows.append([f"`{a}` - `grpo`", m, cell(contrast(arms, a, "grpo", f), 4 if m == "end entropy" else 3)])
+    if "kl_cov" in arms and "kl_cov_random" in arms:
+        rows.append(["`kl_cov` - `kl_cov_random`", "pass@8", cell(contrast(arms, "kl_cov", "kl_cov_random",
+                                                                          lambda e: e.pass_k), 3)])
     return "\n".join(["## 5. Secondary contrasts (rule 3: 95 %, paired by seed, uncorrected)", "",
-                      md_table(["contrast", *measures], rows)])
+                      md_table(["contrast", "endpoint", "difference"], rows)])
 
 
 def section_premise_in_runs(arms: Arms) -> str:
@@ -235,21 +241,26 @@ def section_premise_in_runs(arms: Arms) -> str:
 
 
 def implementation_checks(arms: Arms) -> str:
+    """The plan's two checks, judged: the random control selects KL-Cov's count (within 10 %), and KL-Cov's tokens
+    carry a larger share of the covariance than the random ones."""
     k, r = arms.get("kl_cov", {}), arms.get("kl_cov_random", {})
     lines = ["## 7. Implementation checks (they cannot fail as science)", ""]
     if k and r:
-        lines.append(f"- KL-Cov selected {fmt(_mean([e.tokens for e in k.values()]), 3)} tokens a step, its random "
-                     f"control {fmt(_mean([e.tokens for e in r.values()]), 3)}; they carried "
-                     f"{fmt(_mean([e.share for e in k.values() if e.share is not None]), 3)} and "
-                     f"{fmt(_mean([e.share for e in r.values() if e.share is not None]), 3)} of the step's covariance.")
+        kt, rt = _mean([e.tokens for e in k.values()]), _mean([e.tokens for e in r.values()])
+        ks = _mean([e.share for e in k.values() if e.share is not None])
+        rs = _mean([e.share for e in r.values() if e.share is not None])
+        same = kt is not None and rt is not None and abs(kt - rt) <= 0.1 * max(kt, rt)
+        larger = ks is not None and rs is not None and ks > rs
+        lines += [f"- The same count: KL-Cov selected {fmt(kt, 3)} tokens a step, its random control {fmt(rt, 3)}: "
+                  + ("holds" if same else "**does not hold**") + ".",
+                  f"- KL-Cov's tokens carry more of the covariance: {fmt(ks, 3)} against {fmt(rs, 3)}: "
+                  + ("holds" if larger else "**does not hold**") + "."]
     return "\n".join(lines)
 
 
 def section_pilots(pilots: dict[str, list[dict]]) -> str:
     if not pilots:
         return "## 1. The premise gates (pilots)\n\nNo pilot found in `pilots/`."
-    from study.premise import gates
-
     summary = []
     for name, rows in pilots.items():
         gs = gates(rows)
@@ -259,8 +270,9 @@ def section_pilots(pilots: dict[str, list[dict]]) -> str:
                         fmt(late, 3)])
     lines = ["## 1. The premise gates (pilots, docs/study-grid/PLAN.md)", "",
              "Every pilot is seed 0 of the study's setting, 100 steps; `v1` / `v2` name the base model (PLAN.md "
-             "amendment 1). The last column is the mean `actor/entropy` of steps 51-100, which the positive control's "
-             "dose is chosen on.", "",
+             "amendment 1). The gates judge the GRPO pilots (`/grpo`); the entropy-bonus pilots (`/grpo_ent`) are "
+             "shown for information. The last column is the mean `actor/entropy` of steps 51-100, which the positive "
+             "control's dose is chosen on.", "",
              md_table(["pilot / run", "G1", "G2", "G3", "G4", "G5", "entropy, steps 51-100"], summary), ""]
     for name, rows in pilots.items():
         lines += [f"### `{name}`", "", *gates_table(rows), ""]
@@ -274,13 +286,15 @@ def section_profile(study_dir: str) -> str:
         return ""
     rows = []
     for f in files:
-        for r in json.load(open(os.path.join(study_dir, f))):
-            rows.append([r["model"], fmt(r["entropy"], 3),
+        with open(os.path.join(study_dir, f)) as fh:
+            profiles = json.load(fh)
+        for r in profiles:
+            rows.append([f"{r['model']} ({r['samples_per_prompt']} a prompt)", fmt(r["entropy"], 3),
                          *(f"{100 * r[k]['share']:.1f} % / {fmt(r[k]['entropy'], 3)}" for k in ("tie", "forced", "off course")),
                          fmt(r["tie"]["p_wrong"], 3), fmt(r["tie"]["skew"], 3)])
     return "\n".join([
         "## 2b. Where the entropy sits (post hoc, not in the plan: `python -m study.grid_entropy`)", "",
-        "Held-out walks sampled at temperature 1 (4 a prompt), each token by the state it was drawn in: a tie (two "
+        "Held-out walks sampled at temperature 1, each token by the state it was drawn in: a tie (two "
         "moves equally short), forced (one right move), off course (after a wrong move). Share of the tokens / mean "
         "entropy in nats; at ties, the probability on wrong moves and the evenness gap between the two right moves "
         "(|p1 - p2| / (p1 + p2): 0 even, 1 collapsed).", "",
@@ -293,7 +307,7 @@ def section_header(meta: dict, names: list[str], done: list[str], now: datetime.
         "# The grid study: can the covariance choice hold entropy where the mechanism can show itself?", "",
         f"Rendered {now:%Y-%m-%d %H:%M} from {len(done)} complete study runs"
         + (f"; missing: {', '.join(missing)}" if missing else "")
-        + (". Command: `" + meta["command"] + "`." if meta.get("command") else " (none started) and the pilots."),
+        + (". Command: `" + meta["command"] + "`." if meta.get("command") else " and the pilots."),
         "The plan, its gates, endpoints and rules: [PLAN.md](PLAN.md) (committed before the runs).", ""])
 
 
@@ -307,15 +321,20 @@ def section_base(base: dict | None) -> str:
 
 
 NOT_RUN = ("## 3. The study: not run", "",
-           "No pilot passed every gate, so by the plan no study run started: the primary contrasts, the positive "
+           "No GRPO pilot passed every gate, so by the plan no study run started: the primary contrasts, the positive "
            "control and the secondary endpoints are not measured. The gates' figures above are the result.")
+NOT_YET = ("## 3. The study: no run complete yet", "",
+           "A GRPO pilot passed every gate; the study's runs are not complete yet.")
 
 
 def render(arms: Arms, pilots: dict[str, list[dict]], meta: dict, names: list[str], done: list[str],
            now: datetime.datetime, base: dict | None = None, profile: str = "") -> str:
     head = [section_header(meta, names, done, now), section_pilots(pilots), section_base(base), profile]
     if not arms:
-        return "\n\n".join(p for p in [*head, "\n".join(NOT_RUN), ""] if p)
+        from study.premise import all_pass
+
+        passed = any(all_pass(rows) for name, rows in pilots.items() if name.endswith("/grpo"))
+        return "\n\n".join(p for p in [*head, "\n".join(NOT_YET if passed else NOT_RUN), ""] if p)
     parts = [*head, section_arms(arms), section_verdicts(arms), section_secondary(arms), section_premise_in_runs(arms),
              implementation_checks(arms), "", "![entropy by arm](entropy_by_arm.png)", "![pass@8 by arm](pass_by_arm.png)",
              "![per-response entropy by arm](entropy_per_response_by_arm.png)", ""]
@@ -353,7 +372,8 @@ def read_pilots(study_dir: str) -> dict[str, list[dict]]:
         meta_path = os.path.join(root, pilot, "study.json")
         if not os.path.isfile(meta_path):
             continue
-        meta = json.load(open(meta_path))
+        with open(meta_path) as f:
+            meta = json.load(f)
         for run in meta.get("runs") or meta.get("methods") or []:
             if has_run(os.path.join(root, pilot, run)):
                 out[f"{pilot}/{run}"] = read_run(os.path.join(root, pilot, run))
@@ -367,7 +387,10 @@ def write_grid_report(study_dir: str, names: list[str], meta: dict, now: datetim
     arms = by_arm(rows, (meta.get("seeds") or [0])[0], per_step)
     base_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "grid-base",
                              "warmstart.json")
-    base = json.load(open(base_path)) if os.path.isfile(base_path) else None
+    base = None
+    if os.path.isfile(base_path):
+        with open(base_path) as f:
+            base = json.load(f)
     if rows:
         write_plots(study_dir, rows)
     text = render(arms, read_pilots(study_dir), meta, names, done, now or datetime.datetime.now(), base,
@@ -387,7 +410,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("study_dir")
     args = ap.parse_args(argv)
     meta_path = os.path.join(args.study_dir, "study.json")
-    meta = json.load(open(meta_path)) if os.path.isfile(meta_path) else {}
+    meta = {}
+    if os.path.isfile(meta_path):
+        with open(meta_path) as f:
+            meta = json.load(f)
     print(write_grid_report(args.study_dir, meta.get("runs", []), meta))
     return 0
 

@@ -86,8 +86,8 @@ def half_step(rows: list[dict]) -> tuple[float, int | None]:
     if len(h) < START_STEPS:
         return math.nan, None
     start = float(h[:START_STEPS].mean())
-    for i in range(len(h)):
-        if h[max(0, i - SMOOTH + 1): i + 1].mean() <= start / 2:
+    for i in range(SMOOTH - 1, len(h)):  # full 5-step windows only, as the plan says
+        if h[i - SMOOTH + 1: i + 1].mean() <= start / 2:
             return start, int(steps[i])
     return start, None
 

@@ -93,7 +93,7 @@ def test_grid_study_end_to_end_tiny_budget(tmp_path):
         assert len(train) == 2 and all("actor/entropy_delta" in r and "actor/cov_mean" in r for r in train)
         assert all(r["reward/errors"] == 0 for r in train if "reward/errors" in r)  # every walk graded, none failed
         assert any(r["critic/score/mean"] > 0 for r in train)  # the base model walks some shortest paths
-        assert all("eval/walks/pass@k" in r for r in rows), arm  # every version evaluated, pass@k logged
+        assert all("eval/grid/pass@k" in r and "eval/grid/acc" in r for r in rows), arm  # every version evaluated
         cfg = open(study / arm / "config.toml").read()
         assert 'verifier = "grid_path"' in cfg and "entropy_delta_stride = 1" in cfg
     report = open(study / "report.md").read()

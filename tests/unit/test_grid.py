@@ -29,7 +29,7 @@ def test_a_shortest_walk_scores_one_in_any_order():
     ("R U R U U R R U U R U", True),  # one move short: the goal is missed
     ("R U R U U R R U U R U R R L", True),  # a detour: the goal is reached two moves late
     ("R U R U U R R U U R U L", True),  # a swap: a wrong move in a walk of the right length
-    ("D D D R U R U U R R U U R U R", True),  # leaves the grid (y = 10) on the third move
+    ("D D D R U R U U R R U U R U R", True),  # three moves too many (and off the grid at y = 10)
     ("R U R U U R R U U R U R x", False),  # a word that is not a move
     ("The answer is \\boxed{12}", False),
     ("", False),
@@ -38,10 +38,9 @@ def test_anything_but_a_shortest_walk_scores_zero(moves, well_formed):
     assert walk_score(moves, TRUTH) == (well_formed, 0.0)
 
 
-def test_the_walk_may_not_leave_the_grid_even_if_it_comes_back():
-    # from (0,0) to (2,2): "L R R R D D" is not shortest anyway; a 1x.. grid edge case: leaving at x = -1
-    assert walk_score(" L R R R D D", "(0,0)->(2,2) on 3x3") == (True, 0.0)
+def test_only_the_shortest_length_scores_even_when_the_walk_ends_on_the_goal():
     assert walk_score(" R R D D", "(0,0)->(2,2) on 3x3") == (True, 1.0)
+    assert walk_score(" L R R R D D", "(0,0)->(2,2) on 3x3") == (True, 0.0)  # on the goal, two moves late
 
 
 @pytest.mark.parametrize("bad", ["12", "(3,7)->(9,1)", "(3,7)->(10,1) on 10x10", "(3,7)->(9,1) on 0x10", ""])

@@ -126,6 +126,23 @@ def test_without_study_runs_the_report_says_the_study_did_not_run_and_shows_ever
     failing = synthetic_run(coupling=+0.5)
     text = gr.render({}, {"v1-lr5e-5/grpo": failing, "v2-lr5e-5/grpo": synthetic_run()}, {}, [], [],
                      datetime.datetime(2026, 12, 7))
-    assert "## 3. The study: not run" in text and "## 4. Verdicts" not in text
+    assert "## 3. The study: no run complete yet" in text and "## 4. Verdicts" not in text  # v2's pilot passed
     assert "| `v1-lr5e-5/grpo` | passes | passes | passes | passes | **fails** |" in text
     assert "| `v2-lr5e-5/grpo` | passes | passes | passes | passes | passes |" in text
+    none = gr.render({}, {"v1-lr5e-5/grpo": failing, "v1-lr5e-5/grpo_ent": synthetic_run()}, {}, [], [],
+                     datetime.datetime(2026, 12, 7))
+    assert "## 3. The study: not run" in none  # a passing bonus pilot does not open the study: the gates are GRPO's
+
+
+def test_a_dead_positive_control_makes_every_primary_verdict_undetermined_in_the_report():
+    rows = study_rows({"kl_cov": 0.05})  # the bonus arm ends where GRPO ends
+    text = gr.section_verdicts(arms_of(rows))
+    assert "**the endpoint did not move**" in text
+    assert text.count("undetermined: the endpoint did not move") == 3  # P1, P2 and the mechanism line
+    assert "holds entropy" not in text.replace("KL-Cov holds entropy above GRPO and", "")
+
+
+def test_the_secondary_table_holds_rule_3s_contrasts_only():
+    text = gr.section_secondary(arms_of(study_rows({"grpo_ent": 0.2, "kl_cov": 0.05})))
+    assert "| `clip_cov` - `grpo` | entropy AUC |" in text and "| `kl_cov` - `kl_cov_random` | pass@8 |" in text
+    assert "| `kl_cov` - `grpo` | entropy AUC |" not in text and "| `kl_cov` - `kl_cov_random` | end entropy |" not in text
