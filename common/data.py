@@ -77,18 +77,26 @@ def _file_prompts(cfg: Config, tokenizer, paths, lengths: Counter, records: Reco
                                           system_prompt=d.system_prompt)
             except DatasetError as e:
                 raise DatasetError(f"{path}: row {i}: {e}") from None
-            if cfg.reward.verifier == "grid_path":  # every row must be gradable as a walk, checked before any run
-                from common.gridpath import parse_ground_truth
-                try:
-                    parse_ground_truth(rec.answer)
-                except ValueError as e:
-                    raise DatasetError(f"{path}: row {i}: {e} (reward.verifier = \"grid_path\")") from None
+            _check_ground_truth(cfg, rec.answer, f"{path}: row {i}")
             if (ids := _fit(tokenizer, text, chat, cfg, f"{path}: row {i}", lengths)) is not None:
                 source = stem if d.data_source_from == "file" else rec.data_source
                 out.append(Prompt(text, rec.answer, source, tuple(ids)))
     if lengths["dropped"]:
         log.warning(length_note(cfg, lengths))
     return out
+
+
+def _check_ground_truth(cfg: Config, answer: str, where: str) -> None:
+    """With reward.verifier = "grid_path" every row must be gradable as a walk: checked when the data loads, before
+    any run, not as a stream of scoring errors later."""
+    if cfg.reward.verifier != "grid_path":
+        return
+    from common.gridpath import parse_ground_truth
+
+    try:
+        parse_ground_truth(answer)
+    except ValueError as e:
+        raise DatasetError(f"{where}: {e} (reward.verifier = \"grid_path\")") from None
 
 
 def length_note(cfg: Config, lengths: Counter) -> str:

@@ -35,7 +35,7 @@ COMMANDS = {
     "fit-law": ("study.fit_law", "fit R = -a exp(H) + b on a run"),
     "plots": ("study.plots", "metrics of one or more runs against step"),
     "prepare-data": ("launch.prepare_data", "convert a math dataset to covrl's layout"),
-    "warmstart": ("study.warmstart", "rebuild the built-in base model (assets/arith-base)"),
+    "warmstart": ("study.warmstart_cli", "rebuild a built-in base model (assets/<task>-base: arith, chain, grid)"),
     "gpu-check": ("hardware.check", "the vLLM self-check (GPU)"),
     "gpu-proof": ("hardware.proof", "the one-command GPU proof"),
 }

@@ -26,42 +26,53 @@ from study.grid_warmstart import prompt
 KINDS = ("tie", "forced", "at goal", "off course")
 
 
+def _right_moves(pos: tuple[int, int], goal: tuple[int, int]) -> list[str]:
+    """The moves that bring `pos` one step closer to `goal`."""
+    here = abs(goal[0] - pos[0]) + abs(goal[1] - pos[1])
+    return [m for m, (dx, dy) in MOVES.items() if abs(goal[0] - pos[0] - dx) + abs(goal[1] - pos[1] - dy) < here]
+
+
+def _record(s: dict, kind: str, p: torch.Tensor, logp: torch.Tensor, good: list[int]) -> None:
+    """Add one drawn token's state to its kind's sums."""
+    s["tokens"] += 1
+    s["entropy"] += float(-(p * logp).sum())
+    s["wrong"] += 1.0 - float(sum(p[i] for i in good))
+    if kind == "tie":
+        a, b = float(p[good[0]]), float(p[good[1]])
+        s["skew"] += abs(a - b) / max(a + b, 1e-12)
+
+
 @torch.no_grad()
+def _walk(model, context: list[int], start, goal, ids: dict[str, int], eos: int, stats: dict) -> None:
+    """Sample one walk token by token, recording the state each token was drawn in."""
+    seq, (x, y), off = list(context), start, False
+    for _ in range(32):
+        logp = torch.log_softmax(model(input_ids=torch.tensor([seq])).logits[0, -1].double(), dim=-1)
+        p = logp.exp()
+        right = _right_moves((x, y), goal)
+        kind = "off course" if off else "at goal" if (x, y) == goal else "tie" if len(right) == 2 else "forced"
+        _record(stats[kind], kind, p, logp, [eos] if kind == "at goal" else [ids[m] for m in right])
+        nxt = int(torch.multinomial(p.float(), 1))
+        seq.append(nxt)
+        if nxt == eos:
+            return
+        move = next((m for m, i in ids.items() if i == nxt), None)
+        off = off or move is None or kind == "at goal" or move not in right
+        if move is not None:
+            x, y = x + MOVES[move][0], y + MOVES[move][1]
+
+
 def profile(model_dir: str, samples: int = 8, seed: int = 0, limit: int | None = None) -> dict:
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = {m: tok(" " + m).input_ids[0] for m in MOVES}
-    eos = tok.eos_token_id
     stats = {k: {"tokens": 0, "entropy": 0.0, "wrong": 0.0, "skew": 0.0} for k in KINDS}
     for walk in GridTask(seed=0).eval_sets()[DATA_SOURCE][:limit]:
         start, goal, _ = parse_ground_truth(walk.answer)
         context = tok(prompt(walk)).input_ids
         for _ in range(samples):
-            seq, (x, y), off = list(context), start, False
-            for _ in range(32):
-                logp = torch.log_softmax(model(input_ids=torch.tensor([seq])).logits[0, -1].double(), dim=-1)
-                p = logp.exp()
-                right = [m for m, (dx, dy) in MOVES.items()
-                         if abs(goal[0] - x - dx) + abs(goal[1] - y - dy) < abs(goal[0] - x) + abs(goal[1] - y)]
-                kind = "off course" if off else "at goal" if (x, y) == goal else "tie" if len(right) == 2 else "forced"
-                s = stats[kind]
-                s["tokens"] += 1
-                s["entropy"] += float(-(p * logp).sum())
-                good = [eos] if kind == "at goal" else [ids[m] for m in right]
-                s["wrong"] += 1.0 - float(sum(p[i] for i in good))
-                if kind == "tie":
-                    a, b = float(p[ids[right[0]]]), float(p[ids[right[1]]])
-                    s["skew"] += abs(a - b) / max(a + b, 1e-12)
-                nxt = int(torch.multinomial(p.float(), 1))
-                seq.append(nxt)
-                if nxt == eos:
-                    break
-                move = next((m for m, i in ids.items() if i == nxt), None)
-                if move is None or kind != "off course" and (kind == "at goal" or move not in right):
-                    off = True
-                if move is not None:
-                    x, y = x + MOVES[move][0], y + MOVES[move][1]
+            _walk(model, context, start, goal, ids, tok.eos_token_id, stats)
     total = sum(s["tokens"] for s in stats.values())
     out = {"model": model_dir, "samples_per_prompt": samples, "tokens": total,
            "entropy": round(sum(s["entropy"] for s in stats.values()) / total, 4)}

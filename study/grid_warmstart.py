@@ -72,13 +72,26 @@ def measure(model, tok, walks: list[Walk], k: int = 1) -> dict:
     return out
 
 
-def build_grid(args: argparse.Namespace) -> int:
-    out = Path(args.out or "assets/grid-base")
-    steps = args.steps if args.steps is not None else GRID_DEFAULT_STEPS
-    flaw = args.flaw_fraction if args.flaw_fraction is not None else FLAW_FRACTION
-    if steps < 0 or not 0 <= flaw <= 1 or (args.eval_problems is not None and args.eval_problems < 1):
-        raise SystemExit(f"covrl warmstart: need --steps >= 0, 0 <= --flaw-fraction <= 1 and --eval-problems >= 1, "
-                         f"got {steps}, {flaw} and {args.eval_problems}")
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="covrl warmstart --task grid", description=__doc__.split("\n")[0])
+    ap.add_argument("--task", choices=("grid",), default="grid")
+    ap.add_argument("--out", default="assets/grid-base")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=GRID_DEFAULT_STEPS, help=f"SFT steps (default {GRID_DEFAULT_STEPS})")
+    ap.add_argument("--flaw-fraction", type=float, default=FLAW_FRACTION,
+                    help=f"mean share of SFT walks with one or two wrong moves (default {FLAW_FRACTION})")
+    ap.add_argument("--eval-problems", type=int, help="cap on walks per measured set, for quick smoke runs only")
+    args = ap.parse_args(argv)
+    if args.steps < 0 or not 0 <= args.flaw_fraction <= 1 or (args.eval_problems is not None and args.eval_problems < 1):
+        ap.error(f"need --steps >= 0, 0 <= --flaw-fraction <= 1 and --eval-problems >= 1, got {args.steps}, "
+                 f"{args.flaw_fraction} and {args.eval_problems}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`covrl warmstart --task grid ...` (study/warmstart_cli.py sends it here)."""
+    args = parse_args(argv)
+    out, steps, flaw = Path(args.out), args.steps, args.flaw_fraction
     torch.set_num_threads(1)  # determinism, and the CI machine has 2 shared cores
     torch.use_deterministic_algorithms(True)
     started = time.time()
@@ -108,3 +121,7 @@ def build_grid(args: argparse.Namespace) -> int:
                 write=write_jsonl)
     print(f"wrote {out} in {time.time() - started:.0f} s")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

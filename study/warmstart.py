@@ -1,6 +1,6 @@
 """Build the tiny, partially competent `arith` base model that RL starts from.
 
-    covrl warmstart [--task arith|chain|grid] [--out assets/<task>-base] [--seed 0] [--steps N]
+    covrl warmstart [--task arith|chain] [--out assets/<task>-base] [--seed 0] [--steps N]
                                                                      (or: python -m study.warmstart ...)
 
 Steps: train a byte-level BPE on arith texts; random-init a tiny Qwen2; SFT it
@@ -283,10 +283,10 @@ def save_atomic(out: Path, model, tok, report: dict, data: dict[str, list] | Non
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="covrl warmstart", description=__doc__.split("\n")[0])
-    parser.add_argument("--task", choices=("arith", "chain", "grid"), default="arith",
-                        help="arith: the demo's base model; grid: the entropy-mechanism study's (study/grid.py, "
-                        "study/grid_warmstart.py); chain: the earlier studies' (study/chain.py); chain and grid also "
-                        "writes train.jsonl and eval.jsonl beside the model")
+    parser.add_argument("--task", choices=("arith", "chain"), default="arith",
+                        help="arith: the demo's base model; chain: the entropy study's (study/chain.py), which also "
+                        "writes train.jsonl and eval.jsonl beside the model (grid: study/grid_warmstart.py, through "
+                        "`covrl warmstart --task grid`)")
     parser.add_argument("--out", help="default assets/<task>-base")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sft-problems", type=int, default=CHAIN_SFT_PROBLEMS,
@@ -296,9 +296,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--direct-fraction", type=float,
                         help=f"share of SFT solutions in the direct style (default {DIRECT_FRACTION} for arith, "
                         f"{CHAIN_DIRECT_FRACTION} for chain)")
-    parser.add_argument("--flaw-fraction", type=float,
-                        help="grid only: share of SFT walks with one or two wrong moves (default study/grid.py's "
-                        "FLAW_FRACTION)")
     parser.add_argument(
         "--eval-problems",
         type=int,
@@ -307,10 +304,6 @@ def main(argv: list[str] | None = None) -> int:
         "for quick smoke runs only, the committed asset is measured on the full sets",
     )
     args = parser.parse_args(argv)
-    if args.task == "grid":
-        from study.grid_warmstart import build_grid
-
-        return build_grid(args)
     chain = args.task == "chain"
     args.out = args.out or f"assets/{args.task}-base"
     args.steps = args.steps if args.steps is not None else (CHAIN_DEFAULT_STEPS if chain else DEFAULT_STEPS)

@@ -171,3 +171,15 @@ def test_the_entropy_profile_splits_every_sampled_token_by_its_state():
     assert sum(out[k]["share"] for k in KINDS) == pytest.approx(1.0, abs=1e-3) and out["tokens"] > 12 * 8
     assert out["tie"]["share"] > 0.2 and 0 < out["tie"]["entropy"] < 1.4 and 0 <= out["tie"]["skew"] <= 1
     assert out["entropy"] == pytest.approx(sum(out[k]["share"] * out[k]["entropy"] for k in KINDS), abs=2e-3)
+
+
+def test_covrl_warmstart_task_grid_builds_a_base_model_through_its_own_module(tmp_path):
+    from study.warmstart_cli import main
+
+    out = tmp_path / "grid-base"
+    assert main(["--task", "grid", "--out", str(out), "--steps", "2", "--eval-problems", "2"]) == 0
+    report = json.load(open(out / "warmstart.json"))
+    assert report["task"] == "grid" and report["steps"] == 2 and set(report["measured"]) == {"train_sample", "grid"}
+    assert (out / "train.jsonl").is_file() and (out / "eval.jsonl").is_file() and (out / "model.safetensors").is_file()
+    with pytest.raises(SystemExit):
+        main(["--task", "grid", "--flaw-fraction", "1.5"])
