@@ -33,10 +33,11 @@ DATA_SOURCE = "grid"
 SIZE = 10  # the grid is SIZE x SIZE; coordinates are single digits (one token each)
 MIN_MOVES, MAX_MOVES = 8, 14
 EVAL_SIZE = 128
-FLAW_FRACTION = 0.55  # share of the warm start's walks with one or two wrong moves
-# Amendment 1 of docs/study-grid/PLAN.md: a walk's chance of a flaw grows with how often it changes axis, so which of
-# two equally short moves the model takes decides how likely it errs later (0: the first base model's uniform flaws).
-SWITCH_COUPLING = 0.8
+FLAW_FRACTION = 0.60  # mean share of the warm start's walks with one or two wrong moves (0.55 for base models v1 and v2)
+# Amendments 1 and 2 of docs/study-grid/PLAN.md: a walk's chance of a flaw grows with how often it changes axis, so
+# which of two equally short moves the model takes decides how likely it errs later (0: base model v1's uniform flaws;
+# 0.8: v2's; 3.0: v3's, nearly a step: walks that change axis less than the mean are rarely flawed, more, nearly always).
+SWITCH_COUPLING = 3.0
 MEAN_SWITCH_RATIO = 0.46  # about the mean switch ratio of a uniformly random shortest walk of the task (a test checks)
 _OPPOSITE = {"R": "L", "L": "R", "D": "U", "U": "D"}
 

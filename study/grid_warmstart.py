@@ -34,12 +34,12 @@ def prompt(walk: Walk) -> str:
     return render_prompt(walk.question, INSTRUCTION)
 
 
-def encode(tok, walks: list[Walk], seed: int, flaw_fraction: float) -> list[tuple[list[int], int]]:
+def encode(tok, walks: list[Walk], seed: int, flaw_fraction: float, coupling: float) -> list[tuple[list[int], int]]:
     """Each example as (ids, prompt_len); ids = prompt + response + [eos], tokenised separately."""
     examples = []
     for i, w in enumerate(walks):
         ids = tok(prompt(w)).input_ids
-        response = tok(sft_text(w, seed, i, flaw_fraction)).input_ids + [tok.eos_token_id]
+        response = tok(sft_text(w, seed, i, flaw_fraction, coupling)).input_ids + [tok.eos_token_id]
         examples.append((ids + response, len(ids)))
     return examples
 
@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=GRID_DEFAULT_STEPS, help=f"SFT steps (default {GRID_DEFAULT_STEPS})")
     ap.add_argument("--flaw-fraction", type=float, default=FLAW_FRACTION,
                     help=f"mean share of SFT walks with one or two wrong moves (default {FLAW_FRACTION})")
+    ap.add_argument("--switch-coupling", type=float, default=SWITCH_COUPLING,
+                    help=f"how much a walk's flaw chance grows with its switch ratio (default {SWITCH_COUPLING})")
     ap.add_argument("--eval-problems", type=int, help="cap on walks per measured set, for quick smoke runs only")
     args = ap.parse_args(argv)
     if args.steps < 0 or not 0 <= args.flaw_fraction <= 1 or (args.eval_problems is not None and args.eval_problems < 1):
@@ -91,7 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """`covrl warmstart --task grid ...` (study/warmstart_cli.py sends it here)."""
     args = parse_args(argv)
-    out, steps, flaw = Path(args.out), args.steps, args.flaw_fraction
+    out, steps, flaw, coupling = Path(args.out), args.steps, args.flaw_fraction, args.switch_coupling
     torch.set_num_threads(1)  # determinism, and the CI machine has 2 shared cores
     torch.use_deterministic_algorithms(True)
     started = time.time()
@@ -99,12 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     train = task.train()
     rng = Random(f"grid/{args.seed}/sft-draws")
     drawn = [train[rng.randrange(len(train))] for _ in range(GRID_SFT_EXAMPLES)]
-    texts = [prompt(w) for w in train] + [sft_text(w, args.seed, i, flaw) for i, w in enumerate(drawn[:20_000])]
+    texts = [prompt(w) for w in train] + [sft_text(w, args.seed, i, flaw, coupling) for i, w in enumerate(drawn[:20_000])]
     tok = train_bpe_tokenizer(texts, VOCAB_SIZE)
     model = build_model(len(tok), tok.eos_token_id, args.seed)
     print(f"vocab {len(tok)}  params {count_params(model)}  moves tokenise as {tok(render(['R', 'U', 'R'])).input_ids}",
           flush=True)
-    sft(model, encode(tok, drawn, args.seed, flaw), steps, tok.eos_token_id, args.seed)
+    sft(model, encode(tok, drawn, args.seed, flaw, coupling), steps, tok.eos_token_id, args.seed)
 
     torch.manual_seed(args.seed + 1)  # the sampling stream, independent of how many SFT steps ran
     cap = args.eval_problems
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in results.items():
         print(f"{name:13s} {r}", flush=True)
     report = {"task": "grid", "seed": args.seed, "steps": steps, "sft_examples": GRID_SFT_EXAMPLES,
-              "flaw_fraction": flaw, "switch_coupling": SWITCH_COUPLING, "packed_rows_per_step": ROWS_PER_STEP, "packed_row_tokens": ROW_TOKENS,
+              "flaw_fraction": flaw, "switch_coupling": coupling, "packed_rows_per_step": ROWS_PER_STEP, "packed_row_tokens": ROW_TOKENS,
               "peak_lr": PEAK_LR, "param_count": count_params(model), "vocab_size": len(tok),
               "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, "measured": results}
     save_atomic(out, model, tok, report, {"train.jsonl": train, "eval.jsonl": task.eval_sets()[DATA_SOURCE]},

@@ -149,13 +149,14 @@ def test_the_committed_base_model_meets_the_plans_targets_and_holds_out_its_walk
     assert [r.answer for r in read_records(os.path.join(base, "train.jsonl"))] == [w.answer for w in task.train()]
 
 
-def test_flaws_follow_the_walks_shape_as_amendment_1_says():
+def test_flaws_follow_the_walks_shape_as_amendments_1_and_2_say():
     from study.grid import MEAN_SWITCH_RATIO, flaw_probability, switch_ratio
 
     assert switch_ratio(list("RRRUUU")) == pytest.approx(1 / 5) and switch_ratio(list("RURURU")) == 1.0
     assert flaw_probability(list("RURURURURURU")) == 0.95  # a full zig-zag: clipped
-    assert flaw_probability(list("RRRRRRUUUUUU")) == pytest.approx(0.55 + 0.8 * (1 / 11 - 0.46))
-    assert flaw_probability(list("RURURU"), coupling=0.0) == 0.55  # no coupling: the first base model's rule
+    assert flaw_probability(list("RRRRRRUUUUUU"), 0.55, 0.8) == pytest.approx(0.55 + 0.8 * (1 / 11 - 0.46))  # v2
+    assert flaw_probability(list("RRRRRRUUUUUU")) == 0.05  # v3 (amendment 2): an L-shaped walk, clipped
+    assert flaw_probability(list("RURURU"), 0.55, 0.0) == 0.55  # no coupling: the first base model's rule
     rng = Random(3)
     ratios = [switch_ratio(shortest_walk(w, rng)) for w in GridTask(seed=0).train()]
     assert abs(sum(ratios) / len(ratios) - MEAN_SWITCH_RATIO) < 0.01  # the constant is the task's mean
