@@ -409,7 +409,8 @@ class RewardPool:
         self._encoder = msgspec.msgpack.Encoder()
         self._start_failures = 0
         self._closed = False
-        self._workers = [_Worker(self._argv) for _ in range(workers)]
+        # grid_path grades every completion in the caller (_triage), so no answer can reach a worker: start none
+        self._workers = [] if verifier == "grid_path" else [_Worker(self._argv) for _ in range(workers)]
 
     def __enter__(self) -> RewardPool:
         return self

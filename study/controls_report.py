@@ -16,9 +16,8 @@ import datetime
 import os
 
 from study.archive import has_run, read_run
-from study.dose_report import fmt
-from study.staleness_report import first_collapse, run_endpoints
-from study.stats import diff_interval, min_detectable_effect, t_interval
+from study.staleness_report import run_endpoints
+from study.stats import fmt, paired_difference, t_interval
 
 SEEDS = (0, 1, 2)
 STEPS = 256
@@ -41,11 +40,7 @@ def _interval(a: dict, b: dict, value, level: float) -> tuple[float, float, floa
     seeds = sorted(set(a) & set(b))
     if len(seeds) < 2:
         return None
-    xa, xb = [value(a[s][0]) for s in seeds], [value(b[s][0]) for s in seeds]
-    mean, lo, hi = diff_interval(xa, xb, paired=True, level=level)
-    d = [x - y for x, y in zip(xa, xb)]
-    sd = (sum((v - mean) ** 2 for v in d) / (len(d) - 1)) ** 0.5
-    return mean, lo, hi, min_detectable_effect(sd, len(d), level=level), seeds
+    return (*paired_difference([value(a[s][0]) for s in seeds], [value(b[s][0]) for s in seeds], level), seeds)
 
 
 def _contrast(label: str, a: dict, b: dict, value, words: tuple[str, str, str]) -> str:

@@ -26,7 +26,7 @@ from study.archive import read_run
 from study.arms import ARMS, LADDERS, OFF_POLICY, RANDOM_CONTROLS, parse_run, study_lr
 from study.lawfit import (EvalPoint, eval_lengths, judge_law, key_series, mean_eval_acc, merge_rows, row_value,
                           run_eval_points)
-from study.stats import bounds, diff_interval, fmt, min_detectable_effect, t_interval, t_quantile
+from study.stats import bounds, fmt, paired_difference, t_interval, t_quantile
 
 HEAD_TAIL = 0.1  # end entropy: the last 10 % of steps; the half-entropy reference: the first 10 %
 LAST_EVALS = 3  # held-out accuracy: mean of the last 3 evaluations
@@ -151,12 +151,8 @@ def contrast(arms: dict[str, dict[int, Endpoints]], a: str, b: str, value, label
     pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
     if not pairs:
         return Contrast(label, 0, None, None, None, None)
-    xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
-    mean, lo, hi = diff_interval(xs, ys, paired=True)
-    diffs = [x - y for x, y in pairs]
-    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) if len(diffs) > 1 else float("nan")
-    return Contrast(label, len(pairs), mean, lo, hi, min_detectable_effect(sd, len(pairs), paired=True)
-                    if len(pairs) > 1 else None)
+    mean, lo, hi, mde = paired_difference([x for x, _ in pairs], [y for _, y in pairs])
+    return Contrast(label, len(pairs), mean, lo, hi, mde if len(pairs) > 1 else None)
 
 
 def end_entropy(e: Endpoints) -> float:

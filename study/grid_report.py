@@ -20,8 +20,8 @@ from study.archive import has_run, read_run
 from study.arms import GRID_ARMS, GRID_POSITIVE, GRID_PRIMARY, parse_run
 from study.lawfit import key_series, merge_rows, row_value
 from study.premise import cov_entropy_correlation, gates, gates_table
-from study.dose_report import fmt  # the one formatter of the study reports
-from study.stats import diff_interval, min_detectable_effect, t_interval
+from study.dose_report import ci_text, md_table, mean_or_none
+from study.stats import bounds, fmt, paired_difference
 
 END_STEPS = 10  # end entropy: the mean of the last 10 steps
 LAST_EVALS = 2  # held-out avg@8 and pass@8: the evaluations at steps 90 and 100
@@ -44,14 +44,6 @@ class Endpoints:
     steps: int
 
 
-def bounds(lo: float, hi: float, digits: int = 4, sign: bool = False) -> str:
-    return f"[{fmt(lo, digits, sign=sign)}, {fmt(hi, digits, sign=sign)}]"
-
-
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
-
-
 def endpoints(rows: list[dict], responses_per_step: int) -> Endpoints | None:
     """The plan's endpoints of one run; None when it has no training rows."""
     rows = merge_rows(rows)
@@ -67,11 +59,11 @@ def endpoints(rows: list[dict], responses_per_step: int) -> Endpoints | None:
     per_response = [h for _, h in key_series(rows, "actor/entropy_per_response")]
     return Endpoints(
         auc=sum(entropy) / len(entropy), end=sum(entropy[-END_STEPS:]) / len(entropy[-END_STEPS:]),
-        per_response_auc=_mean(per_response),
-        acc=_mean([row_value(r, f"eval/{SOURCE}/acc") for r in evals]) if len(evals) == LAST_EVALS else None,
-        pass_k=_mean([v for r in evals if pass_keys and (v := row_value(r, pass_keys[-1])) is not None])
+        per_response_auc=mean_or_none(per_response),
+        acc=mean_or_none([row_value(r, f"eval/{SOURCE}/acc") for r in evals]) if len(evals) == LAST_EVALS else None,
+        pass_k=mean_or_none([v for r in evals if pass_keys and (v := row_value(r, pass_keys[-1])) is not None])
         if len(evals) == LAST_EVALS else None,
-        tokens=_mean(tokens) or 0.0, share=_mean([v for _, v in key_series(rows, "actor/cov_selected_share")]),
+        tokens=mean_or_none(tokens) or 0.0, share=mean_or_none([v for _, v in key_series(rows, "actor/cov_selected_share")]),
         corr=cov_entropy_correlation(rows)[0], steps=len(entropy))
 
 
@@ -119,11 +111,8 @@ def contrast(arms: Arms, a: str, b: str, value, level: float = LEVEL) -> Contras
                    if value(arms[a][s]) is not None and value(arms[b][s]) is not None)
     if len(seeds) < 2:
         return None
-    xa, xb = [value(arms[a][s]) for s in seeds], [value(arms[b][s]) for s in seeds]
-    mean, lo, hi = diff_interval(xa, xb, paired=True, level=level)
-    diffs = [x - y for x, y in zip(xa, xb)]
-    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1))
-    return Contrast(a, b, mean, lo, hi, min_detectable_effect(sd, len(seeds), level=level), seeds, level)
+    mean, lo, hi, mde = paired_difference([value(arms[a][s]) for s in seeds], [value(arms[b][s]) for s in seeds], level)
+    return Contrast(a, b, mean, lo, hi, mde, seeds, level)
 
 
 def positive_control(arms: Arms) -> tuple[Contrast | None, bool]:
@@ -166,16 +155,9 @@ def mechanism_verdict(p1: Contrast | None, p2: Contrast | None, moved: bool) -> 
 # Text
 # ---------------------------------------------------------------------------
 
-def md_table(header: list[str], rows: list[list[str]]) -> str:
-    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-                     + ["| " + " | ".join(r) + " |" for r in rows])
-
-
 def ci(values: list[float], digits: int = 4) -> str:
-    if not values:
-        return "n/a"
-    mean, lo, hi = t_interval(values)
-    return f"{fmt(mean, digits)} {bounds(lo, hi, digits)}" if len(values) > 1 else fmt(mean, digits)
+    """The mean with its 95 % interval; one value alone, without an interval."""
+    return fmt(values[0], digits) if len(values) == 1 else ci_text(values, digits)
 
 
 def section_arms(arms: Arms) -> str:
@@ -186,7 +168,7 @@ def section_arms(arms: Arms) -> str:
         rows.append([f"`{arm}`", GRID_ARMS[arm].label if arm in GRID_ARMS else "", str(len(seeds)),
                      ci(pick(lambda e: e.auc)), ci(pick(lambda e: e.end)), ci(pick(lambda e: e.per_response_auc), 3),
                      ci(pick(lambda e: e.acc), 3), ci(pick(lambda e: e.pass_k), 3),
-                     fmt(_mean(pick(lambda e: e.tokens)), 3), fmt(_mean(pick(lambda e: e.share)), 3)])
+                     fmt(mean_or_none(pick(lambda e: e.tokens)), 3), fmt(mean_or_none(pick(lambda e: e.share)), 3)])
     return "\n".join(["## 3. Every arm (means over seeds, 95 % t-intervals)", "",
                       md_table(["arm", "what", "seeds", "entropy AUC", "end entropy", "per-response entropy AUC",
                                 "held-out avg@8", "pass@8", "tokens selected a step", "their share of the covariance"],
@@ -246,9 +228,9 @@ def implementation_checks(arms: Arms) -> str:
     k, r = arms.get("kl_cov", {}), arms.get("kl_cov_random", {})
     lines = ["## 7. Implementation checks (they cannot fail as science)", ""]
     if k and r:
-        kt, rt = _mean([e.tokens for e in k.values()]), _mean([e.tokens for e in r.values()])
-        ks = _mean([e.share for e in k.values() if e.share is not None])
-        rs = _mean([e.share for e in r.values() if e.share is not None])
+        kt, rt = mean_or_none([e.tokens for e in k.values()]), mean_or_none([e.tokens for e in r.values()])
+        ks = mean_or_none([e.share for e in k.values() if e.share is not None])
+        rs = mean_or_none([e.share for e in r.values() if e.share is not None])
         same = kt is not None and rt is not None and abs(kt - rt) <= 0.1 * max(kt, rt)
         larger = ks is not None and rs is not None and ks > rs
         lines += [f"- The same count: KL-Cov selected {fmt(kt, 3)} tokens a step, its random control {fmt(rt, 3)}: "

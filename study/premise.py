@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
-from study.dose_report import fmt  # the one formatter of the study reports
+from study.stats import fmt
 
 START_STEPS = 3
 END_STEPS = 10
@@ -51,16 +52,8 @@ def fisher_interval(r: float, n: int, level: float = 0.95) -> tuple[float, float
     if n < 4 or not math.isfinite(r):
         return math.nan, math.nan
     z, se = math.atanh(max(min(r, 1 - 1e-12), -1 + 1e-12)), 1 / math.sqrt(n - 3)
-    q = {0.95: 1.959964, 0.975: 2.241403}.get(level) or _normal_quantile(0.5 + level / 2)
+    q = NormalDist().inv_cdf(0.5 + level / 2)
     return math.tanh(z - q * se), math.tanh(z + q * se)
-
-
-def _normal_quantile(p: float) -> float:
-    lo, hi = -10.0, 10.0
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if 0.5 * math.erfc(-mid / math.sqrt(2)) < p else (lo, mid)
-    return (lo + hi) / 2
 
 
 def cov_entropy_correlation(rows: list[dict], differences: bool = False) -> tuple[float, float, float, int]:

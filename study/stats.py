@@ -143,6 +143,17 @@ def diff_interval(a, b, paired: bool, level: float = 0.95) -> tuple[float, float
     return diff, diff - half, diff + half
 
 
+def paired_difference(a, b, level: float = 0.95) -> tuple[float, float, float, float]:
+    """(mean of a - b, lo, hi, minimum detectable effect) of pairs a[i], b[i] (e.g. the same seed): the paired
+    `level` t-interval and the MDE at that level from the sd of the differences; lo, hi and the MDE are nan with
+    fewer than 2 pairs."""
+    mean, lo, hi = diff_interval(a, b, paired=True, level=level)
+    diffs = _clean(a, "paired_difference a") - _clean(b, "paired_difference b")
+    if diffs.size < 2:
+        return mean, lo, hi, math.nan
+    return mean, lo, hi, min_detectable_effect(float(diffs.std(ddof=1)), int(diffs.size), level=level)
+
+
 def sign_test(values) -> float:
     """Two-sided exact binomial sign test of median 0: zeros dropped, p = P(min(#pos, #neg) or fewer
     successes of the same rarity) = min(1, 2 * P(X <= min) with X ~ Bin(n, 1/2)). 1.0 with no signs."""

@@ -55,6 +55,7 @@ def test_ground_truth_round_trips():
 
 def test_reward_pool_grades_walks_in_the_caller_with_format_score():
     with RewardPool(1, 5.0, extract="boxed", format_score=0.1, verifier="grid_path") as pool:
+        assert pool.worker_pids() == []  # every walk is graded in the caller: no math-verify worker is started
         results = pool.score_batch([(" R U R U U R R U U R U R", TRUTH), (" R U", TRUTH), ("R?", TRUTH), (" R", "12")])
     assert [r.reward for r in results] == [1.0, 0.1, 0.0, 0.0]  # a well-formed wrong walk earns the format score
     assert [r.status for r in results] == ["ok", "ok", "ok", "error"]  # a bad ground truth is an error, not a crash
