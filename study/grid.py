@@ -33,11 +33,17 @@ DATA_SOURCE = "grid"
 SIZE = 10  # the grid is SIZE x SIZE; coordinates are single digits (one token each)
 MIN_MOVES, MAX_MOVES = 8, 14
 EVAL_SIZE = 128
-FLAW_FRACTION = 0.60  # mean share of the warm start's walks with one or two wrong moves (0.55 for base models v1 and v2)
+# Mean share of the warm start's walks with one or two wrong moves: 0 for base model v4 (amendment 3: the ice, not
+# the model's mistakes, makes walks fail); 0.55 for base models v1 and v2, 0.60 for v3.
+FLAW_FRACTION = 0.0
 # Amendments 1 and 2 of docs/study-grid/PLAN.md: a walk's chance of a flaw grows with how often it changes axis, so
-# which of two equally short moves the model takes decides how likely it errs later (0: base model v1's uniform flaws;
+# which of two equally short moves the model takes decides how likely it errs later (0: base models v1's and v4's;
 # 0.8: v2's; 3.0: v3's, nearly a step: walks that change axis less than the mean are rarely flawed, more, nearly always).
-SWITCH_COUPLING = 3.0
+SWITCH_COUPLING = 0.0
+# Amendment 3: the ice, cells on which no walk may turn, drawn once (each cell with ICE_DENSITY) from a fixed stream
+# and written into every ground truth, never into a prompt. 24 of the 100 cells; a uniformly random shortest walk of
+# the task turns on none of them 0.36 of the time, an L-shaped walk (one turn) 0.76 (a test pins these).
+ICE_DENSITY = 0.25
 MEAN_SWITCH_RATIO = 0.46  # about the mean switch ratio of a uniformly random shortest walk of the task (a test checks)
 _OPPOSITE = {"R": "L", "L": "R", "D": "U", "U": "D"}
 
@@ -53,7 +59,7 @@ class Walk:
 
     @property
     def answer(self) -> str:
-        return ground_truth(self.start, self.goal, (SIZE, SIZE))
+        return ground_truth(self.start, self.goal, (SIZE, SIZE), ICE)
 
     @property
     def distance(self) -> int:
@@ -63,6 +69,15 @@ class Walk:
         """The moves of every shortest walk, as a multiset (in a fixed order)."""
         dx, dy = self.goal[0] - self.start[0], self.goal[1] - self.start[1]
         return ["R" if dx > 0 else "L"] * abs(dx) + ["D" if dy > 0 else "U"] * abs(dy)
+
+
+def ice_cells(density: float = ICE_DENSITY, stream: str = "grid/ice") -> frozenset[tuple[int, int]]:
+    """The task's ice: each cell of the grid, row by row, is ice with chance `density` in the stream `stream`."""
+    rng = Random(stream)
+    return frozenset((x, y) for y in range(SIZE) for x in range(SIZE) if rng.random() < density)
+
+
+ICE = ice_cells()
 
 
 def all_walks() -> list[Walk]:
@@ -140,8 +155,10 @@ def switch_ratio(moves: list[str]) -> float:
 
 def flaw_probability(moves: list[str], flaw_fraction: float = FLAW_FRACTION, coupling: float = SWITCH_COUPLING) -> float:
     """The chance that the warm start's walk of this shape is flawed: `flaw_fraction` at the mean switch ratio, more
-    for zig-zags and less for L-shapes by `coupling` (docs/study-grid/PLAN.md amendment 1), within [0.05, 0.95]."""
-    return min(0.95, max(0.05, flaw_fraction + coupling * (switch_ratio(moves) - MEAN_SWITCH_RATIO)))
+    for zig-zags and less for L-shapes by `coupling` (docs/study-grid/PLAN.md amendment 1), within [0.05, 0.95]
+    (within [0, 0.95] when `flaw_fraction` is 0: base model v4 imitates flawless walks only)."""
+    floor = min(0.05, flaw_fraction)
+    return min(0.95, max(floor, flaw_fraction + coupling * (switch_ratio(moves) - MEAN_SWITCH_RATIO)))
 
 
 def sft_text(walk: Walk, seed: int, index: int, flaw_fraction: float = FLAW_FRACTION,

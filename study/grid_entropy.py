@@ -69,7 +69,7 @@ def profile(model_dir: str, samples: int = 8, seed: int = 0, limit: int | None =
     ids = {m: tok(" " + m).input_ids[0] for m in MOVES}
     stats = {k: {"tokens": 0, "entropy": 0.0, "wrong": 0.0, "skew": 0.0} for k in KINDS}
     for walk in GridTask(seed=0).eval_sets()[DATA_SOURCE][:limit]:
-        start, goal, _ = parse_ground_truth(walk.answer)
+        start, goal, _, _ = parse_ground_truth(walk.answer)
         context = tok(prompt(walk)).input_ids
         for _ in range(samples):
             _walk(model, context, start, goal, ids, tok.eos_token_id, stats)

@@ -1,11 +1,12 @@
 """`covrl warmstart --task grid`: the grid study's base model (study/grid.py), by study/warmstart.py's recipe.
 
 The same tiny Qwen2, tokenizer pipeline, packed SFT and atomic save as the other tasks; what differs is the data
-(GRID_SFT_EXAMPLES walks drawn from the train walks, flawed with study/grid.py's flaw_probability of their shape), the prompt (no answer-format
-instruction: `data.instruction = ""` in the study's preset, here `render_prompt(q, "")`) and what is measured:
-the shortest-walk rate of one sample (train and held-out), pass@8 on the held-out walks, the share of samples that
-are nothing but moves, the mean response length and the mean token entropy of the sampled moves (nats), which the
-study's premise gates read at its first step.
+(GRID_SFT_EXAMPLES walks drawn from the train walks, flawed with study/grid.py's flaw_probability of their shape:
+none for base model v4), the prompt (no answer-format instruction: `data.instruction = ""` in the study's preset,
+here `render_prompt(q, "")`) and what is measured: the rate of one sample (train and held-out) that is a shortest
+walk turning on no ice, pass@8 on the held-out walks, the share of samples that are nothing but moves, the mean
+response length and the mean token entropy of the sampled moves (nats), which the study's premise gates read at its
+first step. The model never sees the ice: its walks are drawn without it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 
 from common.gridpath import walk_score
 from common.templates import render_prompt
-from study.grid import DATA_SOURCE, FLAW_FRACTION, SWITCH_COUPLING, GridTask, Walk, render, sft_text, write_jsonl
+from study.grid import (DATA_SOURCE, FLAW_FRACTION, ICE, ICE_DENSITY, SWITCH_COUPLING, GridTask, Walk, render, sft_text,
+                        write_jsonl)
 from study.tokenizer import train_bpe_tokenizer
 from study.warmstart import (PEAK_LR, ROW_TOKENS, ROWS_PER_STEP, VOCAB_SIZE, build_model, count_params, sample_responses,
                              save_atomic, sft)
@@ -116,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in results.items():
         print(f"{name:13s} {r}", flush=True)
     report = {"task": "grid", "seed": args.seed, "steps": steps, "sft_examples": GRID_SFT_EXAMPLES,
-              "flaw_fraction": flaw, "switch_coupling": coupling, "packed_rows_per_step": ROWS_PER_STEP, "packed_row_tokens": ROW_TOKENS,
+              "flaw_fraction": flaw, "switch_coupling": coupling, "ice_density": ICE_DENSITY, "ice_cells": len(ICE),
+              "packed_rows_per_step": ROWS_PER_STEP, "packed_row_tokens": ROW_TOKENS,
               "peak_lr": PEAK_LR, "param_count": count_params(model), "vocab_size": len(tok),
               "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, "measured": results}
     save_atomic(out, model, tok, report, {"train.jsonl": train, "eval.jsonl": task.eval_sets()[DATA_SOURCE]},

@@ -20,6 +20,11 @@ from study.grid import (DATA_SOURCE, EVAL_SIZE, MAX_MOVES, MIN_MOVES, SIZE, Grid
 TRUTH = "(3,7)->(9,1) on 10x10"  # 6 right, 6 up
 
 
+def no_ice(walk: Walk) -> str:
+    """The walk's ground truth without the task's ice: is it a shortest walk at all?"""
+    return ground_truth(walk.start, walk.goal, (SIZE, SIZE))
+
+
 def test_a_shortest_walk_scores_one_in_any_order():
     for moves in ("R U R U U R R U U R U R", "R R R R R R U U U U U U", "U U U U U U R R R R R R"):
         assert walk_score(" " + moves, TRUTH) == (True, 1.0)
@@ -50,7 +55,38 @@ def test_a_bad_ground_truth_is_named(bad):
 
 
 def test_ground_truth_round_trips():
-    assert parse_ground_truth(ground_truth((3, 7), (9, 1), (10, 10))) == ((3, 7), (9, 1), (10, 10))
+    assert parse_ground_truth(ground_truth((3, 7), (9, 1), (10, 10))) == ((3, 7), (9, 1), (10, 10), frozenset())
+    ice = {(4, 7), (8, 2), (0, 0)}
+    assert ground_truth((3, 7), (9, 1), (10, 10), ice) == "(3,7)->(9,1) on 10x10 ice 0,0 4,7 8,2"
+    assert parse_ground_truth(ground_truth((3, 7), (9, 1), (10, 10), ice))[3] == frozenset(ice)
+
+
+@pytest.mark.parametrize("bad", ["(3,7)->(9,1) on 10x10 ice", "(3,7)->(9,1) on 10x10 ice 4,7,", "(3,7)->(9,1) on 10x10 ice 10,2"])
+def test_a_bad_ice_list_is_named(bad):
+    with pytest.raises(ValueError, match="grid_path ground truth|outside"):
+        parse_ground_truth(bad)
+
+
+def test_a_walk_fails_when_it_turns_on_ice_and_only_then():
+    truth = "(0,0)->(2,2) on 3x3 ice 2,0 1,1"
+    assert walk_score(" R R D D", truth) == (True, 0.0)  # turns at (2,0): ice
+    assert walk_score(" D D R R", truth) == (True, 1.0)  # turns at (0,2)
+    assert walk_score(" R D R D", truth) == (True, 0.0)  # turns at (1,0), (1,1): ice, (2,1)
+    assert walk_score(" D R R D", truth) == (True, 1.0)  # turns at (0,1) and (2,1); passes (1,1) going straight
+    assert walk_score(" R R D D", "(0,0)->(2,2) on 3x3 ice 1,0 2,1") == (True, 1.0)  # straight over ice is fine
+
+
+def test_the_tasks_ice_is_fixed_hidden_and_makes_turns_cost():
+    from study.grid import ICE, ice_cells
+
+    assert ICE == ice_cells() and len(ICE) == 24 and (0, 0) in ICE and (9, 2) in ICE
+    walks = all_walks()
+    assert all(w.answer.endswith(" ice " + " ".join(f"{x},{y}" for x, y in sorted(ICE))) for w in walks[:50])
+    assert all("ice" not in w.question for w in walks)  # the rule is hidden: the prompt never shows it
+    rng = Random(1)
+    uniform = sum(walk_score(render(shortest_walk(w, rng)), w.answer)[1] for w in walks) / len(walks)
+    l_shaped = sum(walk_score(render(sorted(w.needed(), key=lambda m: m in "UD")), w.answer)[1] for w in walks)
+    assert 0.33 < uniform < 0.40 and l_shaped / len(walks) == pytest.approx(0.755, abs=0.02)  # study/grid.py's figures
 
 
 def test_reward_pool_grades_walks_in_the_caller_with_format_score():
@@ -80,7 +116,7 @@ def test_random_shortest_walks_are_shortest_and_cover_every_order():
     seen = Counter(render(shortest_walk(walk, rng)) for _ in range(3000))
     assert set(seen) == {render(list(p)) for p in set(itertools.permutations("RRDD"))}  # all 6 orders
     assert min(seen.values()) > 3000 / 6 * 0.8  # uniform: each about 500
-    assert all(walk_score(text, walk.answer) == (True, 1.0) for text in seen)
+    assert all(walk_score(text, no_ice(walk)) == (True, 1.0) for text in seen)
 
 
 def test_flawed_walks_stay_on_the_grid_and_never_score():
@@ -95,8 +131,9 @@ def test_sft_texts_are_seeded_and_flawed_at_the_asked_rate():
     walks = GridTask(seed=0).train()[:1000]
     texts = [sft_text(w, 0, i, 0.55) for i, w in enumerate(walks)]
     assert texts == [sft_text(w, 0, i, 0.55) for i, w in enumerate(walks)]
-    flawed = sum(walk_score(t, w.answer)[1] == 0.0 for t, w in zip(texts, walks)) / len(walks)
+    flawed = sum(walk_score(t, no_ice(w))[1] == 0.0 for t, w in zip(texts, walks)) / len(walks)
     assert 0.50 < flawed < 0.60
+    assert all(walk_score(sft_text(w, 0, i), no_ice(w)) == (True, 1.0) for i, w in enumerate(walks))  # v4: none
 
 
 def test_every_move_is_one_token_under_the_study_tokenizer():
@@ -154,9 +191,10 @@ def test_flaws_follow_the_walks_shape_as_amendments_1_and_2_say():
     from study.grid import MEAN_SWITCH_RATIO, flaw_probability, switch_ratio
 
     assert switch_ratio(list("RRRUUU")) == pytest.approx(1 / 5) and switch_ratio(list("RURURU")) == 1.0
-    assert flaw_probability(list("RURURURURURU")) == 0.95  # a full zig-zag: clipped
+    assert flaw_probability(list("RURURURURURU"), 0.60, 3.0) == 0.95  # a full zig-zag: clipped
     assert flaw_probability(list("RRRRRRUUUUUU"), 0.55, 0.8) == pytest.approx(0.55 + 0.8 * (1 / 11 - 0.46))  # v2
-    assert flaw_probability(list("RRRRRRUUUUUU")) == 0.05  # v3 (amendment 2): an L-shaped walk, clipped
+    assert flaw_probability(list("RRRRRRUUUUUU"), 0.60, 3.0) == 0.05  # v3 (amendment 2): an L-shaped walk, clipped
+    assert flaw_probability(list("RURURURURURU")) == flaw_probability(list("RRRRRRUUUUUU")) == 0.0  # v4: no flaws
     assert flaw_probability(list("RURURU"), 0.55, 0.0) == 0.55  # no coupling: the first base model's rule
     rng = Random(3)
     ratios = [switch_ratio(shortest_walk(w, rng)) for w in GridTask(seed=0).train()]
