@@ -251,8 +251,8 @@ def section_pilots(pilots: dict[str, list[dict]]) -> str:
         summary.append([f"`{name}`", *("passes" if g.passed else "n/a" if g.passed is None else "**fails**" for g in gs),
                         fmt(late, 3)])
     lines = ["## 1. The premise gates (pilots, docs/study-grid/PLAN.md)", "",
-             "Every pilot is seed 0 of the study's setting, 100 steps; `v1` / `v2` name the base model (PLAN.md "
-             "amendment 1). The gates judge the GRPO pilots (`/grpo`); the entropy-bonus pilots (`/grpo_ent`) are "
+             "Every pilot is seed 0 of the study's setting, 100 steps; `v1` to `v4` name the base model (PLAN.md "
+             "amendments 1-3; v4 and its pilots are graded with the ice of amendment 3, v1-v3 without). The gates judge the GRPO pilots (`/grpo`); the entropy-bonus pilots (`/grpo_ent`) are "
              "shown for information. The last column is the mean `actor/entropy` of steps 51-100, which the positive "
              "control's dose is chosen on.", "",
              md_table(["pilot / run", "G1", "G2", "G3", "G4", "G5", "entropy, steps 51-100"], summary), ""]
@@ -298,7 +298,8 @@ def section_base(base: dict | None) -> str:
         return ""
     m = base.get("measured", {})
     return "\n".join(["## 2. The base model (assets/grid-base/warmstart.json)", "",
-                      f"Flaw fraction {base.get('flaw_fraction')}, {base.get('steps')} SFT steps. " + "; ".join(
+                      f"Flaw fraction {base.get('flaw_fraction')}, switch coupling {base.get('switch_coupling')}, "
+                      f"{base.get('ice_cells', 0)} ice cells, {base.get('steps')} SFT steps. " + "; ".join(
                           f"{name}: " + ", ".join(f"{k} {v}" for k, v in r.items()) for name, r in m.items()), ""])
 
 
