@@ -73,7 +73,7 @@ PRESETS["grid"] = {"steps": 100, "overrides": [
     "model.path=assets/grid-base", "data.task=files", "data.train_files=['assets/grid-base/train.jsonl']",
     "data.eval_files=['assets/grid-base/eval.jsonl']", "data.instruction=", "reward.verifier=grid_path",
     "rollout.max_new_tokens=32", "learner.mini_batches=8", "learner.entropy_delta_stride=1", "eval.every_steps=10",
-    "eval.k=8", "learner.lr=5e-5"]}
+    "eval.k=8", "learner.lr=5e-5", "rollout.groups_per_step=64"]}
 
 
 # Methods: the config overrides that make each method; published defaults, unchanged (no per-method tuning).
