@@ -116,8 +116,9 @@ def study_lr(meta: dict) -> str | None:
 # The grid study's arms (`covrl study --preset grid`, docs/study-grid/PLAN.md): the dose study's GRPO, KL-Cov and
 # its random control and Clip-Cov at their published doses, and the positive control: GRPO with an entropy bonus
 # whose coefficient the pilots choose by the plan's rule (mean entropy over steps 51-100 about twice GRPO's). 0.01 is
-# the rule's first pilot; no pilot passed the gates (docs/study-grid/report.md), so none was chosen yet (0.01 and 0.03
-# gave 0.98x and 1.08x GRPO's entropy: the rule's next pilot would take 0.09).
+# the rule's first pilot; no pilot passed the gates (docs/study-grid/report.md), so none was chosen yet. On base
+# model v4 at 64 groups a step 0.01 and 0.03 gave 0.97x and 0.92x GRPO's entropy and 0.09 30x, unsteadily (the rule
+# would take 0.01, which does not move the endpoint: the dose lies between 0.03 and 0.09).
 GRID_ENTROPY_COEF = 0.01
 GRID_ARMS: dict[str, Arm] = {
     "grpo": ARMS["grpo"],

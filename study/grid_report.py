@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from study.archive import has_run, read_run
 from study.arms import GRID_ARMS, GRID_POSITIVE, GRID_PRIMARY, parse_run
 from study.lawfit import key_series, merge_rows, row_value
-from study.premise import cov_entropy_correlation, gates, gates_table
+from study.premise import cov_entropy_correlation, gates, gates_table, phase_table
 from study.dose_report import ci_text, md_table, mean_or_none
 from study.stats import bounds, fmt, paired_difference
 
@@ -252,12 +252,17 @@ def section_pilots(pilots: dict[str, list[dict]]) -> str:
                         fmt(late, 3)])
     lines = ["## 1. The premise gates (pilots, docs/study-grid/PLAN.md)", "",
              "Every pilot is seed 0 of the study's setting, 100 steps; `v1` to `v4` name the base model (PLAN.md "
-             "amendments 1-3; v4 and its pilots are graded with the ice of amendment 3, v1-v3 without). The gates judge the GRPO pilots (`/grpo`); the entropy-bonus pilots (`/grpo_ent`) are "
+             "amendments 1-3; v4 and its pilots are graded with the ice of amendment 3, v1-v3 without), `g64` 64 "
+             "groups a step (amendment 4; the others ran 16). The gates judge the GRPO pilots (`/grpo`); the entropy-bonus pilots (`/grpo_ent`) are "
              "shown for information. The last column is the mean `actor/entropy` of steps 51-100, which the positive "
              "control's dose is chosen on.", "",
              md_table(["pilot / run", "G1", "G2", "G3", "G4", "G5", "entropy, steps 51-100"], summary), ""]
     for name, rows in pilots.items():
         lines += [f"### `{name}`", "", *gates_table(rows), ""]
+    lines += ["### G5 by phase (post hoc: windows chosen after pilot `v4g64-lr5e-5` had run, not a gate)", "",
+              "Pearson r over steps of `actor/cov_mean` with `actor/entropy_delta` [95 % Fisher-z interval] inside a "
+              "window of steps, and the same on step-to-step differences (a shared trend removed). On base model v4 "
+              "the entropy falls in steps 1-30 and sits on a plateau after step 40.", "", *phase_table(pilots), ""]
     return "\n".join(lines)
 
 

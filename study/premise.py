@@ -56,9 +56,12 @@ def fisher_interval(r: float, n: int, level: float = 0.95) -> tuple[float, float
     return math.tanh(z - q * se), math.tanh(z + q * se)
 
 
-def cov_entropy_correlation(rows: list[dict], differences: bool = False) -> tuple[float, float, float, int]:
+def cov_entropy_correlation(rows: list[dict], differences: bool = False,
+                            steps: tuple[int, int] | None = None) -> tuple[float, float, float, int]:
     """(r, lo, hi, n): Pearson r over steps of actor/cov_mean with actor/entropy_delta (of their step-to-step
-    differences when `differences`), with its 95 % Fisher-z interval."""
+    differences when `differences`; over steps lo..hi only when `steps`), with its 95 % Fisher-z interval."""
+    if steps is not None:
+        rows = [r for r in rows if r.get("step") is not None and steps[0] <= r["step"] <= steps[1]]
     s1, cov = series(rows, "actor/cov_mean")
     s2, delta = series(rows, "actor/entropy_delta")
     common = sorted(set(s1) & set(s2))
@@ -121,6 +124,25 @@ def gates_table(rows: list[dict]) -> list[str]:
     r, lo, hi, n = cov_entropy_correlation(rows, differences=True)
     out += ["", f"Information, not a gate: the same correlation on step-to-step differences (a shared trend in time "
                 f"removed): r = {fmt(r, 3, sign=True)} [{fmt(lo, 3, sign=True)}, {fmt(hi, 3, sign=True)}], n = {n}."]
+    return out
+
+
+# Post hoc (chosen after pilot 7, docs/study-grid/PLAN.md amendment 4's pilot, had run; not a gate): G5's
+# correlation inside the entropy's fall and on the plateau after it, windows read off that pilot's curve.
+PHASES = ((1, 30), (1, 40), (41, 100))
+
+
+def phase_table(runs: dict[str, list[dict]]) -> list[str]:
+    """Markdown lines: G5's correlation per window of PHASES for each run, as is and on first differences."""
+    out = ["| run | " + " | ".join(f"steps {a}-{b}" for a, b in PHASES) + " |", "|---|" + "---|" * len(PHASES)]
+    for name, rows in runs.items():
+        cells = []
+        for window in PHASES:
+            r, lo, hi, n = cov_entropy_correlation(rows, steps=window)
+            d, _, _, _ = cov_entropy_correlation(rows, differences=True, steps=window)
+            cells.append(f"{fmt(r, 2, sign=True)} [{fmt(lo, 2, sign=True)}, {fmt(hi, 2, sign=True)}]; "
+                         f"differences {fmt(d, 2, sign=True)}")
+        out.append(f"| `{name}` | " + " | ".join(cells) + " |")
     return out
 
 

@@ -70,8 +70,8 @@ PRESETS["staleness"] = {"steps": 64, "overrides": [
 # The grid study (docs/study-grid/PLAN.md): the choice-dense task (study/grid.py; base model: covrl warmstart --task
 # grid), 8 updates a batch, the entropy change on every micro-batch (the premise gates read it), pass@8 evaluations.
 PRESETS["grid"] = {"steps": 100, "overrides": [
-    "model.path=assets/grid-base", "data.task=files", "data.train_files=['assets/grid-base/train.jsonl']",
-    "data.eval_files=['assets/grid-base/eval.jsonl']", "data.instruction=", "reward.verifier=grid_path",
+    "model.path=assets/grid-base", "data.task=files", "data.train_files=['assets/grid-base/train.parquet']",
+    "data.eval_files=['assets/grid-base/eval.parquet']", "data.instruction=", "reward.verifier=grid_path",
     "rollout.max_new_tokens=32", "learner.mini_batches=8", "learner.entropy_delta_stride=1", "eval.every_steps=10",
     "eval.k=8", "learner.lr=5e-5", "rollout.groups_per_step=64"]}
 

@@ -265,7 +265,7 @@ def accuracy(model, tok, problems: list[Problem]) -> tuple[float, float, dict[in
 def save_atomic(out: Path, model, tok, report: dict, data: dict[str, list] | None = None,
                 write=write_jsonl) -> None:
     """Write beside `out`, then rename into place: readers never see a half-written model.
-    `data`: {file name: problems} written as jsonl beside it by `write` (the task's)."""
+    `data`: {file name: problems} written beside it by `write` (the task's: jsonl, or parquet for grid)."""
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="covrl warmstart", description=__doc__.split("\n")[0])
     parser.add_argument("--task", choices=("arith", "chain"), default="arith",
                         help="arith: the demo's base model; chain: the entropy study's (study/chain.py), which also "
-                        "writes train.jsonl and eval.jsonl beside the model (grid: study/grid_warmstart.py, through "
+                        "writes train.jsonl and eval.jsonl beside the model (grid: study/grid_warmstart.py, parquet, through "
                         "`covrl warmstart --task grid`)")
     parser.add_argument("--out", help="default assets/<task>-base")
     parser.add_argument("--seed", type=int, default=0)

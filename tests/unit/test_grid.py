@@ -183,8 +183,8 @@ def test_the_committed_base_model_meets_the_plans_targets_and_holds_out_its_walk
     assert 0.30 <= held["accuracy"] <= 0.50 and held["pass@8"] >= 0.8  # docs/study-grid/PLAN.md's targets
     assert held["token_entropy"] >= 0.4 and held["well_formed"] > 0.9
     task = GridTask(seed=report["seed"])
-    assert [r.answer for r in read_records(os.path.join(base, "eval.jsonl"))] == [w.answer for w in task.eval_sets()["grid"]]
-    assert [r.answer for r in read_records(os.path.join(base, "train.jsonl"))] == [w.answer for w in task.train()]
+    assert [r.answer for r in read_records(os.path.join(base, "eval.parquet"))] == [w.answer for w in task.eval_sets()["grid"]]
+    assert [r.answer for r in read_records(os.path.join(base, "train.parquet"))] == [w.answer for w in task.train()]
 
 
 def test_flaws_follow_the_walks_shape_as_amendments_1_and_2_say():
@@ -220,6 +220,6 @@ def test_covrl_warmstart_task_grid_builds_a_base_model_through_its_own_module(tm
     assert main(["--task", "grid", "--out", str(out), "--steps", "2", "--eval-problems", "2"]) == 0
     report = json.load(open(out / "warmstart.json"))
     assert report["task"] == "grid" and report["steps"] == 2 and set(report["measured"]) == {"train_sample", "grid"}
-    assert (out / "train.jsonl").is_file() and (out / "eval.jsonl").is_file() and (out / "model.safetensors").is_file()
+    assert (out / "train.parquet").is_file() and (out / "eval.parquet").is_file() and (out / "model.safetensors").is_file()
     with pytest.raises(SystemExit):
         main(["--task", "grid", "--flaw-fraction", "1.5"])

@@ -146,3 +146,22 @@ def test_the_secondary_table_holds_rule_3s_contrasts_only():
     text = gr.section_secondary(arms_of(study_rows({"grpo_ent": 0.2, "kl_cov": 0.05})))
     assert "| `clip_cov` - `grpo` | entropy AUC |" in text and "| `kl_cov` - `kl_cov_random` | pass@8 |" in text
     assert "| `kl_cov` - `grpo` | entropy AUC |" not in text and "| `kl_cov` - `kl_cov_random` | end entropy |" not in text
+
+
+def test_the_phase_table_reads_each_window_of_a_run_on_its_own():
+    """Post hoc G5 by window: a run whose covariance drives the entropy's change in steps 1-30 and not after shows a
+    negative r there and none after; the table names each run and each window."""
+    from study.premise import PHASES, cov_entropy_correlation, phase_table
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for s in range(1, 101):
+        cov = float(rng.normal(0.05, 0.02))
+        noise = float(rng.normal(0, 0.01))
+        rows.append({"step": s, "actor/cov_mean": cov, "actor/entropy_delta": (-0.5 * cov if s <= 30 else 0.0) + noise})
+    r_fall, _, hi_fall, n_fall = cov_entropy_correlation(rows, steps=(1, 30))
+    r_late, lo_late, hi_late, n_late = cov_entropy_correlation(rows, steps=(41, 100))
+    assert n_fall == 30 and n_late == 60 and r_fall < -0.5 and hi_fall < 0 and lo_late < 0 < hi_late
+    lines = phase_table({"pilot/grpo": rows})
+    assert PHASES[0] == (1, 30) and "steps 1-30" in lines[0] and lines[2].startswith("| `pilot/grpo` |")
+    assert lines[2].count("differences") == len(PHASES)
