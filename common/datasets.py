@@ -159,6 +159,22 @@ def read_records(path: str) -> list[Record]:
     return records
 
 
+def write_rows(rows: list[dict], path: str, *, compression: str = "snappy", level: int | None = None) -> None:
+    """Write rows of this layout to a .jsonl or .parquet file (parquet compressed with `compression` at `level`,
+    pyarrow's default snappy unless asked); DatasetError for any other suffix."""
+    if path.endswith(".jsonl"):
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    elif path.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_struct_array(pa.array(rows)), path, compression=compression,
+                       compression_level=level)
+    else:
+        raise DatasetError(f"{path}: write .parquet or .jsonl")
+
+
 def template_mode(tokenizer, template: Template) -> str:
     if template == "auto":
         return "chat" if getattr(tokenizer, "chat_template", None) else "plain"

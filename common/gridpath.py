@@ -38,7 +38,8 @@ def parse_ground_truth(text: str) -> tuple[Cell, Cell, Cell, frozenset[Cell]]:
     m = _GROUND_TRUTH.fullmatch(text.strip()) if isinstance(text, str) else None
     if m is None:
         raise ValueError(f"not a grid_path ground truth: {str(text)[:80]!r}; write it as \"(x,y)->(x,y) on WxH\" "
-                         f"with optional ice cells, e.g. \"(3,7)->(9,1) on 10x10\" or \"(3,7)->(9,1) on 10x10 ice 4,7 8,2\"")
+                         f"with optional ice cells, e.g. \"(3,7)->(9,1) on 10x10\" or "
+                         f"\"(3,7)->(9,1) on 10x10 ice 4,7 8,2\"")
     sx, sy, gx, gy, w, h = map(int, m.groups()[:6])
     ice = frozenset(tuple(map(int, c.split(","))) for c in m.group(7).split()[1:])
     if not (0 < w and 0 < h and 0 <= sx < w and 0 <= gx < w and 0 <= sy < h and 0 <= gy < h):
@@ -79,5 +80,4 @@ def walk_score(completion: str, truth: str) -> tuple[bool, float]:
     # A walk of exactly the shortest length that ends on the goal never leaves the box between start and goal, so it
     # never leaves the grid: no bounds check can change a reward. A well-formed wrong walk (off the grid or not) is
     # "well formed" for reward.format_score.
-    on_ice = bool(ice) and any(c in ice for c in turn_cells(start, moves))
-    return True, float((x, y) == goal and len(moves) == shortest and not on_ice)
+    return True, float((x, y) == goal and len(moves) == shortest and ice.isdisjoint(turn_cells(start, moves)))

@@ -12,11 +12,10 @@ number. Nothing is downloaded: fetch the source files yourself.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-from common.datasets import DatasetError, iter_rows, parse_row
+from common.datasets import DatasetError, iter_rows, parse_row, write_rows
 
 
 def convert(src: str, prompt_key: str, answer_key: str, data_source: str) -> list[dict]:
@@ -33,19 +32,6 @@ def convert(src: str, prompt_key: str, answer_key: str, data_source: str) -> lis
     return out
 
 
-def write(rows: list[dict], dst: str) -> None:
-    if dst.endswith(".jsonl"):
-        with open(dst, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-    elif dst.endswith(".parquet"):
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        pq.write_table(pa.Table.from_struct_array(pa.array(rows)), dst)
-    else:
-        raise DatasetError(f"{dst}: write .parquet or .jsonl")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="covrl prepare-data", description=__doc__.split("\n")[0])
     ap.add_argument("src")
@@ -57,7 +43,7 @@ def main(argv=None) -> int:
     source = args.data_source or os.path.splitext(os.path.basename(args.dst))[0]
     try:
         rows = convert(args.src, args.prompt_key, args.answer_key, source)
-        write(rows, args.dst)
+        write_rows(rows, args.dst)
     except DatasetError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -22,11 +22,11 @@ draw goes through a `random.Random` seeded from `seed`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from random import Random
 
+from common.datasets import write_rows
 from common.gridpath import MOVES, ground_truth
 
 DATA_SOURCE = "grid"
@@ -176,16 +176,8 @@ def rows(walks: list[Walk]) -> list[dict]:
              "level": w.distance} for w in walks]
 
 
-def write_jsonl(walks: list[Walk], path: Path) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows(walks):
-            f.write(json.dumps(row, sort_keys=True) + "\n")
-
-
-def write_parquet(walks: list[Walk], path: Path) -> None:
-    """The rows as zstd parquet, as the base model keeps them: every ground truth repeats the ice, which the
-    compression stores about once (train: 34 KB instead of 0.8 MB of jsonl, within the GPU kit's travel budget)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.Table.from_pylist(rows(walks)), str(path), compression="zstd", compression_level=19)
+def write_walks(walks: list[Walk], path: Path) -> None:
+    """The walks as a .jsonl or .parquet file (common/datasets.py write_rows). Parquet is zstd-compressed, as the
+    base model keeps its walks: every ground truth repeats the ice, which the compression stores about once (train:
+    34 KB instead of 0.8 MB of jsonl, within the GPU kit's travel budget)."""
+    write_rows(rows(walks), str(path), compression="zstd", level=19)

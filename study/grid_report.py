@@ -253,7 +253,8 @@ def section_pilots(pilots: dict[str, list[dict]]) -> str:
     lines = ["## 1. The premise gates (pilots, docs/study-grid/PLAN.md)", "",
              "Every pilot is seed 0 of the study's setting, 100 steps; `v1` to `v4` name the base model (PLAN.md "
              "amendments 1-3; v4 and its pilots are graded with the ice of amendment 3, v1-v3 without), `g64` 64 "
-             "groups a step (amendment 4; the others ran 16). The gates judge the GRPO pilots (`/grpo`); the entropy-bonus pilots (`/grpo_ent`) are "
+             "groups a step (amendment 4; the others ran 16). The gates judge the GRPO pilots (`/grpo`); the "
+             "entropy-bonus pilots (`/grpo_ent`) are "
              "shown for information. The last column is the mean `actor/entropy` of steps 51-100, which the positive "
              "control's dose is chosen on.", "",
              md_table(["pilot / run", "G1", "G2", "G3", "G4", "G5", "entropy, steps 51-100"], summary), ""]

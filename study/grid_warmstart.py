@@ -21,7 +21,7 @@ import torch
 from common.gridpath import walk_score
 from common.templates import render_prompt
 from study.grid import (DATA_SOURCE, FLAW_FRACTION, ICE, ICE_DENSITY, SWITCH_COUPLING, GridTask, Walk, render, sft_text,
-                        write_parquet)
+                        write_walks)
 from study.tokenizer import train_bpe_tokenizer
 from study.warmstart import (PEAK_LR, ROW_TOKENS, ROWS_PER_STEP, VOCAB_SIZE, build_model, count_params, sample_responses,
                              save_atomic, sft)
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
               "peak_lr": PEAK_LR, "param_count": count_params(model), "vocab_size": len(tok),
               "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, "measured": results}
     save_atomic(out, model, tok, report, {"train.parquet": train, "eval.parquet": task.eval_sets()[DATA_SOURCE]},
-                write=write_parquet)
+                write=write_walks)
     print(f"wrote {out} in {time.time() - started:.0f} s")
     return 0
 

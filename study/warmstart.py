@@ -285,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="covrl warmstart", description=__doc__.split("\n")[0])
     parser.add_argument("--task", choices=("arith", "chain"), default="arith",
                         help="arith: the demo's base model; chain: the entropy study's (study/chain.py), which also "
-                        "writes train.jsonl and eval.jsonl beside the model (grid: study/grid_warmstart.py, parquet, through "
-                        "`covrl warmstart --task grid`)")
+                        "writes train.jsonl and eval.jsonl beside the model (grid: study/grid_warmstart.py, parquet, "
+                        "through `covrl warmstart --task grid`)")
     parser.add_argument("--out", help="default assets/<task>-base")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sft-problems", type=int, default=CHAIN_SFT_PROBLEMS,

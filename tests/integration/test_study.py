@@ -78,10 +78,10 @@ def test_study_end_to_end_tiny_budget(tmp_path):
 def test_grid_study_end_to_end_tiny_budget(tmp_path):
     """The grid preset: real runs grade walks with the grid_path verifier in the generator, evaluate pass@k, and the
     report renders the study's sections (its verdicts from 1 seed: undetermined, as they must be)."""
-    from study.grid import GridTask, write_jsonl
+    from study.grid import GridTask, write_walks
 
     held = tmp_path / "walks.jsonl"
-    write_jsonl(GridTask(seed=0).eval_sets()["grid"][:8], held)  # the first 8 rows of the base model's eval file
+    write_walks(GridTask(seed=0).eval_sets()["grid"][:8], held)  # the first 8 rows of the base model's eval file
     study = tmp_path / "grid"
     cmd = [sys.executable, "-m", "study.runs", "--preset", "grid", "--steps", "2", "--methods", "grpo,kl_cov_random",
            "--study-dir", str(study), "--set", "rollout.groups_per_step=8", "--set", "rollout.group_size=4", "--set", "eval.k=2",
