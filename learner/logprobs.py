@@ -12,6 +12,9 @@ intermediates several times that. Two ways through the LM head, picked once at s
 - "fused" (`learner/fused_head.py`): one autograd op per micro-batch that forms d logits directly from one
   recompute per chunk; the lm_head module is called once per micro-batch (its forward replaced on the instance),
   so ZeRO-3 gathers the head's weight once for the forward and once for the backward.
+- "triton" and "inductor": the same op, its passes over a chunk's logits done by Triton kernels or by inductor's
+  fused reductions instead of eager fp32 torch ops (learner/head_kernels.py): one read of the model-dtype logits
+  forward, one read and one write backward.
 
 `install_token_forward` makes this the forward of the learner's model itself, so the trainer calls the
 root module: DeepSpeed hooks the root's forward (ZeRO-3 resets its parameter-fetch trace there at the
@@ -26,8 +29,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from learner.fused_head import fused_logprobs_and_entropy
+from learner.head_kernels import KERNELS, triton_refusal
 
-HEADS = ("chunked", "fused")
+HEADS = ("chunked", *KERNELS)  # chunked, fused, triton, inductor
 
 
 def _chunk_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
@@ -70,11 +74,15 @@ def naive_logprobs_and_entropy(head, hidden, targets, *, temperature: float = 1.
 
 def resolve_head(choice: str, cuda: bool) -> str:
     """`learner.logprob_head` -> the head `install_token_forward` takes: "auto" is fused on CUDA, chunked elsewhere
-    (the CPU recordings were made with the chunked head)."""
+    (the CPU recordings were made with the chunked head). "auto" stays "fused" on CUDA until the GPU proof's learner
+    stage has measured "triton" and "inductor" beside it (docs/gpu.md, Pending). ValueError in one line for a head
+    that cannot run here (triton without CUDA or its interpreter)."""
     if choice == "auto":
         return "fused" if cuda else "chunked"
     if choice not in HEADS:
         raise ValueError(f"learner.logprob_head = {choice!r}: it must be \"auto\" or one of {HEADS}")
+    if choice == "triton" and (why := triton_refusal(cuda)):
+        raise ValueError(why)
     return choice
 
 
@@ -105,26 +113,29 @@ def _fused_head_forward(self, hidden: torch.Tensor, targets: torch.Tensor, *, te
                         chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The lm_head's forward under head="fused": [N, H] hidden, [N] targets -> ([N] log pi(target), [N] entropy).
     Reads its own weight inside the module call, where ZeRO-3's hooks have gathered it."""
-    return fused_logprobs_and_entropy(hidden, self.weight, self.bias, targets, temperature=temperature, chunk=chunk)
+    return fused_logprobs_and_entropy(hidden, self.weight, self.bias, targets, temperature=temperature, chunk=chunk,
+                                      kernels=self.covrl_head_kernels)
 
 
-_TOKEN_FORWARDS = {"chunked": _token_forward_chunked, "fused": _token_forward_fused}
+_TOKEN_FORWARDS = {"chunked": _token_forward_chunked, **dict.fromkeys(KERNELS, _token_forward_fused)}
 
 
 def install_token_forward(model: torch.nn.Module, head: str = "chunked") -> torch.nn.Module:
     """Give a Hugging Face causal LM (`.model` body, `.lm_head` a Linear) the learner's forward as its own:
     `model(input_ids=, position_ids=, targets=, temperature=, chunk=, **attn_kwargs)` -> (log pi(target), entropy),
-    extra keyword arguments passed to the body. `head`: "chunked" (the head in chunks, by autograd) or "fused"
-    (`learner/fused_head.py`; the lm_head's own forward becomes (hidden, targets, temperature, chunk) ->
-    (logp, entropy), so the head is one module call per micro-batch). Instance attributes: the classes' forwards
+    extra keyword arguments passed to the body. `head`: "chunked" (the head in chunks, by autograd) or "fused",
+    "triton", "inductor" (`learner/fused_head.py` with those kernels; the lm_head's own forward becomes (hidden,
+    targets, temperature, chunk) -> (logp, entropy), so the head is one module call per micro-batch). Instance attributes: the classes' forwards
     are untouched for every other model. Calling the root module (not `model.model` and `model.lm_head` one by
     one) is what lets DeepSpeed's root hooks run."""
     if head not in _TOKEN_FORWARDS:
         raise ValueError(f"head={head!r}: install_token_forward takes one of {HEADS}; "
                          "resolve learner.logprob_head = \"auto\" with resolve_head(choice, cuda) first")
     model.forward = types.MethodType(_TOKEN_FORWARDS[head], model)
-    if head == "fused":
+    if head in KERNELS:
         model.lm_head.forward = types.MethodType(_fused_head_forward, model.lm_head)
+        model.lm_head.covrl_head_kernels = head
     else:
         model.lm_head.__dict__.pop("forward", None)  # the chunked path calls the head as the plain Linear
+        model.lm_head.__dict__.pop("covrl_head_kernels", None)
     return model

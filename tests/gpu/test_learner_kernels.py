@@ -88,14 +88,17 @@ def test_no_sample_attends_to_its_neighbour_on_cuda():
     assert float((ref[start[1] + 3:start[2] - 1] - moved[start[1] + 3:start[2] - 1]).abs().max()) > 0
 
 
-def test_fused_head_equals_an_fp32_reference_from_the_same_bf16_logits():
+@pytest.mark.parametrize("kernels", ["fused", "triton", "inductor"])
+def test_fused_head_equals_an_fp32_reference_from_the_same_bf16_logits(kernels):
+    """Today's eager head and the Triton / compiled kernels of learner/head_kernels.py, at 152k, in bf16."""
     torch.manual_seed(0)
     n, h, v, temp = 3000, 512, 151_936, 0.7
     hidden = (torch.randn(n, h, device="cuda") * 0.5).bfloat16().requires_grad_()
     weight = (torch.randn(v, h, device="cuda") * 0.05).bfloat16().requires_grad_()
     targets = torch.randint(0, v, (n,), device="cuda")
     g_lp, g_ent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
-    lp, ent = fused_logprobs_and_entropy(hidden, weight, None, targets, temperature=temp, chunk=1024)
+    lp, ent = fused_logprobs_and_entropy(hidden, weight, None, targets, temperature=temp, chunk=1024,
+                                         kernels=kernels)
     torch.autograd.backward([lp, ent], [g_lp, g_ent])
     grads = hidden.grad.float(), weight.grad.float()
     h32, w32 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
@@ -110,7 +113,8 @@ def test_fused_head_equals_an_fp32_reference_from_the_same_bf16_logits():
 
 
 @needs_varlen
-def test_no_device_sync_in_the_micro_batch_forward_loss_and_backward():
+@pytest.mark.parametrize("head", ["fused", "triton"])
+def test_no_device_sync_in_the_micro_batch_forward_loss_and_backward(head):
     """What the trainer runs per micro-batch, short of DeepSpeed's own backward: the varlen forward, the fused head,
     the objective, autograd's backward, and the step sums. A sync raises under sync debug mode "error"."""
     from common.config import load_config
@@ -126,7 +130,7 @@ def test_no_device_sync_in_the_micro_batch_forward_loss_and_backward():
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(2):
-            logp, ent = forward(model, mb, head="fused")
+            logp, ent = forward(model, mb, head=head)
             start = Surveyed.of(mb, logp.detach(), ent.detach(), version=0)
             t = Tokens.of(start, logp, ent, start.old, Choices())
             loss, met = objective(t, global_tokens=1000.0, global_seqs=4.0, par_lambda=1.0, generator=gen)

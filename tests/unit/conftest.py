@@ -1,8 +1,17 @@
-"""Fixtures several unit test modules take."""
+"""Fixtures several unit test modules take, and Triton's interpreter for the head kernels' tests."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
+
+# Triton reads TRITON_INTERPRET when it is first imported (its language functions are built then), so it is set
+# before any test can import it: without a GPU, learner/head_kernels.py's Triton kernels then run on CPU tensors
+# (tests/unit/test_head_kernels.py). A machine with nvidia-smi keeps the compiled kernels.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

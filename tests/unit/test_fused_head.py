@@ -16,7 +16,7 @@ import torch
 from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from learner import fused_head
+from learner import head_kernels
 from learner.fused_head import PROFILE_LABEL, fused_logprobs_and_entropy
 from learner.logprobs import install_token_forward, logprobs_and_entropy, resolve_head
 
@@ -62,8 +62,8 @@ def _leaves(*tensors, dtype=torch.float32):
 def test_values_and_gradients_equal_float64_reference(terms, monkeypatch):
     hidden, weight, bias, targets = _inputs()
     entropy_chunks = []
-    real = fused_head._entropy_grad_
-    monkeypatch.setattr(fused_head, "_entropy_grad_", lambda *a: entropy_chunks.append(1) or real(*a))
+    real = head_kernels._entropy_grad_
+    monkeypatch.setattr(head_kernels, "_entropy_grad_", lambda *a: entropy_chunks.append(1) or real(*a))
 
     h, w, b = _leaves(hidden, weight, bias)
     lp, ent = fused_logprobs_and_entropy(h, w, b, targets, temperature=T, chunk=CHUNK)
