@@ -146,23 +146,46 @@ def test_malformed_fatbin_is_refused_and_left_unchanged(so):
 
 # ---- the travel budget ------------------------------------------------------------------------------------------
 
+def pinnable(tracked: dict[str, int], count: int = 5) -> list[tuple[str, int]]:
+    """The largest tracked files hardware/ never reads, largest first: what to pin (common/pinned.py) when the tree
+    outgrows the spare. The rule: every file under assets/ but the GPU proof's model (assets/arith-base) and the
+    manifest of pinned files, and every study's archived runs (docs/**/runs.tar.xz)."""
+    def never_on_gpu(path: str) -> bool:
+        gpu_asset = path.startswith("assets/arith-base/") or path == "assets/pinned.json"
+        return path.startswith("assets/") and not gpu_asset or path.startswith("docs/") and path.endswith("/runs.tar.xz")
+
+    return sorted(((p, n) for p, n in tracked.items() if never_on_gpu(p)), key=lambda pn: (-pn[1], pn[0]))[:count]
+
+
+def test_pinnable_names_the_largest_files_the_gpu_proof_never_reads():
+    tracked = {"assets/arith-base/model.safetensors": 9000, "assets/chain-base/train.jsonl": 400,
+               "assets/grid-base/model.safetensors": 4000, "assets/pinned.json": 5000, "docs/study-x/runs.tar.xz": 700,
+               "docs/study-x/README.md": 800, "hardware/proof.py": 1000, "docs/study-y/pilots/a/runs.tar.xz": 300}
+    assert pinnable(tracked, 3) == [("assets/grid-base/model.safetensors", 4000), ("docs/study-x/runs.tar.xz", 700),
+                                    ("assets/chain-base/train.jsonl", 400)]
+
+
 def test_tracked_tree_and_kit_fit_the_travel_budget_with_the_spare():
     """Fails when the tracked tree (docs and study data included) grows into the SPARE_BYTES kept free under the
-    budget with the larger kit: compress what grew (a study's runs: docs/study.md "Archiving"), or shrink the kit
-    (hardware/kit.py) and rerun `make gpu-kit`; lower the spare only with a reason in hardware/kit.py."""
+    budget with the larger kit. The rule that keeps the spare: data only the CPU studies read is pinned (it stays in
+    git history and `make` restores it: common/pinned.py), so the message names the largest such files; or shrink
+    the kit (hardware/kit.py) and rerun `make gpu-kit`; lower the spare only with a reason in hardware/kit.py."""
     sizes = json.loads(gpu_kit.SIZES_FILE.read_text())
     assert set(sizes["travel_bytes"]) == set(gpu_kit.VARIANTS)
     if not (gpu_kit.REPO / ".git").exists():
         pytest.skip("not a git checkout: the tracked tree cannot be measured")
-    tree = gpu_kit.tracked_tree_bytes()
+    files = gpu_kit.tracked_file_bytes()
+    tree = sum(files.values())  # gpu_kit.tracked_tree_bytes()
     rows = gpu_kit.budget_rows(tree, sizes["travel_bytes"])
     mib = 2**20
     short = [f"{name}: {left / mib:.2f} MiB left" for name, _, left in rows if left < gpu_kit.SPARE_BYTES]
+    movable = ", ".join(f"{p} ({n / 1e6:.2f} MB)" for p, n in pinnable(files))
     assert not short, (
         f"tracked tree {tree:,} B ({tree / mib:.2f} MiB) + the GPU kit leave less than the "
         f"{gpu_kit.SPARE_BYTES / mib:.0f} MiB spare under the {gpu_kit.BUDGET_BYTES / mib:.0f} MiB travel budget "
-        f"({'; '.join(short)}): compress or move out what grew in the tracked tree (`git ls-files -z | xargs -0 du -b "
-        f"| sort -n | tail`), or shrink the kit in hardware/kit.py and rerun `make gpu-kit`")
+        f"({'; '.join(short)}). Pin what hardware/ never reads, largest first: {movable or 'none left'}, with "
+        f"`python -m common.pinned pin PATH --rebuild COMMAND` (common/pinned.py: it stays in git history and make "
+        f"restores it), then commit; or shrink the kit in hardware/kit.py and rerun `make gpu-kit`")
 
 
 def test_budget_arithmetic_catches_an_oversize_tree_and_a_thin_spare(tmp_path, capsys):
