@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from learner import head_kernels
 from learner.fused_head import PROFILE_LABEL, fused_logprobs_and_entropy
 from learner.logprobs import install_token_forward, logprobs_and_entropy, resolve_head
+from tests.helpers.heads import _close, _leaves, _loss
 
 V, N, H = 151_936, 48, 16  # Qwen2.5's vocabulary; few tokens and a narrow hidden so the file stays fast
 T = 0.7
@@ -40,22 +41,6 @@ def _reference(hidden, weight, bias, targets):
     z = (z if bias is None else z + bias) / T
     logp_all = torch.log_softmax(z, dim=-1)
     return logp_all.gather(-1, targets[:, None])[:, 0], -(logp_all.exp() * logp_all).sum(-1)
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """fp32 result vs float64 reference: rtol 1e-5, atol 1e-5 of the tensor's scale (module docstring)."""
-    scale = expected.abs().max().item() if expected.numel() else 1.0
-    assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5 * scale)
-
-
-def _loss(lp, ent, terms: str):
-    """The three ways a loss can use the outputs; the per-token weights make every token's gradient differ."""
-    w = torch.linspace(-1.0, 2.0, lp.shape[0], dtype=lp.dtype)
-    return {"logp+entropy": (w * lp).sum() + 0.3 * ent.sum(), "logp": (w * lp).sum(), "entropy": 0.3 * ent.sum()}[terms]
-
-
-def _leaves(*tensors, dtype=torch.float32):
-    return [None if t is None else t.detach().to(dtype, copy=True).requires_grad_() for t in tensors]
 
 
 @pytest.mark.parametrize("terms", ["logp+entropy", "logp", "entropy"])

@@ -15,7 +15,7 @@ from torch.testing import assert_close
 from learner import head_kernels
 from learner.fused_head import fused_logprobs_and_entropy
 from learner.logprobs import resolve_head
-from tests.unit.test_fused_head import _close, _leaves, _loss
+from tests.helpers.heads import _close, _leaves, _loss
 
 pytest.importorskip("triton")
 
