@@ -161,7 +161,7 @@ GPU_PY ?= python3
 GPU_KIT_ARGS ?=
 GPU_PROOF_ARGS ?=
 
-.PHONY: gpu-kit gpu-wheels gpu-proof
+.PHONY: gpu-kit gpu-wheels gpu-proof gpu-first-lease
 
 gpu-kit:
 	$(KIT_PY) -m hardware.kit build --out .kit $(GPU_KIT_ARGS)
@@ -186,6 +186,19 @@ gpu-proof:
 	PYTHONPATH=/tmp/site$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PY) -m hardware.proof \
 		--out $${OUT:-runs/gpu-proof} --work $${GPU_PROOF_WORK:-/tmp/covrl-gpu-proof} \
 		--deadline-s $(GPU_PROOF_DEADLINE_S) $(GPU_PROOF_ARGS)
+
+# The first GPU lease's command (docs/gpu.md, Pending item 1): the learner stage's FIRST_LEASE_PLAN, then the GPU
+# tests in what time is left, everything within 480 s of this target's start (hardware/proof.py --first-lease), the
+# kit's unpack included and timed: only its site tree (no vLLM runs here), so the device command carries
+# .kit/common/site312.tar.xz and .kit/manifest.json. GPU_PROOF_ARGS="--rehearse-cpu" rehearses it on a CPU.
+gpu-first-lease:
+	@t0=$$(date +%s.%N); out=$${OUT:-runs/gpu-proof}; mkdir -p $$out; kitlog=; \
+	if [ -d .kit ]; then kitlog=$$out/kit_unpack.log; \
+		$(GPU_PY) -m hardware.kit unpack --no-vllm --kit .kit --target /tmp/site > $$kitlog 2>&1; rc=$$?; \
+		cat $$kitlog; [ $$rc -eq 0 ] || exit 1; fi; \
+	PYTHONPATH=/tmp/site$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PY) -m hardware.proof --first-lease \
+		--command-start-unix $$t0 --out $$out --work $${GPU_PROOF_WORK:-/tmp/covrl-gpu-proof} \
+		$${kitlog:+--kit-log $$kitlog} $(GPU_PROOF_ARGS)
 
 # The proof's CPU rehearsal, here: every stage at toy scale, with vLLM 0.26.0's Python taken from the kit's own tree
 # (.kit/common/vllm-py.tar.xz, so vllm-kit proves that tree imports; the kit's site tree is for CPython 3.12 and

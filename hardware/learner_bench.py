@@ -1,20 +1,33 @@
-"""The worker of hardware/proof.py's `learner` stage: today's learner path and the new one, side by side, on one
-random-init model shape, in one child process (`python -m hardware.learner_bench SPEC_JSON`, from the repo root).
+"""The worker of hardware/proof.py's `learner` stage: today's learner path and the new one, side by side, on
+random-init model shapes, in one child process (`python -m hardware.learner_bench SPEC_JSON`, from the repo root).
 
-It builds the shape's model once (offline, saved to SPEC's `model` directory, reused by a restarted worker), then
-for each variant (a list of learner config overrides: attention, logprob head, compile_layers, gradient
-checkpointing) builds a real `learner.trainer.Trainer` on one rank (ZeRO-1; bf16 on a GPU, fp32 on the CPU
-rehearsal) and trains the same synthetic batch at each packing budget: warm-up steps, timed steps, then one step
-under torch.profiler (at the last budget). Every variant starts from the same saved weights, so its first step
-can be compared with the baseline's (`first_step`, and the body's hidden states of the first micro-batch,
-`hidden_rel_diff`).
+SPEC's `plan` is the list of (shape, variant) items in the order to run them (the first lease's interleaves the
+shapes: proof.py FIRST_LEASE_PLAN). Each shape's model is built on its first item (offline, saved to the shape's
+`model` directory, reused by a restarted worker); each variant (learner config overrides: attention, logprob head,
+compile_layers, gradient checkpointing) builds a real `learner.trainer.Trainer` on one rank (ZeRO-1; bf16 on a GPU,
+fp32 on the CPU rehearsal) and trains the same synthetic batch at each packing budget: warm-up steps, timed steps,
+then one step under torch.profiler (at the last budget). Every variant of a shape starts from the same saved
+weights, so its first step can be compared with the shape's baseline (`first_step`, and the body's hidden states of
+the first micro-batch, `hidden_rel_diff`).
 
-One process per shape, not per variant: a process start (imports, CUDA context) costs ~15 s of a lease, and a
-freed trainer leaves nothing behind that changes the next one's speed (what stays allocated is reported,
-`allocated_at_start_gib`). The exception is torch.compile's caches: they are reset after a compile_layers variant,
-which the default order runs last. The worker prints a result line when each variant starts and ends (a deadline
-or a crash keeps what was measured); a variant that fails (a switch this checkout rejects, an OOM) records its error
-and the next one runs; a broken CUDA context ends the worker (exit 3) and the stage starts another for the rest.
+Time: an item starts only if its estimate (`estimate_s`: the variant, the model build and compiles it pays first,
+scaled by how far the items so far overran their estimates) fits before SPEC's `deadline_unix`; one that does not
+is recorded as not run and the next, perhaps cheaper, is considered. The stage kills the worker at its own hard
+limit, so a wrong estimate costs the item under way, never the command's deadline.
+
+What ran is read from the live objects, not from log lines (`live_settings`): the attention calls that took torch's
+varlen kernels or the per-sample sdpa fallback (learner/attention.py CALLS), the head's kernels, the optimizer's
+`fused` flag, the parameters' dtype.
+
+One process for the plan, not per variant: a process start (imports, CUDA context) costs ~15 s of a lease, and a
+freed trainer leaves nothing behind that changes the next one's speed: what stays allocated is measured after each
+variant is freed (`allocated_after_free_gib`) and at the next one's start (`allocated_at_start_gib`); past
+LEAK_LIMIT_GIB the worker exits (LEAKED_EXIT) and the stage starts a new one for the rest, so a leak cannot turn the
+later 7B-stack variants into a row of OOMs. torch.compile's caches are reset after a compile_layers or inductor
+variant. The worker prints a result line when each variant starts and ends (a deadline or a crash keeps what was
+measured); a variant that runs out of memory is recorded as `out_of_memory` (the budgets before it keep their
+figures) and one that fails otherwise (a switch this checkout rejects) as `error`, and the next one runs; a broken
+CUDA context ends the worker (exit 3) and the stage starts another for the rest.
 
 Time split of the profiled step (`time_split`): device kernel time on a GPU (CPU self time on the CPU) under the
 learner's `covrl/attention`, `covrl/head` and `covrl/optimizer` record_function ranges (and torch's
@@ -42,7 +55,22 @@ ATTENTION_OPS = ("aten::scaled_dot_product_attention",)
 BACKWARD_FUNCTION = 1  # torch's RecordScope of an autograd node's backward (e.g. "TanhBackward0")
 EVALUATE = "autograd::engine::evaluate_function: "  # the engine's range around it, with the same numbers
 CONTEXT_BROKEN_EXIT = 3  # the CUDA context is unusable after an error: the stage restarts a worker for the rest
+LEAKED_EXIT = 5  # a freed variant left more than LEAK_LIMIT_GIB allocated: the stage restarts a worker for the rest
+LEAK_LIMIT_GIB = 1.0
 GROUP = 8  # samples per prompt group of the synthetic batch
+OOM = "out_of_memory"  # a variant's status when it ran out of memory (a finding: the stage goes on)
+
+# Seconds on one H100, estimated (never measured on a GPU yet: the first lease measures them, `seconds` and
+# `model_build_s` in its record) from the H200 throughput stage's record (0.5B at 8192 tokens: 0.96 s a step) and
+# the H100's cluster stages, with a margin: the worker's start (imports, CUDA context, the process group); each
+# shape's random model built and saved once; one variant (trainer build, 1 warm-up + 2 timed steps per budget, one
+# profiled step and its parse); what a variant pays the first time its shape runs a kernel it compiles (Triton's
+# two head kernels, inductor's head graphs, torch.compile of the decoder layers); gradient checkpointing's recompute.
+WORKER_START_S = 20.0
+MODEL_BUILD_S = {"0.5b": 15.0, "7b-4l": 35.0}
+VARIANT_S = {"0.5b": 20.0, "7b-4l": 50.0}
+FIRST_USE_S = {"triton": 10.0, "inductor": 45.0, "compile": 60.0}
+GC_FACTOR = 1.3
 
 
 def run(spec: dict) -> int:
@@ -54,33 +82,68 @@ def run(spec: dict) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s learner-bench %(levelname)s %(name)s: %(message)s")
     cuda = spec["device"] == "cuda"
-    emit({"event": "model", **ensure_model(spec)})
     thread_setup(load_config(None, []))
     torch.manual_seed(0)
     init_distributed()
-    durations: list[float] = []
-    for v in spec["variants"]:
-        if (why := over_budget(spec, v, durations)) is not None:
-            emit({"event": "not_run", "variant": v["name"], "reason": why})
+    built: set[str] = set()
+    paid: set[tuple[str, str]] = set()  # (shape, what it compiled) already paid for in this process
+    overrun = [1.0]  # each item's seconds over its estimate: the next estimates are scaled by the largest
+    for item in spec["plan"]:
+        shape, v = item["shape"], item
+        sspec = {**spec, **spec["shapes"][shape]}
+        need = estimate_s(shape, v["overrides"], shape not in built, paid) * max(overrun)
+        if (why := over_budget(spec, need)) is not None:
+            emit({"event": "not_run", "shape": shape, "variant": v["name"], "reason": why, "estimate_s": round(need)})
             continue
-        emit({"event": "start", "variant": v["name"]})
+        if shape not in built:
+            emit({"event": "model", "shape": shape, **ensure_model(sspec)})
+            built.add(shape)
+        emit({"event": "start", "shape": shape, "variant": v["name"], "estimate_s": round(need)})
         t0 = time.perf_counter()
         try:
-            out = run_variant(spec, v, cuda)
+            out = run_variant(sspec, v, cuda)
+        except torch.OutOfMemoryError as e:  # building the trainer, before any budget: a finding, the next one runs
+            out = {"status": OOM, "error": f"OutOfMemoryError: {e}"[:600], "overrides": v["overrides"]}
         except Exception as e:  # recorded, and the next variant runs: this checkout may reject a switch
             import traceback
 
             traceback.print_exc()
             out = {"status": "error", "error": f"{type(e).__name__}: {e}"[:600]}
         out["seconds"] = round(time.perf_counter() - t0, 1)
-        durations.append(out["seconds"])
-        free(cuda, compiled=bool(v["overrides"].get("learner.compile_layers")))
-        emit({"event": "variant", "variant": v["name"], **out})
+        out["estimate_s"] = round(need, 1)
+        overrun.append(out["seconds"] / need if need else 1.0)
+        paid.update(first_uses(shape, v["overrides"]))
+        out.update(free(cuda, compiled=bool(v["overrides"].get("learner.compile_layers"))
+                        or v["overrides"].get("learner.logprob_head") == "inductor"))
+        emit({"event": "variant", "shape": shape, "variant": v["name"], **out})
         if out["status"] == "error" and cuda and not context_alive():
             print("learner-bench: the CUDA context is broken after this error; the stage starts a new worker for the "
                   "remaining variants", flush=True)
             return CONTEXT_BROKEN_EXIT
+        if (out.get("allocated_after_free_gib") or 0.0) > LEAK_LIMIT_GIB:
+            print(f"learner-bench: {out['allocated_after_free_gib']:.2f} GiB still allocated after freeing "
+                  f"{v['name']} (limit {LEAK_LIMIT_GIB} GiB); the stage starts a new worker for the rest", flush=True)
+            return LEAKED_EXIT
     return 0
+
+
+def first_uses(shape: str, over: dict) -> set[tuple[str, str]]:
+    """What a variant compiles that a later variant of its shape in the same process would not pay for again."""
+    head = over.get("learner.logprob_head")
+    return ({(shape, head)} if head in ("triton", "inductor") else set()) | (
+        {(shape, "compile")} if over.get("learner.compile_layers") else set())
+
+
+def estimate_s(shape: str, over: dict, build_model: bool, paid: set) -> float:
+    """An item's seconds by the estimates above (unknown shapes as the larger): the variant, gradient
+    checkpointing's recompute, the compiles it pays first, and its shape's model if not built yet."""
+    need = VARIANT_S.get(shape, max(VARIANT_S.values()))
+    if over.get("learner.gradient_checkpointing"):
+        need *= GC_FACTOR
+    need += sum(FIRST_USE_S[what] for s, what in first_uses(shape, over) - paid)
+    if build_model:
+        need += MODEL_BUILD_S.get(shape, max(MODEL_BUILD_S.values()))
+    return need
 
 
 def ensure_model(spec: dict) -> dict:
@@ -104,19 +167,15 @@ def ensure_model(spec: dict) -> dict:
     return {**built, "built_now": True}
 
 
-def over_budget(spec: dict, v: dict, durations: list[float]) -> str | None:
-    """Why this variant is not started (it would end past the shape's deadline, judged by the longest variant so
-    far, twice that and a minute more for a compile_layers one, whose first steps compile), or None."""
+def over_budget(spec: dict, need: float) -> str | None:
+    """Why an item needing `need` seconds is not started (it would end past SPEC's deadline_unix), or None."""
     deadline = spec.get("deadline_unix")
-    if deadline is None or not durations:
+    if deadline is None:
         return None
-    need = max(durations)
-    if v["overrides"].get("learner.compile_layers"):
-        need = 2 * need + 60
     left = deadline - time.time()
     if left >= need:
         return None
-    return (f"the stage's time for this shape was spent ({left:.0f}s left, this variant needs about {need:.0f}s): "
+    return (f"the stage's time was spent ({left:.0f}s left, this variant needs about {need:.0f}s by its estimate): "
             f"run it with --learner-variants or a larger --learner-budget-s")
 
 
@@ -130,7 +189,10 @@ def run_variant(spec: dict, v: dict, cuda: bool) -> dict:
     from learner.batch import batch_from_config
     from learner.trainer import Trainer
 
+    from learner import attention
+
     at_start = torch.cuda.memory_allocated() / 2**30 if cuda else None
+    calls_before = dict(attention.CALLS)
     cfg = load_config(None, [
         f"model.path={json.dumps(spec['model'])}", f"model.dtype={json.dumps(spec['dtype'])}", "learner.zero_stage=1",
         "learner.log_entropy_delta=false", f"rollout.max_new_tokens={spec['response_tokens']}",
@@ -159,8 +221,10 @@ def run_variant(spec: dict, v: dict, cuda: bool) -> dict:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             try:
+                if v.get("inject") == "oom" and spec["device"] == "cpu":  # the rehearsal's test of this path
+                    raise torch.OutOfMemoryError(f"injected by the CPU rehearsal (--learner-inject-oom) at {budget}")
                 steps = _timed_steps(trainer, batch, spec, budget, cuda, label=f"{v['name']}, ")
-            except torch.cuda.OutOfMemoryError as e:  # a finding, not a failure: the smaller budgets stand
+            except torch.OutOfMemoryError as e:  # a finding, not a failure: the smaller budgets stand
                 budgets.append({"micro_batch_tokens": budget, "error": f"OutOfMemoryError: {e}"[:300], **memory(cuda)})
                 print(f"{v['name']}, micro_batch_tokens {budget}: out of memory; this variant stops here", flush=True)
                 break  # the engine's state after a failed backward is not worth timing
@@ -174,7 +238,9 @@ def run_variant(spec: dict, v: dict, cuda: bool) -> dict:
             budgets.append(setting)
         timed = [b for b in budgets if "error" not in b]
         out = {
-            "status": "measured" if timed else "error", "overrides": v["overrides"], "learner_line": lines.last(),
+            "status": "measured" if timed else OOM if budgets and "OutOfMemoryError" in budgets[-1]["error"]
+            else "error", "overrides": v["overrides"], "learner_line": lines.last(),
+            "live": live_settings(trainer, calls_before),
             "attn_implementation": mc._attn_implementation,
             "gradient_checkpointing": bool(getattr(module, "is_gradient_checkpointing", False)),
             "n_params": n_params, "n_flop_params": n_flop, "build_s": round(build_s, 1),
@@ -187,6 +253,28 @@ def run_variant(spec: dict, v: dict, cuda: bool) -> dict:
         if trainer is not None:
             trainer.engine.destroy()  # its optimizer and buffers go now; the rest with this frame
     return out
+
+
+def live_settings(trainer, calls_before: dict) -> dict:
+    """What the variant ran, read from the live objects: the attention calls of this variant by path (torch's varlen
+    kernels or the per-sample sdpa fallback; none for transformers' own sdpa), the head's kernels, the optimizer's
+    `fused` flag (torch's AdamW under DeepSpeed's wrappers), the parameters' dtype, gradient checkpointing."""
+    import torch
+
+    from learner import attention
+
+    module = trainer.module
+    opt = trainer.engine.optimizer
+    for _ in range(4):  # DeepSpeed's ZeRO optimizer wraps torch's; its bf16 wrapper may wrap that
+        if isinstance(opt, torch.optim.Optimizer) or not hasattr(opt, "optimizer"):
+            break
+        opt = opt.optimizer
+    head = module.lm_head.__dict__.get("covrl_head_kernels", "chunked")
+    return {"attention_calls": {k: attention.CALLS[k] - calls_before.get(k, 0) for k in attention.CALLS},
+            "head": head, "optimizer": type(opt).__name__,
+            "fused_adamw": bool(getattr(opt, "defaults", {}).get("fused")),
+            "param_dtype": str(next(module.parameters()).dtype).replace("torch.", ""),
+            "gradient_checkpointing": bool(getattr(module, "is_gradient_checkpointing", False))}
 
 
 class LearnerLines(logging.Handler):
@@ -345,14 +433,18 @@ def labeller(cpu: list):
     return label
 
 
-def free(cuda: bool, compiled: bool) -> None:
+def free(cuda: bool, compiled: bool) -> dict:
+    """Drop what the variant left (its trainer went with its frame), reset torch.compile's caches after a variant
+    that compiled; on a GPU, what is still allocated then (`allocated_after_free_gib`)."""
     import torch
 
     gc.collect()
     if compiled:
-        torch._dynamo.reset()  # the compiled layers' caches: nothing of them reaches the next variant
-    if cuda:
-        torch.cuda.empty_cache()
+        torch._dynamo.reset()  # the compiled layers' or head's caches: nothing of them reaches the next variant
+    if not cuda:
+        return {}
+    torch.cuda.empty_cache()
+    return {"allocated_after_free_gib": round(torch.cuda.memory_allocated() / 2**30, 3)}
 
 
 def context_alive() -> bool:

@@ -2,11 +2,14 @@
 runs, checksums on both sides, checkpoint and resume, the throughput workers, the JSON it records) rehearsed on
 the CPU at toy scale, so a GPU lease is never spent finding a bug in the script."""
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from hardware.proof import FIRST_LEASE_PLAN, FIRST_LEASE_TESTS_S
 
 from tests.helpers.gpu_rehearsal import rehearse
 from tests.helpers.paths import REPO
@@ -15,9 +18,11 @@ pytestmark = pytest.mark.slow
 
 
 # The learner stage rides in the same rehearsal (one preflight for both): the untied stand-in of 7b-4l at one budget,
-# the baseline, one variant that runs on a CPU and two that must be skipped there. About 20 s of the run.
+# the baseline, one variant that runs on a CPU, three that must be skipped there, and one that runs out of memory
+# (injected) before another that must still be measured. About 20 s of the run.
 LEARNER_ARGS = ("--learner-shapes", "7b-4l:320", "--learner-variants",
-                "sdpa-chunked,varlen-fused,sdpa-fused,sdpa-chunked-compile", "--learner-steps", "1,1")
+                "sdpa-chunked,varlen-fused,eager-chunked,sdpa-fused,sdpa-chunked-compile,varlen-triton",
+                "--learner-steps", "1,1", "--learner-inject-oom", "eager-chunked")
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +70,19 @@ def test_the_learner_stage_measures_each_variant_against_the_baseline_and_says_w
     # Skipped on the CPU, with the reason, never as measured.
     assert v["varlen-fused"]["status"] == "skipped" and "need CUDA" in v["varlen-fused"]["reason"]
     assert v["sdpa-chunked-compile"]["status"] == "skipped" and "compile_layers" in v["sdpa-chunked-compile"]["reason"]
+    assert v["varlen-triton"]["status"] == "skipped" and "need CUDA" in v["varlen-triton"]["reason"]
+    # Out of memory at its first budget: recorded as such, not a failed check, and the next variant still ran.
+    oom = v["eager-chunked"]
+    assert oom["status"] == "out_of_memory" and "OutOfMemoryError" in oom["error"], oom
+    assert not any("eager-chunked" in name for name, ok in stage["checks"].items() if not ok)
     for name in ("sdpa-chunked", "sdpa-fused"):
         rec = v[name]
         assert rec["status"] == "measured" and rec["all_steps_applied"], rec
+        # What ran, from the live objects: transformers' sdpa (never covrl's varlen), the head asked, torch's
+        # AdamW unfused on the CPU, fp32 parameters.
+        assert rec["live"] == {"attention_calls": {"kernels": 0, "per_sample_sdpa": 0}, "head": name.split("-")[1],
+                               "optimizer": "AdamW", "fused_adamw": False, "param_dtype": "float32",
+                               "gradient_checkpointing": False}, rec["live"]
         (b,) = rec["budgets"]  # one budget: 8 samples of 64 tokens in rows of <= 320, so two micro-batches
         assert b["micro_batch_tokens"] == 320 and b["micro_batches"] == 2 and b["tokens_per_step"] == 512
         assert b["tokens_per_s"] > 0 and b["mfu"] is None  # no peak FLOP/s on a CPU
@@ -131,3 +146,27 @@ def test_the_profile_split_counts_a_backward_where_its_forward_ran():
     assert split["attention_s"] > 0 and split["optimizer_s"] > 0 and split["body_s"] > 0
     parts = split["attention_s"] + split["head_s"] + split["optimizer_s"] + split["body_s"]
     assert abs(parts - split["total_s"]) <= 1e-3
+
+
+def test_the_first_lease_command_runs_its_plan_then_the_tests_within_its_budget(tmp_path):
+    """`make gpu-first-lease`, rehearsed: the Makefile's clock, the learner stage's plan in FIRST_LEASE_PLAN's
+    order (the 7b-4l stand-in only, for time), the items a CPU cannot run skipped, then the GPU tests (all skipped
+    here); the command's budget, its start and its preflight recorded."""
+    out = tmp_path / "out"
+    run = subprocess.run(["make", "-s", "gpu-first-lease", f"GPU_PY={sys.executable}",
+                          "GPU_PROOF_ARGS=--rehearse-cpu --learner-shapes 7b-4l:320 --learner-steps 1,1"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OUT": str(out), "GPU_PROOF_WORK": str(tmp_path / "work")})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    doc = json.loads((out / "gpu_proof.json").read_text())
+    assert list(doc["stages"]) == ["learner", "tests"] and all(st["passed"] for st in doc["stages"].values())
+    head = doc["first_lease"]
+    assert head["budget_s"] == 480 and 0 <= head["before_proof_s"] < 30 and head["preflight_s"] > 0
+    assert head["schedule_estimate"]["started"][0]["item"] == "0.5b sdpa-chunked"
+    fig = doc["stages"]["learner"]["figures"]
+    assert fig["plan"] == [f"7b-4l {v}" for s, v in FIRST_LEASE_PLAN if s == "7b-4l"]
+    assert fig["budget_s"] <= 480 - FIRST_LEASE_TESTS_S
+    v = fig["shapes"]["7b-4l"]["variants"]
+    assert v["sdpa-chunked"]["status"] == v["sdpa-fused"]["status"] == "measured"
+    assert v["varlen-triton"]["status"] == "skipped"
+    assert doc["total_seconds"] < 480
