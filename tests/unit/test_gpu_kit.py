@@ -225,6 +225,22 @@ def test_unpack_extracts_common_and_the_one_bin_variant(tmp_path):
     assert "bin-ptx (fallback)" in lines[0]
 
 
+def test_unpack_without_vllm_extracts_the_site_tree_alone(tmp_path, capsys):
+    """`make gpu-first-lease` runs no vLLM: --no-vllm extracts common/site312 only, needs no bin variant (the command
+    carries neither), and says in one line when the site tree was not carried."""
+    kit = tiny_kit(tmp_path / "kit", bins=())
+    gpu_kit.write_tar_xz(kit / gpu_kit.SITE_ARCHIVE, [gpu_kit.Member("deepspeed/__init__.py", b"V = 1\n")], preset=1)
+    lines = gpu_kit.unpack(kit, tmp_path / "site", no_vllm=True)
+    assert (tmp_path / "site" / "deepspeed" / "__init__.py").read_bytes() == b"V = 1\n"
+    assert not (tmp_path / "site" / "pkg").exists()  # vLLM's Python tree stays packed
+    assert "binaries: none (no-vllm)" in lines[0]
+    assert json.loads((tmp_path / "site" / "_covrl_kit.json").read_text())["variant"] == "no-vllm"
+    (kit / gpu_kit.SITE_ARCHIVE).unlink()
+    assert gpu_kit.main(["unpack", "--no-vllm", "--kit", str(kit), "--target", str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "site312.tar.xz is missing" in err
+
+
 @pytest.mark.parametrize("bins", [("bin-sm90", "bin-ptx"), ()])
 def test_unpack_refuses_both_or_neither_variant_in_one_line(tmp_path, capsys, bins):
     kit = tiny_kit(tmp_path / "kit", bins=bins)
