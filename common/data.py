@@ -200,8 +200,10 @@ def check_model_files(path: str, what: str = "model.path") -> None:
         raise ConfigError(f"{path}/config.json names no model_type; restore it from the model's source")
     names = os.listdir(path)
     if not any(n.endswith(".safetensors") or (n.startswith("pytorch_model") and n.endswith(".bin")) for n in names):
+        from common.pinned import missing_hint
+
         raise ConfigError(f"{what} {path!r} has no weights (*.safetensors or pytorch_model*.bin); copy the whole model "
-                          f"directory, or save it with model.save_pretrained")
+                          f"directory, or save it with model.save_pretrained{missing_hint(path)}")
     if not any(n in names for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")):
         raise ConfigError(f"{what} {path!r} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json); save it "
                           f"there with tokenizer.save_pretrained")

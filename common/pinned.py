@@ -88,6 +88,20 @@ def save(repo: Path, entries: dict[str, Entry]) -> None:
     os.replace(tmp, path)
 
 
+def missing_hint(folder: str, repo: Path = REPO) -> str:
+    """For an error about a model or data folder that lacks a file: how to get the pinned files of `folder` back, or
+    "" when none of them is pinned there (or the manifest cannot be read: the error it belongs to says enough)."""
+    try:
+        entries = load(repo)
+        inside = [rel for rel in entries if Path(os.path.abspath(repo / rel)).is_relative_to(os.path.abspath(folder))]
+    except (PinError, OSError, ValueError):
+        return ""
+    if not inside:
+        return ""
+    return (f"; {', '.join(inside)} is pinned ({MANIFEST}): `python -m common.pinned restore` writes it back from git "
+            f"history (make test and make demo do), or `{entries[inside[0]].rebuild}` rebuilds it")
+
+
 def sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()

@@ -171,3 +171,12 @@ def test_a_new_version_is_pinned_again_once_committed(repo):
     path.unlink()
     pinned.restore(repo)
     assert path.read_bytes() == b"version 2"
+
+
+def test_a_model_folder_missing_its_pinned_weights_says_how_to_get_them(repo):
+    """The error a run gives for a model folder without weights (common/data.py) names the restore when the weights
+    are pinned, and adds nothing for a folder with nothing pinned in it."""
+    hint = pinned.missing_hint(str(repo / "assets" / "toy"), repo)
+    assert "assets/toy/model.bin is pinned" in hint and "python -m common.pinned restore" in hint and REBUILD in hint
+    assert pinned.missing_hint(str(repo / "elsewhere"), repo) == ""
+    assert pinned.missing_hint(str(repo / "assets" / "toy"), repo / "no-such-repo") == ""
