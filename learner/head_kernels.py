@@ -41,7 +41,9 @@ NUM_WARPS = 8
 
 def eager_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
     """In place on fp32 z (a copy of bf16 logits; fp32 logits themselves): two fp32 [c, V] buffers at the peak."""
-    z = logits.float().div_(temperature)
+    z = logits.float()
+    if temperature != 1.0:  # no [c, V] pass for nothing
+        z.div_(temperature)
     top = z.amax(-1, keepdim=True)
     z.sub_(top)  # z - max: exp cannot overflow
     e = torch.exp(z)
@@ -61,7 +63,8 @@ def _entropy_grad_(logp: torch.Tensor, p: torch.Tensor, entropy: torch.Tensor, g
 
 def eager_grad(logits, lse, targets, entropy, g_lp, g_ent, temperature: float) -> torch.Tensor:
     """dz formed in z's fp32 buffer, then rounded to the model dtype (as autograd's .float() would give back)."""
-    dz = logits.float().div_(temperature).sub_(lse[:, None])  # [c, V] log p
+    dz = logits.float()
+    dz = (dz.div_(temperature) if temperature != 1.0 else dz).sub_(lse[:, None])  # [c, V] log p
     if g_ent is None:
         dz.exp_().mul_(-g_lp[:, None])  # -g_lp * p
     else:

@@ -136,6 +136,13 @@ def test_profiler_attributes_forward_and_backward_to_the_head():
         lp, ent = fused_logprobs_and_entropy(h, w, None, torch.zeros(10, dtype=torch.long), chunk=4)
         (lp.sum() + ent.sum()).backward()
     assert sum(e.name == PROFILE_LABEL for e in prof.events()) == 2  # one forward, one backward
+    # The chunked head's forward runs under the same range (its backward is attributed through autograd's sequence
+    # numbers by the learner stage's time split), so the baseline's head time is not counted as the body's.
+    head = torch.nn.Linear(8, 300, bias=False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        logprobs_and_entropy(head, h, torch.zeros(10, dtype=torch.long), chunk=4)
+    ranges = [e for e in prof.events() if e.name == PROFILE_LABEL]
+    assert len(ranges) == 1 and any(e.name == "aten::linear" and e.cpu_parent is not None for e in prof.events())
 
 
 def _tiny_qwen2():
