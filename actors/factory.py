@@ -14,6 +14,7 @@ import torch
 
 from actors.continuous import StreamingTorchEngine
 from actors.engine import stop_token_ids
+from common.config import dtype_on
 from common.runfiles import apply_memory_fraction
 
 log = logging.getLogger("covrl.engine")
@@ -56,10 +57,11 @@ def load_engine(cfg, model_path: str):
                  "covrl drains before each update" if engine.drain else "per-token version labels", st.transport)
         return engine, tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
     # This process's GPU when the launcher gave it one (CUDA_VISIBLE_DEVICES per generator; "" hides them all),
-    # else the CPU, in model.dtype on either (bf16 on the CPU too).
+    # else the CPU, in model.dtype on either (bf16 on the CPU too): the run's, as the launcher resolved it for the
+    # learner ranks, so both sides run one dtype; "auto" only outside a run (covrl evaluate), resolved for `device`.
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_on(cfg.model.dtype, device)]
     fraction = apply_memory_fraction(device)  # before the model takes any GPU memory
     log.info("generator engine: torch on %s, %s%s", device, str(dtype).removeprefix("torch."),
              f", allocator capped at {fraction:g} of the GPU" if fraction else "")

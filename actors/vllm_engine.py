@@ -256,7 +256,8 @@ class VllmSettings:
     weight_update: str = _GEN.weight_update  # "finish" | "keep": see the module docstring
     transport: str = _GEN.weight_transport  # "rpc" | "nccl" | "ipc"
     tensor_parallel_size: int = 0  # 0: every visible CUDA device (the launcher's --tp)
-    # vLLM's attention kernels are for 16-bit dtypes: an fp32 model (model.dtype's default) is served in bf16.
+    # vLLM's attention kernels are for 16-bit dtypes: an fp32 model (model.dtype = "float32", what "auto" is on the
+    # CPU and older GPUs) is served in bf16.
     dtype: str = "bfloat16"
     gpu_memory_utilization: float = _GEN.gpu_memory_utilization
     max_num_seqs: int = _GEN.max_num_seqs
@@ -460,10 +461,11 @@ class VllmEngine(Engine):
     def from_config(cls, cfg, model_path: str, *, stop_ids: Sequence[int]) -> "VllmEngine":
         """Settings from the run config: `cfg.generator` and `cfg.model.dtype`."""
         gen = cfg.generator
-        # An fp32 checkpoint is served in bf16 (vLLM's attention kernels are for 16-bit dtypes); the learner keeps
-        # fp32 master weights and the NCCL/RPC paths cast each bucket to the generator's dtype.
+        # An fp32 checkpoint is served in bf16 (vLLM's attention kernels are for 16-bit dtypes), and so is "auto"
+        # (float32 or bfloat16 once resolved; a run's config.toml has it resolved); the learner keeps fp32 master
+        # weights and the NCCL/RPC paths cast each bucket to the generator's dtype.
         settings = VllmSettings(weight_update=gen.weight_update, transport=gen.weight_transport,
-                                dtype="bfloat16" if cfg.model.dtype == "float32" else cfg.model.dtype,
+                                dtype="bfloat16" if cfg.model.dtype in ("auto", "float32") else cfg.model.dtype,
                                 gpu_memory_utilization=gen.gpu_memory_utilization, max_num_seqs=gen.max_num_seqs,
                                 enforce_eager=gen.enforce_eager, seed=cfg.run.seed, seed_requests=gen.seed_requests,
                                 timeout_s=gen.engine_timeout_s)

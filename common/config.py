@@ -54,7 +54,12 @@ class ModelConfig(_Section):
     # A local Hugging Face model directory, or a Hub id `org/name[@revision]` (the launcher resolves it once, through
     # the Hub cache, and the run's config.toml holds the local snapshot). Empty: the built-in `arith` base model.
     path: str = ""
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    # The learner ranks' dtype (bfloat16: DeepSpeed's bf16 mixed precision; float32) and the torch generator's (vLLM
+    # serves 16-bit: float32 is served in bfloat16). "auto": bfloat16 where the learner ranks run on CUDA GPUs of
+    # compute capability 8.0 or more (A100, H100, ...), float32 on the CPU and older GPUs (`resolve_dtype`). `covrl
+    # run` resolves it once, before any role starts, and RUN_DIR/config.toml holds the result: every role reads one
+    # dtype, and a resume reads it again.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
 
 class DataConfig(_Section):
@@ -249,9 +254,11 @@ class LearnerConfig(_Section):
     # How log pi(target) and the entropy come out of the LM head (learner/logprobs.py). "fused": one custom
     # autograd op per micro-batch: the head's weight is read once (ZeRO-3 gathers it once), the backward forms
     # d logits directly from one recompute per chunk, no fp32 [tokens x vocab] tensor is kept; "chunked": the head
-    # in logprob_chunk_tokens chunks under activation checkpointing, by autograd. "auto": fused on CUDA, chunked
-    # elsewhere (the CPU recordings were made with it; the two agree to rounding, tested).
-    logprob_head: Literal["auto", "fused", "chunked"] = "auto"
+    # in logprob_chunk_tokens chunks under activation checkpointing, by autograd; "triton" / "inductor": the fused
+    # op with its passes over a chunk's logits as Triton kernels / compiled reductions, one read of the model-dtype
+    # logits each way (learner/head_kernels.py; triton needs CUDA). "auto": fused on CUDA, chunked elsewhere (the
+    # CPU recordings were made with it; all agree to rounding, tested) until a GPU lease measures triton and inductor.
+    logprob_head: Literal["auto", "fused", "chunked", "triton", "inductor"] = "auto"
     # torch.compile each decoder layer (regional compilation; the first steps pay the compile). Off by default.
     compile_layers: bool = False
     advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp_baseline"] = "grpo"
@@ -675,6 +682,45 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 def is_hub_id(path: str) -> bool:
     """`org/name` or `org/name@revision`: a Hugging Face Hub model id (where no local path of that name exists)."""
     return bool(_HUB_ID.match(path))
+
+
+DTYPES = ("auto", "bfloat16", "float32")  # model.dtype's choices (in the order msgspec names them)
+BF16_CAPABILITY = (8, 0)  # sm80 (A100) and newer: bf16 tensor cores, and torch's varlen FlashAttention-2 kernels
+
+
+def resolve_dtype(choice: str, capability: tuple[int, int] | None) -> str:
+    """"float32" or "bfloat16": `model.dtype` for learner ranks on a CUDA device of compute capability `capability`
+    ((major, minor)), or on the CPU (`capability` None). "auto" is bfloat16 from sm80 on, where bf16 runs on tensor
+    cores and packed rows can take the varlen attention kernels (learner/attention.py takes them in 16-bit only),
+    and float32 on older GPUs and on the CPU (DeepSpeed's bf16 optimizer needs a GPU, and every recorded CPU run is
+    fp32). A named dtype passes through. The launcher calls this once per run (launch/plan.py `dtype_choice`)."""
+    if choice not in DTYPES:
+        raise ConfigError(f"model.dtype = {choice!r} is not one of " + ", ".join(f'"{d}"' for d in DTYPES)
+                          + ' ("auto": bfloat16 on GPUs of compute capability 8.0 or more, float32 elsewhere)')
+    if choice != "auto":
+        return choice
+    return "bfloat16" if capability is not None and tuple(capability) >= BF16_CAPABILITY else "float32"
+
+
+def dtype_on(choice: str, device) -> str:
+    """`resolve_dtype` for this process's `device` ("cpu", "cuda", "cuda:1", a torch.device). In a run the roles
+    read the dtype the launcher resolved (RUN_DIR/config.toml), which passes through; "auto" reaches here only in a
+    role built outside `covrl run` (covrl evaluate, tests, the hardware workers), and is resolved on its own device.
+    Looks at CUDA only for "auto"."""
+    if choice != "auto":
+        return resolve_dtype(choice, None)
+    import torch
+
+    device = torch.device(device)
+    on_cuda = device.type == "cuda" and torch.cuda.is_available()
+    return resolve_dtype(choice, tuple(torch.cuda.get_device_capability(device)) if on_cuda else None)
+
+
+def with_dtype(cfg: Config, dtype: str) -> Config:
+    """`cfg` with `model.dtype` = `dtype` (a resolved one: `resolve_dtype`, `dtype_on`)."""
+    if dtype == cfg.model.dtype:
+        return cfg
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, dtype=dtype))
 
 
 def generator_loop(cfg: Config, on_cpu: bool) -> str:

@@ -4,7 +4,7 @@ will not fit before anything starts.
 
 Every term is a `Term`: a name, its bytes, the config knob that changes it and where its formula comes from. The
 formulas (bytes; Psi = parameters, T = tokens of one micro-batch, Nd = learner ranks, b = bytes per element of the
-model's dtype):
+model's dtype, "auto" as the planned machine resolves it: `Machine.learner_capability`):
 
 - **Model states per learner rank** (ZeRO, Rajbhandari et al. 2020, section 3.1 and figure 1): mixed-precision AdamW
   keeps 2 Psi of bf16 parameters, 2 Psi of bf16 gradients and 12 Psi of optimizer states (the fp32 master copy,
@@ -53,6 +53,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from common.config import BF16_CAPABILITY, resolve_dtype, with_dtype
+
 GiB = 1 << 30
 BUCKET_NUMEL = 32 * 1024 * 1024  # common/weights.py BUCKET_NUMEL (checked by a test)
 DS_BUCKET_NUMEL = 500_000_000  # DeepSpeed's default reduce_bucket_size and allgather_bucket_size (ds_config sets none)
@@ -68,6 +70,7 @@ LEARNER_HOST_BYTES = {"cuda": 2 * GiB, "cpu": 560 << 20}  # a learner rank's pro
 # measured peak RSS (tests/bench/test_bench_memplan.py, two runs of 2026-12-07: 586-646 MiB, 523-575 MiB of it
 # besides the terms)
 HEADROOM = 0.90  # a plan fits when every total is at most this share of the device
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -200,7 +203,11 @@ class Plan:
 
 
 def dtype_bytes(dtype: str) -> int:
-    return 2 if dtype in ("bfloat16", "float16") else 4
+    """Bytes per element of a resolved dtype: "auto" has none until `plan` resolves it for its machine."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} has no size here: the plan resolves model.dtype = \"auto\" for its machine "
+                         "first (`plan`, `Machine.learner_capability`)")
+    return DTYPE_BYTES[dtype]
 
 
 def model_states(cfg, shape: Shape, ranks: int) -> list[Term]:
@@ -369,13 +376,24 @@ class Machine:
     gpus: int
     gpu_bytes: float | None
     host_bytes: float | None
+    # The oldest compute capability (major, minor) of its GPUs; None: not known (a machine described, Ray's nodes).
+    capability: tuple[int, int] | None = None
+
+    def learner_capability(self) -> tuple[int, int] | None:
+        """What `model.dtype = "auto"` is resolved against (common/config.py `resolve_dtype`): None where the learner
+        ranks run on the CPU (no GPUs), the GPUs' capability where known, else sm80: a machine described is taken to
+        have the GPUs covrl is run on (A100, H100, H200)."""
+        if not self.gpus:
+            return None
+        return self.capability or BF16_CAPABILITY
 
 
 def plan(cfg, shape: Shape, learners: int, gens: int, tp: int, machine: Machine) -> Plan:
     """The plan of a run placed as the launcher places it on one node (`common/runfiles.py:place_gpus`): learner ranks
     on GPUs 0 .. L-1, then generators --tp GPUs each, or, where the GPUs are too few, generators sharing the learners'
     GPUs (colocated: vLLM's gpu_memory_utilization of the GPU beside the learner's terms); no GPUs: everything on
-    the host."""
+    the host. `model.dtype = "auto"` is planned as the machine resolves it (`Machine.learner_capability`)."""
+    cfg = with_dtype(cfg, resolve_dtype(cfg.model.dtype, machine.learner_capability()))
     host = Device("host", machine.host_bytes)
     gloo_peer = cfg.generator.weight_transport == "rpc"
     for r in range(learners):

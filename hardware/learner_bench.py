@@ -184,12 +184,9 @@ def run_variant(spec: dict, v: dict, cuda: bool) -> dict:
     and the first micro-batch's hidden states for the agreement with the baseline."""
     import torch
 
-    from broker.rules import GroupRules
     from common.config import load_config
-    from learner.batch import batch_from_config
-    from learner.trainer import Trainer
-
     from learner import attention
+    from learner.trainer import Trainer
 
     at_start = torch.cuda.memory_allocated() / 2**30 if cuda else None
     calls_before = dict(attention.CALLS)
@@ -210,32 +207,9 @@ def run_variant(spec: dict, v: dict, cuda: bool) -> dict:
         # Model FLOPs count matmuls: an untied input embedding is a lookup (the tied one counts once, as the head).
         n_flop = n_params - (emb.numel() if emb.data_ptr() != head.data_ptr() else 0)
         d_attn = mc.num_attention_heads * (getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads)
-        groups = _synthetic_groups(spec, mc.vocab_size, GROUP)
         hidden = HiddenProbe(module)
-        budgets, first = [], None
-        for i, budget in enumerate(spec["micro_batch_tokens"]):
-            batch = batch_from_config(groups, GroupRules.of(cfg).rewards(groups), cfg, version=0, ranks=1,
-                                      micro_batch_tokens=budget)
-            lengths = [len(x.input_ids) // 4 for x in batch.samples]
-            attn_flops = sum(6 * mc.num_hidden_layers * d_attn * n * (n + 1) for n in lengths)
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            try:
-                if v.get("inject") == "oom" and spec["device"] == "cpu":  # the rehearsal's test of this path
-                    raise torch.OutOfMemoryError(f"injected by the CPU rehearsal (--learner-inject-oom) at {budget}")
-                steps = _timed_steps(trainer, batch, spec, budget, cuda, label=f"{v['name']}, ")
-            except torch.OutOfMemoryError as e:  # a finding, not a failure: the smaller budgets stand
-                budgets.append({"micro_batch_tokens": budget, "error": f"OutOfMemoryError: {e}"[:300], **memory(cuda)})
-                print(f"{v['name']}, micro_batch_tokens {budget}: out of memory; this variant stops here", flush=True)
-                break  # the engine's state after a failed backward is not worth timing
-            if i == 0:
-                first = {k: steps[0][k] for k in ("grad_norm", "logp_mean", "entropy", "pg_loss")}
-                hidden.remove()
-            setting = _setting(budget, batch, steps[spec["warmup"]:], n_flop, attn_flops, lengths)
-            setting.update(memory(cuda))
-            if spec.get("profile", True) and i == len(spec["micro_batch_tokens"]) - 1:
-                setting["profile"] = profile_step(trainer, batch, cuda)
-            budgets.append(setting)
+        budgets, first = run_budgets(trainer, cfg, spec, v, cuda, hidden, n_flop,
+                                     6 * mc.num_hidden_layers * d_attn)
         timed = [b for b in budgets if "error" not in b]
         out = {
             "status": "measured" if timed else OOM if budgets and "OutOfMemoryError" in budgets[-1]["error"]
@@ -253,6 +227,42 @@ def run_variant(spec: dict, v: dict, cuda: bool) -> dict:
         if trainer is not None:
             trainer.engine.destroy()  # its optimizer and buffers go now; the rest with this frame
     return out
+
+
+def run_budgets(trainer, cfg, spec: dict, v: dict, cuda: bool, hidden, n_flop: int, attn_coef: int):
+    """Every packing budget of one variant: its timed steps' figures (one step profiled at the last budget), or an
+    out-of-memory error that ends the variant; (budgets, the first step's numbers for the agreement)."""
+    import torch
+
+    from broker.rules import GroupRules
+    from learner.batch import batch_from_config
+
+    groups = _synthetic_groups(spec, trainer.module.config.vocab_size, GROUP)
+    budgets, first = [], None
+    for i, budget in enumerate(spec["micro_batch_tokens"]):
+        batch = batch_from_config(groups, GroupRules.of(cfg).rewards(groups), cfg, version=0, ranks=1,
+                                  micro_batch_tokens=budget)
+        lengths = [len(x.input_ids) // 4 for x in batch.samples]
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            if v.get("inject") == "oom" and spec["device"] == "cpu":  # the rehearsal's test of this path
+                raise torch.OutOfMemoryError(f"injected by the CPU rehearsal (--learner-inject-oom) at {budget}")
+            steps = _timed_steps(trainer, batch, spec, budget, cuda, label=f"{v['name']}, ")
+        except torch.OutOfMemoryError as e:  # a finding, not a failure: the smaller budgets stand
+            budgets.append({"micro_batch_tokens": budget, "error": f"OutOfMemoryError: {e}"[:300], **memory(cuda)})
+            print(f"{v['name']}, micro_batch_tokens {budget}: out of memory; this variant stops here", flush=True)
+            break  # the engine's state after a failed backward is not worth timing
+        if i == 0:
+            first = {k: steps[0][k] for k in ("grad_norm", "logp_mean", "entropy", "pg_loss")}
+            hidden.remove()
+        attn_flops = sum(attn_coef * n * (n + 1) for n in lengths)
+        setting = _setting(budget, batch, steps[spec["warmup"]:], n_flop, attn_flops, lengths)
+        setting.update(memory(cuda))
+        if spec.get("profile", True) and i == len(spec["micro_batch_tokens"]) - 1:
+            setting["profile"] = profile_step(trainer, batch, cuda)
+        budgets.append(setting)
+    return budgets, first
 
 
 def live_settings(trainer, calls_before: dict) -> dict:

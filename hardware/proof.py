@@ -1786,7 +1786,8 @@ def learner_settings_check(ctx, tag: str, rec: dict) -> None:
         wrong.append("the worker reported no live settings")
     else:
         calls = live["attention_calls"]
-        if over["learner.attn_implementation"] == "varlen":
+        compiled = bool(over.get(LEARNER_EXTRAS["compile"]))  # compiled layers do not count (attention.CALLS)
+        if over["learner.attn_implementation"] == "varlen" and not compiled:
             if gpu and (calls["per_sample_sdpa"] or not calls["kernels"]):
                 wrong.append(f"varlen fell back to per-sample sdpa ({calls})")
             if not gpu and not calls["per_sample_sdpa"]:
@@ -2329,7 +2330,12 @@ def parse_args(argv=None):
     ap.add_argument("--record", nargs="+", metavar="GPU_PROOF_JSON", help="merge finished gpu_proof.json file(s) into "
                     "tests/bench/results.json under \"gpu_proofs\" (one record per device: that device's is replaced) and exit")
     ap.add_argument("--force", action="store_true", help="--record: accept a CPU rehearsal, or mixed devices (filed under the first file's device)")
-    args = ap.parse_args(argv)
+    return checked_args(ap, ap.parse_args(argv))
+
+
+def checked_args(ap, args):
+    """The parsed arguments completed and checked: --first-lease's stages and deadline, lists split, paths made
+    absolute; a mistake is argparse's one-line error (exit 2)."""
     args.proof_start_unix = time.time()
     if args.command_start_unix is None:
         args.command_start_unix = args.proof_start_unix

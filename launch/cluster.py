@@ -23,9 +23,8 @@ import threading
 import time
 
 from common.cli import USER_ERRORS, fail
-from common.config import to_toml
 from common.runfiles import clear_learner_beats, clear_learners_ready
-from launch.rundir import RunComplete, RunDir, prepare, resolved_config, write_addresses
+from launch.rundir import RunComplete, RunDir, prepare, printed_config, settle_dtype_on_ray, write_addresses
 from launch.summary import print_plots, summary
 from launch.supervisor import GRACE_S, Supervisor
 
@@ -123,6 +122,8 @@ def build(args, run: RunDir, gpus: int):
                          learners=info.learners, learner_resources=args.ray_learner_resources,
                          generator_resources=args.ray_generator_resources)
     try:
+        settle_dtype_on_ray(run, backend.gpus)  # before any role reads config.toml
+        backend.cfg = run.cfg
         host, (hub_port, weight_port, master_port) = backend.place_learners(info.learners)
     except BaseException:
         backend.close(0)
@@ -142,7 +143,7 @@ def start(args) -> int:
     """One launch from parsed arguments (`covrl run`, `covrl resume`)."""
     try:
         if args.print_config:
-            print(to_toml(resolved_config(args)), end="")
+            print(printed_config(args), end="")
             return 0
         from launch.local import visible_gpus
 

@@ -18,7 +18,7 @@ import tomllib
 
 from common import memplan as M
 from common.cli import USER_ERRORS, fail
-from common.config import ConfigError, load_config
+from common.config import ConfigError, load_config, resolve_dtype, with_dtype
 
 # The learner settings the plan chooses on GPUs when neither the config file nor --set gives them.
 CHOSEN = ("learner.micro_batch_tokens", "learner.gradient_checkpointing")
@@ -89,14 +89,34 @@ def _with(cfg, tokens: int, ckpt: bool):
 
 
 def this_machine(gpus: int) -> M.Machine:
-    """The GPUs the launcher will place on (their memory from torch) and this host's memory."""
-    gpu_bytes = None
+    """The GPUs the launcher will place on (their memory and the oldest compute capability, from torch) and this
+    host's memory."""
+    gpu_bytes = capability = None
     if gpus:
         import torch
 
         if torch.cuda.is_available() and torch.cuda.device_count() >= gpus:  # else unknown: nothing is checked
-            gpu_bytes = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
-    return M.Machine(gpus, gpu_bytes, host_memory())
+            props = [torch.cuda.get_device_properties(i) for i in range(gpus)]
+            gpu_bytes = min(p.total_memory for p in props)
+            capability = min((p.major, p.minor) for p in props)
+    return M.Machine(gpus, gpu_bytes, host_memory(), capability)
+
+
+def dtype_choice(cfg, machine: M.Machine, where: str = ""):
+    """(`cfg` with `model.dtype = "auto"` resolved for the learner ranks of `machine`, the line that says so), the one
+    place a launch resolves it (common/config.py `resolve_dtype`: bfloat16 on GPUs of compute capability 8.0 or more,
+    float32 on the CPU and older GPUs; GPUs whose capability is not known here, `where`, are taken to be sm80+).
+    A dtype the config names: `cfg` unchanged and no line."""
+    if cfg.model.dtype != "auto":
+        return cfg, None
+    dtype = resolve_dtype("auto", machine.learner_capability())
+    if not machine.gpus:
+        why = "the learner ranks run on the CPU"
+    elif machine.capability:
+        why = f"the learner ranks' GPUs are sm{machine.capability[0]}{machine.capability[1]}"
+    else:
+        why = f"{where or 'GPUs not seen from here'}: sm80+ assumed; set model.dtype = \"float32\" for older GPUs"
+    return with_dtype(cfg, dtype), f'model.dtype "auto": {dtype} ({why})'
 
 
 def host_memory() -> float | None:
@@ -110,13 +130,16 @@ def at_the_door(args, cfg, gpus: int, learners: int, gens: int, explicit: set[st
     """`covrl run`'s check before anything is written or started (launch/rundir.py): the plan of this launch on this
     node; on GPUs, the learner settings the config leaves open (`CHOSEN`; `explicit` None: none, as on a resume)
     set as the plan chooses. A run that will not fit its GPUs or this host is refused with one line (ConfigError).
-    Returns the config to run and the banner's lines. Under Ray nothing is checked: other nodes' memory is not known
-    here. `cfg.model.path` is a local directory by now (rundir resolves Hub ids first)."""
+    Returns the config to run and the banner's lines; `model.dtype = "auto"` resolved for this node's GPUs
+    (`dtype_choice`). Under Ray nothing is checked (other nodes' memory is not known here) and the dtype is resolved
+    once the cluster is reached (launch/rundir.py `settle_dtype_on_ray`). `cfg.model.path` is a local directory by
+    now (rundir resolves Hub ids first)."""
     if getattr(args, "ray", None) is not None:
         return cfg, ["memory plan: not checked under Ray (covrl plan --gpus N --gpu-memory SIZE shows it)"]
     machine = this_machine(gpus)
     shape = M.shape_of(cfg.model.path)
-    lines = []
+    cfg, said = dtype_choice(cfg, machine)
+    lines = [said] if said else []
     if explicit is not None and (chosen := choose(cfg, shape, learners, gens, args.tp, machine, explicit)):
         cfg = applied(cfg, chosen)
         lines.append(f"chosen by the memory plan for {M.gib(machine.gpu_bytes)} GPUs: {shown(chosen)}")
@@ -156,7 +179,9 @@ def main(argv=None) -> int:
         if gpus and gpu_bytes is None:
             raise ConfigError(f"--gpus {gpus} with no GPU here: give --gpu-memory too, e.g. --gpu-memory 80GB")
         machine = M.Machine(gpus, gpu_bytes if gpus else None,
-                            args.host_memory if args.host_memory is not None else host_memory())
+                            args.host_memory if args.host_memory is not None else host_memory(),
+                            here.capability if here is not None and gpus == here.gpus else None)
+        cfg, said = dtype_choice(cfg, machine, "GPUs described")
         shape = M.KNOWN[args.model_shape] if args.model_shape else M.shape_of(cfg.model.path)
         chosen = choose(cfg, shape, args.learners, args.gens, args.tp, machine,
                         explicit_keys(args.config, args.set))
@@ -165,7 +190,7 @@ def main(argv=None) -> int:
     except USER_ERRORS as e:
         return fail(e)
     print(f"model: {shape.params / 1e9:.2f} B parameters ({shape.layers} layers, hidden {shape.hidden}, vocabulary "
-          f"{shape.vocab}), {cfg.model.dtype}; {args.learners} learner rank(s), {args.gens} generator(s) at tp "
+          f"{shape.vocab}), {said or cfg.model.dtype}; {args.learners} learner rank(s), {args.gens} generator(s) at tp "
           f"{args.tp}, {machine.gpus} GPU(s) of {M.gib(machine.gpu_bytes)}, host {M.gib(machine.host_bytes)}")
     if chosen:
         print(f"chosen by the plan (the config leaves them open): {shown(chosen)}")

@@ -26,7 +26,8 @@ from common.paths import unwritable
 from common.runfiles import (ClusterInfo, Placement, check_colocation, place_gpus, read_cluster, read_generator_target,
                              write_cluster, write_generator_target)
 from common.transport import create_secret, free_port, port_in_use
-from launch.plan import at_the_door, explicit_keys
+from common.memplan import Machine
+from launch.plan import at_the_door, dtype_choice, explicit_keys
 
 
 class RunComplete(Exception):
@@ -56,6 +57,24 @@ def resolved_config(args):
             raise ConfigError(f"--resume {args.resume}: no config.toml, so this is not a covrl run directory")
         return load_config(path, overrides)
     return with_absolute_paths(load_config(args.config, list(args.set) + overrides), os.getcwd())
+
+
+def printed_config(args) -> str:
+    """What `--print-config` prints: `resolved_config` as TOML, a `model.dtype = "auto"` followed by what this launch
+    resolves it to, the banner's line (RUN_DIR/config.toml will hold the resolved dtype itself)."""
+    cfg = resolved_config(args)
+    text = to_toml(cfg)
+    if cfg.model.dtype != "auto":
+        return text
+    if getattr(args, "ray", None) is not None:
+        said = ('model.dtype "auto": resolved once the Ray cluster is reached (bfloat16 where the learner ranks get '
+                'GPUs, float32 where not)')
+    else:
+        from launch.local import visible_gpus
+        from launch.plan import this_machine
+
+        _, said = dtype_choice(cfg, this_machine(visible_gpus(args.gpus)))
+    return text.replace('\ndtype = "auto"\n', f'\ndtype = "auto"  # {said}\n', 1)
 
 
 def prepare(args, gpus: int = 0) -> RunDir:
@@ -88,8 +107,7 @@ def prepare(args, gpus: int = 0) -> RunDir:
     if hub:
         notes.insert(0, f"model: {hub} from the Hugging Face cache ({local})")
     check_writable(run_dir)
-    with open(os.path.join(run_dir, "config.toml"), "w") as f:
-        f.write(to_toml(cfg))
+    write_config(run_dir, cfg)
     create_secret(run_dir)
     info = write_addresses(run_dir, cfg, uuid.uuid4().hex[:12], args.gens, args.learners)
     write_generator_target(run_dir, args.gens)
@@ -129,8 +147,7 @@ def prepare_resume(args, gpus: int = 0) -> RunDir:
     _, memory = at_the_door(args, cfg, gpus, learners, gens, None)
     notes += memory
     if args.steps is not None or getattr(args, "autoscale", None) is not None:
-        with open(os.path.join(run_dir, "config.toml"), "w") as f:
-            f.write(to_toml(cfg))
+        write_config(run_dir, cfg)
     check_hub_port(cfg)
     notes = [*resume_lines(run_dir, choice), *notes]
     info = write_addresses(run_dir, cfg, old.run_id, gens, learners)
@@ -139,6 +156,26 @@ def prepare_resume(args, gpus: int = 0) -> RunDir:
         if os.path.exists(stale := os.path.join(run_dir, name)):
             os.remove(stale)
     return RunDir(run_dir, cfg, info, notes, placement, choice)
+
+
+def write_config(run_dir: str, cfg) -> None:
+    """RUN_DIR/config.toml, the run's resolved config that every role and every resume reads (atomically)."""
+    path = os.path.join(run_dir, "config.toml")
+    with open(path + ".tmp", "w") as f:
+        f.write(to_toml(cfg))
+    os.replace(path + ".tmp", path)
+
+
+def settle_dtype_on_ray(run: RunDir, gpus: int) -> None:
+    """Under Ray, `model.dtype = "auto"` resolved once the cluster is reached (`gpus`: the GPUs the run is given there,
+    `RayBackend.gpus`; each learner rank takes one, or none when it is 0), written into RUN_DIR/config.toml before
+    any role starts, and said in the banner. Ray's nodes are not seen from here: GPUs are taken to be sm80+
+    (launch/plan.py `dtype_choice`). A dtype the run's config names already (every resume) is kept."""
+    cfg, said = dtype_choice(run.cfg, Machine(gpus, None, None), "GPUs on the Ray cluster, not seen from here")
+    if said is not None:
+        write_config(run.path, cfg)
+        run.cfg = cfg
+        run.notes.append(said)
 
 
 def resume_lines(run_dir: str, choice: Choice | None) -> list[str]:

@@ -169,16 +169,19 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     with torch.profiler.record_function("covrl/attention"):
         if q.is_cuda and _PLAN is not None and q.dtype in HALF:
-            CALLS["kernels"] += 1
+            if not torch.compiler.is_compiling():
+                CALLS["kernels"] += 1
             out = varlen_call(_PLAN, q.contiguous(), k.contiguous(), v.contiguous(), cu, kwargs["max_length_q"],
                               scaling, groups)
         else:
-            CALLS["per_sample_sdpa"] += 1
+            if not torch.compiler.is_compiling():
+                CALLS["per_sample_sdpa"] += 1
             out = per_sample_sdpa(q, k, v, kwargs["seq_lens"], scaling, groups)
     return out[None], None
 
 
 # Which way each call of `varlen_attention` went in this process (a layer's call is one): torch's varlen kernels or
 # the per-sample sdpa fallback. Read by the GPU proof's learner stage (hardware/learner_bench.py), which must see
-# the kernels run, not the fallback, in a varlen variant; nothing else reads or resets it.
+# the kernels run, not the fallback, in a varlen variant; nothing else reads or resets it. Not counted inside a
+# torch.compile'd layer (a Python side effect there would cost graphs): a compiled variant's calls read 0.
 CALLS = {"kernels": 0, "per_sample_sdpa": 0}

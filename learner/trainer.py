@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from common.runfiles import apply_memory_fraction
-from common.config import ClipCovLoss, Config, TransportConfig
+from common.config import BF16_CAPABILITY, ClipCovLoss, Config, TransportConfig, dtype_on, with_dtype
 from learner import attention, offpolicy
 from learner.batch import Packed, StepBatch, pack
 from learner.logprobs import install_token_forward, resolve_head
@@ -242,13 +242,18 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         deepspeed = _quiet_deepspeed()
-        self.cfg = cfg
-        if cfg.model.dtype == "bfloat16" and not torch.cuda.is_available():
+        cuda = torch.cuda.is_available()
+        # A run's config.toml names the dtype the launcher resolved; "auto" here only outside a run (tests, tools).
+        self.cfg = cfg = with_dtype(cfg, dtype_on(cfg.model.dtype, "cuda" if cuda else "cpu"))
+        if cfg.model.dtype == "bfloat16" and not cuda:
             raise RuntimeError("model.dtype = \"bfloat16\" trains with DeepSpeed's bf16 optimizer, which needs a GPU; "
-                               "use model.dtype = \"float32\" on CPU")
+                               "use model.dtype = \"float32\" (or \"auto\") on CPU")
+        if cfg.model.dtype == "bfloat16" and torch.cuda.get_device_capability() < BF16_CAPABILITY:
+            log.warning("model.dtype = \"bfloat16\" on a GPU of compute capability %s (bf16 has tensor cores from 8.0 on; "
+                        "Ray's GPUs are taken to have them): set model.dtype = \"float32\" if steps are slow or fail",
+                        torch.cuda.get_device_capability())
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         lc = cfg.learner
-        cuda = torch.cuda.is_available()
         attn = attention.resolve(lc.attn_implementation, cuda, dtype)
         head = resolve_head(lc.logprob_head, cuda)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)

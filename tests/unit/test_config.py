@@ -102,3 +102,54 @@ def test_ipc_is_refused_where_it_cannot_serve_in_one_line():
     assert load_config(None, ipc).generator.weight_transport == "ipc"  # deterministic by default: nothing in flight
     keep = load_config(None, [*ipc, "run.deterministic=false", "generator.weight_update=keep"])
     assert keep.generator.weight_update == "keep"
+
+
+@pytest.mark.parametrize("choice, capability, dtype", [
+    ("auto", None, "float32"),  # the CPU: every recorded CPU run is fp32
+    ("auto", (8, 0), "bfloat16"),  # A100
+    ("auto", (9, 0), "bfloat16"),  # H100, H200
+    ("auto", (8, 9), "bfloat16"),  # L4, L40
+    ("auto", (7, 5), "float32"),  # T4: no bf16 tensor cores
+    ("auto", (7, 0), "float32"),  # V100
+    ("float32", (9, 0), "float32"),  # a named dtype passes through, whatever the device
+    ("bfloat16", None, "bfloat16"),
+    ("bfloat16", (7, 5), "bfloat16"),
+])
+def test_model_dtype_auto_resolves_by_the_learners_device(choice, capability, dtype):
+    from common.config import resolve_dtype
+
+    assert resolve_dtype(choice, capability) == dtype
+
+
+def test_model_dtype_defaults_to_auto_and_a_bad_value_is_one_line_naming_the_choices():
+    from common.config import resolve_dtype
+
+    assert Config().model.dtype == "auto" and load_config(None, []).model.dtype == "auto"
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ['model.dtype="float16"'])
+    assert str(e.value) == 'invalid config: model.dtype = \'float16\' is not one of "auto", "bfloat16", "float32"'
+    with pytest.raises(ConfigError) as e:
+        resolve_dtype("fp32", None)
+    assert "\n" not in str(e.value) and str(e.value).startswith(
+        'model.dtype = \'fp32\' is not one of "auto", "bfloat16", "float32"')
+
+
+def test_a_role_outside_a_run_resolves_auto_on_its_own_device_and_probes_cuda_only_for_auto(monkeypatch):
+    """`dtype_on`: what the learner and the torch engine run when their config still says "auto" (tests, covrl
+    evaluate); a run's config.toml names the launcher's dtype, which passes through without looking at CUDA."""
+    import torch
+
+    from common.config import dtype_on, with_dtype
+
+    assert dtype_on("auto", "cpu") == "float32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    assert dtype_on("auto", "cuda") == "bfloat16" and dtype_on("auto", "cpu") == "float32"
+    capability[0] = (7, 5)
+    assert dtype_on("auto", "cuda:0") == "float32"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: pytest.fail("probed for a named dtype"))
+    assert dtype_on("bfloat16", "cuda") == "bfloat16" and dtype_on("float32", "cuda") == "float32"
+    cfg = Config()
+    assert with_dtype(cfg, "auto") is cfg and with_dtype(cfg, "float32").model.dtype == "float32"
+    assert with_dtype(cfg, "float32").model.path == cfg.model.path

@@ -280,6 +280,28 @@ def test_load_engine_picks_cuda_when_visible_and_caps_memory_before_loading(tiny
     assert "generator engine: torch on cuda, bfloat16, allocator capped at 0.35 of the GPU" in caplog.text
 
 
+def test_the_torch_engine_runs_model_dtype_auto_as_its_device_resolves_it(tiny_model_dir, monkeypatch):
+    """In a run config.toml names the dtype the launcher resolved; "auto" reaches the engine only outside one (covrl
+    evaluate): fp32 on the CPU, as every recorded CPU run, bf16 on a GPU of compute capability 8.0 or more."""
+    import msgspec
+
+    from actors import factory
+    from common.config import Config
+
+    cfg = Config()
+    cfg = msgspec.structs.replace(cfg, generator=msgspec.structs.replace(cfg.generator, engine="torch"))
+    assert cfg.model.dtype == "auto"
+    engine, _ = factory.load_engine(cfg, tiny_model_dir)
+    assert engine.device == torch.device("cpu") and engine.model.dtype == torch.float32
+    built = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(factory, "apply_memory_fraction", lambda device: None)
+    monkeypatch.setattr(factory, "StreamingTorchEngine", lambda path, **kw: built.append((kw["device"], kw["dtype"])))
+    factory.load_engine(cfg, tiny_model_dir)
+    assert built == [("cuda", torch.bfloat16)]
+
+
 # ---- the weight interface: the actor's receiver drives every engine through `Engine` ------------------------
 
 

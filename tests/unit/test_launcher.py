@@ -185,12 +185,60 @@ def test_print_config_prints_the_resolved_config_and_writes_nothing(tmp_path, ca
 
     monkeypatch.chdir(tmp_path)
     assert launcher.main(["--print-config", "--set", "rollout.group_size=4", "--steps", "7"]) == 0
-    printed = tomllib.loads(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    printed = tomllib.loads(out)
     assert printed["rollout"]["group_size"] == 4 and printed["run"]["steps"] == 7
+    # model.dtype as given, "auto", with what this launch (no GPU here) resolves it to: the banner's line
+    assert printed["model"]["dtype"] == "auto"
+    assert 'dtype = "auto"  # model.dtype "auto": float32 (the learner ranks run on the CPU)\n' in out
     assert printed["learner"]["entropy_delta_stride"] == Config().learner.entropy_delta_stride  # the defaults too
     assert os.listdir(tmp_path) == []  # no run directory
     assert launcher.main(["--print-config", "--set", "rollout.group_size=1"]) == 2
     assert "rollout.group_size" in capsys.readouterr().err
+
+
+def test_a_launch_resolves_model_dtype_auto_once_and_the_run_keeps_it(tmp_path, tiny_model_dir, monkeypatch):
+    """`model.dtype = "auto"` is resolved at the door for the learner ranks' device and written into config.toml, which
+    every role and every resume reads: bfloat16 on sm80+ GPUs, float32 on older ones and on the CPU; the banner says
+    which. A named dtype is kept as it is. Under Ray, once the cluster is reached (its GPUs taken to be sm80+)."""
+    from common import memplan as M
+    from launch import plan
+    from launch.rundir import settle_dtype_on_ray
+
+    capability = [(9, 0)]
+    monkeypatch.setattr(plan, "this_machine", lambda gpus: M.Machine(gpus, 80 * M.GiB if gpus else None, 64 * M.GiB,
+                                                                      capability[0] if gpus else None))
+
+    def launch(name, gpus, *flags):
+        args = launcher.parse_args(["--gens", "1", "--learners", "1", "--gpus", str(gpus), "--run-dir",
+                                    str(tmp_path / name), "--set", f'model.path="{tiny_model_dir}"', "--set",
+                                    "generator.gpu_memory_utilization=0.3", "--set", "eval.every_steps=0", *flags])
+        run = launcher.prepare(args, gpus=0 if args.ray else gpus)
+        return run, load_config(str(tmp_path / name / "config.toml")).model.dtype
+
+    run, written = launch("h100", 1)
+    assert run.cfg.model.dtype == written == "bfloat16"
+    assert "model.dtype \"auto\": bfloat16 (the learner ranks' GPUs are sm90)" in run.notes
+    resumed = prepare_resume(launcher.parse_args(["--resume", run.path]), gpus=0)  # even where no GPU is seen
+    assert resumed.cfg.model.dtype == "bfloat16" and not any("model.dtype" in n for n in resumed.notes)
+    capability[0] = (7, 5)
+    run, written = launch("t4", 1)
+    assert written == "float32" and "model.dtype \"auto\": float32 (the learner ranks' GPUs are sm75)" in run.notes
+    run, written = launch("cpu", 0)
+    assert written == "float32" and "model.dtype \"auto\": float32 (the learner ranks run on the CPU)" in run.notes
+    run, written = launch("named", 1, "--set", 'model.dtype="float32"')
+    assert written == "float32" and not any("model.dtype" in n for n in run.notes)
+    for gpus, dtype in ((4, "bfloat16"), (0, "float32")):
+        run, written = launch(f"ray{gpus}", gpus, "--ray", "127.0.0.1:1")
+        assert written == "auto"  # not yet: Ray's GPUs are known once the cluster is reached
+        settle_dtype_on_ray(run, gpus)
+        assert run.cfg.model.dtype == dtype == load_config(os.path.join(run.path, "config.toml")).model.dtype
+        assert run.notes[-1].startswith(f'model.dtype "auto": {dtype} (')
+    run, _ = launch("ray-said", 4, "--ray", "a:1")
+    settle_dtype_on_ray(run, 4)
+    assert "GPUs on the Ray cluster, not seen from here: sm80+ assumed" in run.notes[-1]
+    settle_dtype_on_ray(run, 0)  # resolved already: a later settle (a resume) keeps it
+    assert run.cfg.model.dtype == "bfloat16"
 
 
 def test_resume_of_a_finished_run_starts_nothing_and_says_how_to_continue(tmp_path, capsys):

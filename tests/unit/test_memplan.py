@@ -56,7 +56,8 @@ def test_offload_moves_the_optimizer_states_to_the_host_and_fp32_has_no_master_c
     assert "optimizer states" not in _terms(M.model_states(off, TINY, ranks=4))
     host = _terms(M.learner_host(off, TINY, ranks=4, rank=1, gloo_peer=False))
     assert host["learner 1: offloaded optimizer states"] == 12 * PSI / 4
-    fp32 = _terms(M.model_states(load_config(None, ["learner.zero_stage=0"], validate=False), TINY, ranks=1))
+    fp32 = _terms(M.model_states(load_config(None, ["learner.zero_stage=0", 'model.dtype="float32"'], validate=False),
+                                 TINY, ranks=1))
     assert fp32["optimizer states"] == 8 * PSI and fp32["parameters"] == 4 * PSI  # momentum + variance; fp32 params
     assert "fp32 gradient accumulation" not in fp32
 
@@ -262,3 +263,33 @@ def test_a_launch_on_gpus_runs_with_what_the_plan_chose(tmp_path, tiny_model_dir
     both = launch("both", "--set", "learner.micro_batch_tokens=1024", "--set", "learner.gradient_checkpointing=true")
     assert both.cfg.learner.gradient_checkpointing and not any(n.startswith("chosen") for n in both.notes)
 
+
+
+def test_model_dtype_auto_is_planned_as_the_machine_resolves_it():
+    """"auto" (the default) plans bf16 model states on GPUs of compute capability 8.0 or more, and on GPUs described
+    without one (sm80+ assumed), fp32 on older GPUs and on the CPU; the parts never see "auto" itself."""
+    cfg = load_config(None, ["learner.zero_stage=0"], validate=False)
+    assert cfg.model.dtype == "auto"
+
+    def parameters(machine):
+        terms = {t.name.removeprefix("learner 0: "): t.bytes for d in M.plan(cfg, TINY, 1, 1, 1, machine).devices
+                 for t in d.terms}
+        return terms["parameters"]
+
+    assert parameters(M.Machine(1, 80 * M.GiB, None)) == 2 * PSI  # described: sm80+ assumed
+    assert parameters(M.Machine(1, 80 * M.GiB, None, (9, 0))) == 2 * PSI
+    assert parameters(M.Machine(1, 16 * M.GiB, None, (7, 5))) == 4 * PSI  # a T4: fp32
+    assert parameters(M.Machine(0, None, None)) == 4 * PSI  # the CPU: fp32
+    with pytest.raises(ValueError, match="resolves model.dtype"):
+        M.dtype_bytes("auto")
+
+
+@pytest.mark.parametrize("gpus, said", [
+    (["--gpus", "8", "--gpu-memory", "80GB"], 'model.dtype "auto": bfloat16 (GPUs described: sm80+ assumed'),
+    (["--gpus", "0"], 'model.dtype "auto": float32 (the learner ranks run on the CPU)'),
+])
+def test_covrl_plan_says_what_auto_is_on_the_machine_described(gpus, said):
+    p = subprocess.run([sys.executable, "-m", "launch.covrl", "plan", *gpus], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert p.returncode == 0, p.stderr
+    assert said in p.stdout.splitlines()[0]

@@ -72,3 +72,24 @@ def test_recipe_passes_every_check_once_its_data_exists(path, tmp_path, monkeypa
         os.makedirs(os.path.dirname(f), exist_ok=True)
         open(f, "w").close()
     config.check(cfg)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(RECIPES, "*.toml"))), ids=os.path.basename)
+def test_recipe_weight_path_is_one_vllm_026_accepts(path):
+    """Every recipe runs as written on vLLM 0.26 (the version run on GPUs so far): its transport and update pass the
+    config's rule (common/config.py check_weight_transport: nccl or ipc with "finish" is refused in a run that is not
+    deterministic) and its placement's, launched as its comment says (common/runfiles.py check_colocation: no nccl
+    between colocated roles, ipc only beside learner rank 0), and it does not ask for "keep", which vLLM 0.26 refuses
+    at start (actors/vllm_engine.py: no per-token version labels). The recipe's own comment says why."""
+    import re
+
+    from common.runfiles import check_colocation, place_gpus
+
+    cfg = config.load_config(path, validate=False)
+    config.check_weight_transport(cfg)
+    assert cfg.generator.weight_update == "finish", "vLLM 0.26 refuses weight_update = \"keep\""
+    text = open(path).read()
+    flags = dict(re.findall(r"--(gens|learners|tp|gpus) (\d+)", re.search(r"#\s+covrl run (.*)", text).group(1)))
+    gens, learners, tp = int(flags["gens"]), int(flags["learners"]), int(flags.get("tp", 1))
+    check_colocation(place_gpus(int(flags.get("gpus", 8)), learners, gens, tp), cfg.generator)  # paper recipes: 8 GPUs
+    assert f'weight_transport = "{cfg.generator.weight_transport}"' in text and "vLLM 0.26" in text
