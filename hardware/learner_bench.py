@@ -85,19 +85,16 @@ def run(spec: dict) -> int:
     thread_setup(load_config(None, []))
     torch.manual_seed(0)
     init_distributed()
-    built: set[str] = set()
-    paid: set[tuple[str, str]] = set()  # (shape, what it compiled) already paid for in this process
-    overrun = [1.0]  # each item's seconds over its estimate: the next estimates are scaled by the largest
-    for item in spec["plan"]:
-        shape, v = item["shape"], item
+    est = Estimates()
+    for v in spec["plan"]:
+        shape = v["shape"]
         sspec = {**spec, **spec["shapes"][shape]}
-        need = estimate_s(shape, v["overrides"], shape not in built, paid) * max(overrun)
+        need = est.need(shape, v["overrides"])
         if (why := over_budget(spec, need)) is not None:
             emit({"event": "not_run", "shape": shape, "variant": v["name"], "reason": why, "estimate_s": round(need)})
             continue
-        if shape not in built:
+        if shape not in est.built:
             emit({"event": "model", "shape": shape, **ensure_model(sspec)})
-            built.add(shape)
         emit({"event": "start", "shape": shape, "variant": v["name"], "estimate_s": round(need)})
         t0 = time.perf_counter()
         try:
@@ -111,8 +108,7 @@ def run(spec: dict) -> int:
             out = {"status": "error", "error": f"{type(e).__name__}: {e}"[:600]}
         out["seconds"] = round(time.perf_counter() - t0, 1)
         out["estimate_s"] = round(need, 1)
-        overrun.append(out["seconds"] / need if need else 1.0)
-        paid.update(first_uses(shape, v["overrides"]))
+        est.ran(shape, v["overrides"], out["seconds"], need)
         out.update(free(cuda, compiled=bool(v["overrides"].get("learner.compile_layers"))
                         or v["overrides"].get("learner.logprob_head") == "inductor"))
         emit({"event": "variant", "shape": shape, "variant": v["name"], **out})
@@ -125,6 +121,27 @@ def run(spec: dict) -> int:
                   f"{v['name']} (limit {LEAK_LIMIT_GIB} GiB); the stage starts a new worker for the rest", flush=True)
             return LEAKED_EXIT
     return 0
+
+
+class Estimates:
+    """A plan's time as the worker judges it, item by item (and proof.py's first_lease_schedule, the same way): the
+    shapes whose model is built, the compiles already paid for in this process, and the worst overrun so far, by
+    which each later estimate is scaled."""
+
+    def __init__(self):
+        self.built: set[str] = set()
+        self.paid: set[tuple[str, str]] = set()  # (shape, what it compiled)
+        self.scale = 1.0
+
+    def need(self, shape: str, over: dict) -> float:
+        return estimate_s(shape, over, shape not in self.built, self.paid) * self.scale
+
+    def ran(self, shape: str, over: dict, seconds: float | None = None, need: float | None = None) -> None:
+        """An item ran (or, with no `seconds`, is planned to): its model is built, its compiles paid for."""
+        self.built.add(shape)
+        self.paid |= first_uses(shape, over)
+        if seconds is not None and need:
+            self.scale = max(self.scale, seconds / need)
 
 
 def first_uses(shape: str, over: dict) -> set[tuple[str, str]]:

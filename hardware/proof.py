@@ -249,7 +249,6 @@ LEARNER_EXTRAS = {"compile": "learner.compile_layers", "gc": "learner.gradient_c
 # it is flagged. bf16: a few % (other kernels round differently); fp32 (the CPU rehearsal) agrees to ~1e-6.
 LEARNER_AGREE_REL = {"bfloat16": 0.03, "float32": 1e-3}
 LEARNER_HIDDEN_REL = {"bfloat16": 0.05, "float32": 1e-3}
-OOM = "out_of_memory"  # hardware/learner_bench.py's status of a variant that ran out of memory
 LEARNER_GRACE_S = 150  # past a shape's share, the variant under way may finish (a compile one takes longest)
 # The generation stage (worker: hardware/gen_bench.py): the workloads, the same prompts in every variant (the
 # arithmetic task's, in the hub's order). heavy: lognormal lengths, median 32, sigma 0.7, capped at 1024 (drawn per
@@ -1649,6 +1648,8 @@ def learner_run_plan(ctx, figures: dict, todo: list[dict], stage_end: float, har
 def learner_record(ctx, figures: dict, shape: str, r: dict, peak: float | None) -> None:
     """One variant's result line into the figures, with what needs the baseline (speed-ups, agreement), its
     checks and one key line."""
+    from hardware.learner_bench import OOM
+
     log, chk = ctx.log, ctx.checks
     out, name, base_name = figures["shapes"][shape], r["variant"], figures["baseline"]
     rec = {k: v for k, v in r.items() if k not in ("event", "variant")}
@@ -2026,23 +2027,21 @@ def first_lease_schedule(shapes=None, budget_s: float = FIRST_LEASE_S) -> dict:
     worker judges it) before the stage stops starting items, FIRST_LEASE_TESTS_S before the budget; the tests then
     have the rest. What the command does with estimates that hold (the worker rescales them by the overruns it
     sees; the stage's hard limit holds whatever they are). Seconds from the command's start."""
-    from hardware.learner_bench import WORKER_START_S, estimate_s, first_uses
+    from hardware.learner_bench import WORKER_START_S, Estimates
 
     plan = [(shape, v) for shape, v in FIRST_LEASE_PLAN if shapes is None or shape in shapes]
-    t = FIRST_LEASE_UNPACK_S + FIRST_LEASE_PREFLIGHT_S
+    t = FIRST_LEASE_UNPACK_S + FIRST_LEASE_PREFLIGHT_S + WORKER_START_S
     stage_stop = budget_s - FIRST_LEASE_TESTS_S
-    t += WORKER_START_S
-    built, paid, started, cut = set(), set(), [], []
+    est, started, cut = Estimates(), [], []
     for shape, name in plan:
         over = learner_variant(name)
-        need = estimate_s(shape, over, shape not in built, paid)
+        need = est.need(shape, over)
         if t + need > stage_stop:
             cut.append(f"{shape} {name}")
             continue
         started.append({"item": f"{shape} {name}", "start_s": round(t, 1), "end_s": round(t + need, 1)})
         t += need
-        built.add(shape)
-        paid |= first_uses(shape, over)
+        est.ran(shape, over)
     return {"budget_s": budget_s, "learner_stops_starting_s": stage_stop, "learner_ends_s": round(t, 1),
             "tests_s": round(budget_s - t, 1), "started": started, "not_started": cut}
 
