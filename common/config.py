@@ -723,6 +723,25 @@ def with_dtype(cfg: Config, dtype: str) -> Config:
     return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, dtype=dtype))
 
 
+def triton_interpreted() -> bool:
+    """Triton's interpreter is on (`TRITON_INTERPRET=1`): its kernels run on CPU tensors, slowly; tests only."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_refusal(cuda: bool) -> str | None:
+    """Why learner.logprob_head = "triton" (learner/head_kernels.py) cannot run here, or None: here so the launcher
+    refuses it at the door (launch/plan.py) with the learner's own words."""
+    if not cuda and not triton_interpreted():
+        return ("learner.logprob_head = \"triton\" runs Triton kernels, which need CUDA (TRITON_INTERPRET=1 runs "
+                "them on a CPU for tests, slowly): use \"chunked\" or \"fused\" on a CPU")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return ("learner.logprob_head = \"triton\" needs the triton package (it comes with torch's CUDA builds): "
+                "install it or use \"fused\"")
+    return None
+
+
 def generator_loop(cfg: Config, on_cpu: bool) -> str:
     """"stream" or "batch": `generator.loop`, with "auto" resolved: batch for a deterministic run, or where the
     engine decodes on the CPU (`on_cpu`), stream otherwise."""

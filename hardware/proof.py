@@ -1459,6 +1459,8 @@ def learner_variant(name: str) -> dict:
 
 def learner_cpu_skip(over: dict) -> str | None:
     """Why the CPU rehearsal does not run a variant (recorded as skipped, never as passed), or None."""
+    from common.config import triton_interpreted
+
     why = []
     attn = over["learner.attn_implementation"]
     if attn in ("varlen", "flash_attention_2"):
@@ -1471,7 +1473,7 @@ def learner_cpu_skip(over: dict) -> str | None:
     if head == "inductor":
         why.append("logprob_head inductor: torch.compile of the head's passes takes ~30 s a shape on a CPU and its "
                    "speed there says nothing about the GPU's (tests/unit/test_head_kernels.py checks its numbers)")
-    if head == "triton" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if head == "triton" and not triton_interpreted():
         why.append("logprob_head triton: Triton kernels need CUDA (TRITON_INTERPRET=1 runs them on a CPU, slowly)")
     return "; ".join(why) + "; CPU rehearsal" if why else None
 

@@ -18,7 +18,7 @@ import tomllib
 
 from common import memplan as M
 from common.cli import USER_ERRORS, fail
-from common.config import ConfigError, load_config, resolve_dtype, with_dtype
+from common.config import ConfigError, load_config, resolve_dtype, triton_refusal, with_dtype
 
 # The learner settings the plan chooses on GPUs when neither the config file nor --set gives them.
 CHOSEN = ("learner.micro_batch_tokens", "learner.gradient_checkpointing")
@@ -137,6 +137,9 @@ def at_the_door(args, cfg, gpus: int, learners: int, gens: int, explicit: set[st
     if getattr(args, "ray", None) is not None:
         return cfg, ["memory plan: not checked under Ray (covrl plan --gpus N --gpu-memory SIZE shows it)"]
     machine = this_machine(gpus)
+    if cfg.learner.logprob_head == "triton" and not machine.gpus:
+        if (why := triton_refusal(cuda=False)) is not None:  # refused here, not by each learner rank at its start
+            raise ConfigError(why)
     shape = M.shape_of(cfg.model.path)
     cfg, said = dtype_choice(cfg, machine)
     lines = [said] if said else []

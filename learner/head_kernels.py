@@ -29,7 +29,6 @@ Which is faster on a GPU is for the learner stage of the GPU proof to say (hardw
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -117,24 +116,6 @@ def inductor_grad(logits, lse, targets, entropy, g_lp, g_ent, temperature: float
 
 
 # ---- triton -----------------------------------------------------------------------------------------------------
-
-def triton_interpreted() -> bool:
-    """Triton's interpreter is on (`TRITON_INTERPRET=1`): its kernels run on CPU tensors, slowly; tests only."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def triton_refusal(cuda: bool) -> str | None:
-    """Why learner.logprob_head = "triton" cannot run here, or None."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return ("learner.logprob_head = \"triton\" needs the triton package (it comes with torch's CUDA builds): "
-                "install it or use \"fused\"")
-    if not cuda and not triton_interpreted():
-        return ("learner.logprob_head = \"triton\" runs Triton kernels, which need CUDA (TRITON_INTERPRET=1 runs "
-                "them on a CPU for tests, slowly): use \"chunked\" or \"fused\" on a CPU")
-    return None
-
 
 @functools.cache
 def _triton_kernels():

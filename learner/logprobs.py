@@ -29,8 +29,9 @@ import torch
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
+from common.config import triton_refusal
 from learner.fused_head import PROFILE_LABEL, fused_logprobs_and_entropy
-from learner.head_kernels import KERNELS, triton_refusal
+from learner.head_kernels import KERNELS
 
 HEADS = ("chunked", *KERNELS)  # chunked, fused, triton, inductor
 

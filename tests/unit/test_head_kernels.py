@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from common.config import triton_interpreted
 from learner import head_kernels
 from learner.fused_head import fused_logprobs_and_entropy
 from learner.logprobs import resolve_head
@@ -26,7 +27,7 @@ CHUNK = 10  # 24 tokens: chunks of 10, 10 and 4
 @pytest.fixture(autouse=True)
 def interpreter():
     """tests/unit/conftest.py turned the interpreter on before triton was imported; it is needed without CUDA."""
-    assert torch.cuda.is_available() or head_kernels.triton_interpreted()
+    assert torch.cuda.is_available() or triton_interpreted()
 
 
 def _inputs(v: int, n: int = N, bias: bool = True, seed: int = 0):

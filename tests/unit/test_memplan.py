@@ -236,6 +236,20 @@ def test_covrl_run_is_refused_at_the_door_with_nothing_started(tmp_path):
     assert not run_dir.exists()
 
 
+def test_a_triton_head_on_the_cpu_is_refused_at_the_door_with_nothing_started(tmp_path):
+    """learner.logprob_head = "triton" with no GPU and no Triton interpreter: one line before anything starts, not a
+    learner rank failing at its start."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, os.path.join(REPO, "launch", "cluster.py"), "--run-dir", str(run_dir),
+                        "--steps", "1", "--quiet", "--set", 'learner.logprob_head="triton"'],
+                       cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2, p.stderr
+    line, = p.stderr.strip().splitlines()
+    assert "learner.logprob_head" in line and "need CUDA" in line and "use \"chunked\" or \"fused\"" in line
+    assert not run_dir.exists()
+
+
 def test_a_launch_on_gpus_runs_with_what_the_plan_chose(tmp_path, tiny_model_dir, monkeypatch):
     """`covrl run`'s door on a stated 80 GB GPU (this machine described as one): the settings the config leaves open
     are chosen and written into the run's config, the banner says so; a setting given with --set stays."""
